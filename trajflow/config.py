@@ -1,0 +1,499 @@
+"""Structured configuration for trajflow runs.
+
+The config is a tree of dataclasses (sections ``model``, ``data``, ``rollout``, ``reward``,
+``algorithm``, ``actor``, ``critic``, ``reference``, ``trainer``, ``resources``, ``store``,
+``tracking``, ``gates``) turned into an OmegaConf object in struct mode. A run's config is built as
+
+    defaults (these dataclasses) <- recipe YAML (``flows/configs/*.yaml``) <- ``key=value`` overrides
+
+and then validated. Every problem is raised as :class:`ConfigError`, whose message is one line
+naming the full key path, the bad value and what is allowed (with the closest valid key for typos),
+so the CLI can print it and exit 2 without a traceback.
+
+Each field carries a one-line ``help`` and optional range/choice constraints in its dataclass
+metadata; ``validate`` checks them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "flows" / "configs"
+DEFAULT_RECIPE = "grpo_default"
+
+
+class ConfigError(ValueError):
+    """A config problem, explained in one line (key path, bad value, what is allowed)."""
+
+
+def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+       le: float | None = None, lt: float | None = None, choices: Sequence[Any] | None = None,
+       choices_from: str | None = None) -> Any:
+    """A dataclass field with a one-line doc and constraints checked by :func:`validate`.
+
+    ``choices_from`` names a registry (``"adv_estimator"``, ``"policy_loss"``, ``"kl"``) whose
+    registered names are the allowed values; it is resolved lazily so config stays importable
+    without torch.
+    """
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices,
+            "choices_from": choices_from}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _section(cls: type) -> Any:
+    return field(default_factory=cls, metadata={"help": cls.__doc__ or ""})
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str = _f("smollm2-135m-instruct",
+                   "Hugging Face model directory, or the built-in name 'smollm2-135m-instruct'")
+    dtype: str = _f("float32", "parameter dtype for training and rollout",
+                    choices=["float32", "bfloat16", "float16"])
+    cache_dir: Optional[str] = _f(None, "where built-in models are converted to safetensors "
+                                  "(default: $TRAJFLOW_CACHE or ~/.cache/trajflow)")
+    attn_implementation: str = _f("sdpa", "transformers attention kernel",
+                                  choices=["sdpa", "eager", "flash_attention_2"])
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+
+
+@dataclass
+class DataConfig:
+    """Prompt data."""
+
+    dataset: str = _f("basic_arithmetic", "dataset spec name under datasets/ or path to a spec YAML")
+    train_batch_size: int = _f(8, "prompts per iteration", ge=1)
+    max_prompt_length: int = _f(512, "prompts longer than this many tokens are an error", ge=1)
+    val_max_prompts: int = _f(64, "validation prompts used per evaluation (0 = all)", ge=0)
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling responses from the current policy."""
+
+    engine: str = _f("hf", "rollout engine", choices=["hf", "vllm"])
+    n: int = _f(4, "samples per prompt (the GRPO group size)", ge=1)
+    temperature: float = _f(1.0, "sampling temperature; old log-probs use the same one", gt=0.0)
+    top_p: float = _f(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
+    top_k: int = _f(0, "top-k sampling (0 = off)", ge=0)
+    max_new_tokens: int = _f(32, "response length cap in tokens", ge=1)
+    micro_batch_size: int = _f(32, "sequences generated per forward batch", ge=1)
+    log_prob_micro_batch_size: int = _f(16, "sequences per forward when computing log-probs", ge=1)
+    val_temperature: float = _f(0.0, "validation sampling temperature (0 = greedy)", ge=0.0)
+    val_n: int = _f(1, "validation samples per prompt", ge=1)
+    gpu_memory_utilization: float = _f(0.4, "vLLM: share of GPU memory for weights and KV cache",
+                                       gt=0.0, le=1.0)
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment."""
+
+    enable: bool = _f(False, "penalise responses that enter the last `len` tokens before the cap")
+    len: int = _f(8, "buffer length in tokens", ge=1)
+    penalty_factor: float = _f(1.0, "maximum penalty", ge=0.0)
+
+
+@dataclass
+class RewardConfig:
+    """Scoring responses."""
+
+    custom_function: Optional[str] = _f(None, "user scorer 'path/to/file.py:name' with verl's "
+                                        "signature (data_source, solution_str, ground_truth, extra_info)")
+    default_scorer: Optional[str] = _f(None, "scorer for data sources with no built-in mapping")
+    format_bonus: float = _f(0.1, "reasoning-gym scorer: bonus for an 'Answer:' line", ge=0.0)
+    overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig)
+    num_workers: int = _f(1, "Ray tasks that score a batch in parallel", ge=1)
+
+
+@dataclass
+class KLControlConfig:
+    """KL-in-reward coefficient control (Ziegler et al. 2019)."""
+
+    type: str = _f("fixed", "coefficient controller", choices=["fixed", "adaptive"])
+    kl_coef: float = _f(0.001, "initial KL coefficient", ge=0.0)
+    target_kl: float = _f(0.1, "adaptive: target KL per token", gt=0.0)
+    horizon: int = _f(10000, "adaptive: horizon in samples", ge=1)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling."""
+
+    enable: bool = _f(False, "drop groups whose rewards are all equal and refill the batch")
+    max_num_gen_batches: int = _f(4, "generation batches tried per iteration (0 = unbounded)", ge=0)
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and reward shaping."""
+
+    adv_estimator: str = _f("grpo", "advantage estimator", choices_from="adv_estimator")
+    norm_adv_by_std_in_grpo: bool = _f(True, "GRPO: divide by the group std (false = Dr. GRPO)")
+    gamma: float = _f(1.0, "discount factor", ge=0.0, le=1.0)
+    lam: float = _f(1.0, "GAE lambda", ge=0.0, le=1.0)
+    use_kl_in_reward: bool = _f(False, "subtract kl_coef * KL(policy || reference) from token rewards")
+    kl_penalty: str = _f("kl", "KL estimator for the in-reward penalty", choices_from="kl")
+    kl_ctrl: KLControlConfig = _section(KLControlConfig)
+    filter_groups: FilterGroupsConfig = _section(FilterGroupsConfig)
+
+
+@dataclass
+class ActorConfig:
+    """Policy optimisation (PPO-style)."""
+
+    lr: float = _f(1e-5, "AdamW learning rate", gt=0.0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0.0)
+    betas: list = _f([0.9, 0.999], "AdamW betas")
+    ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (rows = this * rollout.n)", ge=1)
+    ppo_micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation)", ge=1)
+    ppo_epochs: int = _f(1, "passes over each iteration's batch", ge=1)
+    shuffle: bool = _f(False, "shuffle rows between mini-batches")
+    policy_loss: str = _f("vanilla", "policy loss", choices_from="policy_loss")
+    clip_ratio: float = _f(0.2, "PPO clip range (used when low/high are unset)", gt=0.0)
+    clip_ratio_low: float = _f(0.2, "PPO clip: ratio floor is 1 - clip_ratio_low", ge=0.0, lt=1.0)
+    clip_ratio_high: float = _f(0.2, "PPO clip: ratio ceiling is 1 + clip_ratio_high", ge=0.0)
+    clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages", gt=1.0)
+    loss_agg_mode: str = _f("token-mean", "loss aggregation",
+                            choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                     "seq-mean-token-sum-norm"])
+    entropy_coeff: float = _f(0.0, "entropy bonus coefficient", ge=0.0)
+    kl_loss_coef: float = _f(0.0, "KL-to-reference loss coefficient (0 = no reference model)", ge=0.0)
+    kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss", choices_from="kl")
+    grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", ge=0.0)
+
+
+@dataclass
+class CriticConfig:
+    """Value model (used by estimators that need values, e.g. GAE)."""
+
+    path: Optional[str] = _f(None, "value model directory (default: the policy's base + value head)")
+    lr: float = _f(1e-5, "critic AdamW learning rate", gt=0.0)
+    cliprange_value: float = _f(0.5, "value clipping range", gt=0.0)
+    ppo_epochs: int = _f(1, "critic passes per iteration", ge=1)
+    ppo_micro_batch_size: int = _f(8, "sequences per critic forward/backward", ge=1)
+    grad_clip: float = _f(1.0, "critic max gradient norm (0 = off)", ge=0.0)
+
+
+@dataclass
+class ReferenceConfig:
+    """Frozen reference policy for KL."""
+
+    path: Optional[str] = _f(None, "reference model (default: model.path)")
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    total_iterations: int = _f(20, "iterations to train (each: rollout, reward, advantage, update)", ge=1)
+    save_freq: int = _f(10, "checkpoint every this many iterations (0 = only at the end)", ge=0)
+    test_freq: int = _f(5, "validate every this many iterations (0 = no validation)", ge=0)
+    val_before_train: bool = _f(True, "validate before the first iteration (when test_freq > 0)")
+    seed: int = _f(42, "seed for data order, sampling and initialisation", ge=0)
+    max_checkpoints: int = _f(2, "checkpoints kept (0 = keep all); the newest is never deleted", ge=0)
+    resume: str = _f("disable", "resume a run with the same run_id", choices=["disable", "auto"])
+    run_id: Optional[str] = _f(None, "run id (default: generated from time and recipe)")
+    device: str = _f("cpu", "torch device for workers", choices=["cpu", "cuda", "npu"])
+    num_threads: int = _f(0, "torch threads per worker (0 = the worker's CPUs)", ge=0)
+    experiment_name: Optional[str] = _f(None, "MLflow experiment (default: the recipe name)")
+    log_samples: int = _f(4, "sample generations logged per iteration", ge=0)
+    progress: bool = _f(True, "live progress line per iteration")
+
+
+@dataclass
+class ResourcesConfig:
+    """Where the Ray workers run."""
+
+    ray_address: Optional[str] = _f(None, "existing Ray cluster address (default: start a local Ray)")
+    num_cpus: Optional[int] = _f(None, "CPUs for a local Ray (default: all)", ge=1)
+    actor_num_cpus: float = _f(1.0, "CPUs reserved by the policy worker", gt=0.0)
+
+
+@dataclass
+class StoreConfig:
+    """The run store (Parquet stage outputs, manifests, checkpoints)."""
+
+    root: str = _f("runs", "directory holding one folder per run")
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow."""
+
+    uri: Optional[str] = _f(None, "MLflow tracking URI (default: sqlite:///<store.root>/mlflow.db)")
+
+
+@dataclass
+class GatesConfig:
+    """Data-quality gates on reward outputs (Great Expectations)."""
+
+    enabled: bool = _f(True, "validate each iteration's rewards before the policy update")
+    suite: Optional[str] = _f(None, "expectation suite file (default: datasets/expectations/)")
+    score_min: float = _f(-10.0, "lowest allowed score")
+    score_max: float = _f(10.0, "highest allowed score")
+    max_equal_group_frac: float = _f(1.0, "max share of groups whose rewards are all equal", ge=0.0, le=1.0)
+    max_truncated_frac: float = _f(1.0, "max share of responses cut at max_new_tokens", ge=0.0, le=1.0)
+    max_error_rate: float = _f(0.5, "max share of rows whose scorer raised", ge=0.0, le=1.0)
+    drift_band: float = _f(1.0, "max |mean score - mean of previous iterations|", ge=0.0)
+    drift_window: int = _f(5, "previous iterations averaged for the drift check", ge=1)
+    policies: dict = _f({}, "expectation name -> fail|warn|quarantine (overrides the defaults)")
+
+
+@dataclass
+class TrajflowConfig:
+    """A whole run."""
+
+    recipe: str = _f(DEFAULT_RECIPE, "recipe name (set from the recipe file)")
+    model: ModelConfig = _section(ModelConfig)
+    data: DataConfig = _section(DataConfig)
+    rollout: RolloutConfig = _section(RolloutConfig)
+    reward: RewardConfig = _section(RewardConfig)
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig)
+    actor: ActorConfig = _section(ActorConfig)
+    critic: CriticConfig = _section(CriticConfig)
+    reference: ReferenceConfig = _section(ReferenceConfig)
+    trainer: TrainerConfig = _section(TrainerConfig)
+    resources: ResourcesConfig = _section(ResourcesConfig)
+    store: StoreConfig = _section(StoreConfig)
+    tracking: TrackingConfig = _section(TrackingConfig)
+    gates: GatesConfig = _section(GatesConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# building and validating
+
+
+def _all_keys(cls: type = TrajflowConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        keys.append(path)
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            keys.extend(_all_keys(f.default_factory, path + "."))
+    return keys
+
+
+def _closest(key: str) -> str:
+    keys = _all_keys()
+    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if not match:
+        leaf = key.rsplit(".", 1)[-1]
+        match = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    if isinstance(err, ConfigKeyError) or "not in struct" in str(err) or "Key '" in str(err) and "not" in str(err):
+        return ConfigError(f"{source}: unknown config key '{key}'{_closest(key)}")
+    if isinstance(err, ValidationError):
+        expected = _expected_type(key)
+        value = getattr(err, "value", None)
+        shown = f"{value!r}" if value is not None else "(value)"
+        return ConfigError(f"{source}: {key}={shown} is not a valid {expected}")
+    msg = str(err).splitlines()[0]
+    return ConfigError(f"{source}: {key or 'config'}: {msg}")
+
+
+def _field_for(key: str) -> dataclasses.Field | None:
+    cls: Any = TrajflowConfig
+    f = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        f = {x.name: x for x in dataclasses.fields(cls)}.get(part)
+        if f is None:
+            return None
+        cls = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if not dataclasses.is_dataclass(cls):
+            cls = None
+    return f
+
+
+def _expected_type(key: str) -> str:
+    f = _field_for(key)
+    if f is None:
+        return "value"
+    t = str(f.type)
+    for name in ("bool", "int", "float", "str", "list", "dict"):
+        if name in t:
+            return {"str": "string"}.get(name, name)
+    return t
+
+
+def _registry_names(kind: str) -> list[str]:
+    if kind == "adv_estimator":
+        from stages.advantage import ADV_ESTIMATORS as reg
+    elif kind == "policy_loss":
+        from stages.policy_update import POLICY_LOSSES as reg
+    elif kind == "kl":
+        from stages.kl import KL_ESTIMATORS as reg
+    else:  # pragma: no cover - programming error
+        raise KeyError(kind)
+    return list(reg.names())
+
+
+def _check_fields(node: DictConfig, cls: type, prefix: str, source: str) -> None:
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        value = node[f.name]
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            _check_fields(value, sub, path + ".", source)
+            continue
+        meta = f.metadata
+        if value is None:
+            continue
+        bounds = [("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                  ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")]
+        for name, ok, sym in bounds:
+            bound = meta.get(name)
+            if bound is not None and not ok(value, bound):
+                raise ConfigError(f"{source}: {path}={value!r} is out of range: must be {sym} {bound}")
+        allowed = meta.get("choices")
+        if meta.get("choices_from"):
+            allowed = _registry_names(meta["choices_from"])
+        if allowed is not None and value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{source}: {path}={value!r} is not allowed: choose one of "
+                              f"{', '.join(map(str, allowed))}{hint}")
+
+
+def validate(cfg: DictConfig, source: str = "config") -> None:
+    """Check every field's range/choices and the cross-field rules.
+
+    Raises:
+        ConfigError: one line naming the key path, the bad value and what is allowed.
+    """
+    _check_fields(cfg, TrajflowConfig, "", source)
+    for key, value in cfg.gates.policies.items():
+        if value not in ("fail", "warn", "quarantine"):
+            raise ConfigError(f"{source}: gates.policies.{key}={value!r} is not allowed: "
+                              "choose one of fail, warn, quarantine")
+    if cfg.gates.score_min > cfg.gates.score_max:
+        raise ConfigError(f"{source}: gates.score_min={cfg.gates.score_min} must be <= "
+                          f"gates.score_max={cfg.gates.score_max}")
+    if cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size:
+        raise ConfigError(f"{source}: actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be "
+                          f"<= data.train_batch_size={cfg.data.train_batch_size} (both count prompts)")
+    if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
+        raise ConfigError(f"{source}: data.train_batch_size={cfg.data.train_batch_size} must be a multiple "
+                          f"of actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}")
+    if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
+        raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
+                          f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
+
+
+def resolve_recipe(recipe: str | Path | None) -> Path:
+    """Map a recipe name (``grpo``) or path to its YAML file.
+
+    Raises:
+        ConfigError: the file does not exist (lists the shipped recipes).
+    """
+    if recipe is None:
+        recipe = DEFAULT_RECIPE
+    p = Path(recipe)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise ConfigError(f"--config: file {str(p)!r} does not exist")
+        return p
+    candidate = RECIPES_DIR / f"{recipe}.yaml"
+    if candidate.exists():
+        return candidate
+    shipped = sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))
+    raise ConfigError(f"--config: no recipe named {str(recipe)!r}; shipped recipes: {', '.join(shipped)}")
+
+
+def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
+                base: DictConfig | None = None) -> DictConfig:
+    """Build a validated run config.
+
+    Args:
+        recipe: recipe name under ``flows/configs/`` or a YAML path (``None``: the default recipe).
+        overrides: ``key=value`` strings (OmegaConf dot-list syntax, e.g. ``actor.lr=2e-5``).
+        base: start from this resolved config instead of the defaults plus recipe (resume/replay).
+
+    Returns:
+        A read-only, struct-mode ``DictConfig`` with the schema of :class:`TrajflowConfig`.
+
+    Raises:
+        ConfigError: unknown key, wrong type, value out of range, bad YAML, missing recipe.
+    """
+    schema = OmegaConf.structured(TrajflowConfig)
+    if base is not None:
+        layers = [(str("stored config"), base)]
+    else:
+        path = resolve_recipe(recipe)
+        try:
+            recipe_cfg = OmegaConf.load(path)
+        except Exception as e:  # yaml errors carry line/column info in their message
+            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(recipe_cfg, DictConfig):
+            raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(recipe_cfg).__name__}")
+        if "recipe" not in recipe_cfg:
+            recipe_cfg.recipe = path.stem
+        layers = [(str(path), recipe_cfg)]
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. actor.lr=2e-5)")
+    try:
+        layers.append(("override", OmegaConf.from_dotlist(list(overrides))))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"override: {str(e).splitlines()[0]}") from None
+    cfg = schema
+    for source, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as e:
+            raise _explain(e, source) from None
+    validate(cfg, "config")
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML text (saved with each run)."""
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
+    """Flatten to ``{"actor.lr": 1e-05, ...}`` (MLflow params, compare tables)."""
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, (DictConfig, ListConfig)) else cfg
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def help_table() -> list[tuple[str, str, str]]:
+    """(key, default, help) for every leaf key, for docs and ``trajflow config --help``."""
+    rows = []
+
+    def walk(cls: type, prefix: str) -> None:
+        inst = cls()
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(sub):
+                walk(sub, f"{prefix}{f.name}.")
+            else:
+                rows.append((f"{prefix}{f.name}", repr(getattr(inst, f.name)), f.metadata.get("help", "")))
+
+    walk(TrajflowConfig, "")
+    return rows
