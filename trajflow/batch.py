@@ -1,0 +1,146 @@
+"""The trajectory batch: Arrow tables of ragged columns, padded to tensors only inside workers.
+
+One row per sampled response. Ragged token columns (``prompt_ids``, ``response_ids``,
+``old_logprobs``, ...) are Arrow ``list<...>`` columns on disk; :func:`pad_ragged` turns one into a
+padded ``(rows, max_len)`` tensor and :func:`to_ragged` goes back, keeping only the first
+``lengths[i]`` entries of each row. Stage outputs are separate tables keyed by ``sample_id``;
+:func:`join_stages` lines them up into one table.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SCHEMA_VERSION = 1
+
+# Columns each stage writes (the contract in design.md). `sample_id` keys every stage table.
+ROLLOUT_COLUMNS = ("sample_id", "prompt_id", "group_id", "iteration", "policy_version", "prompt",
+                   "prompt_ids", "response_ids", "response_text", "old_logprobs", "finish_reason",
+                   "ground_truth", "data_source", "extra_info")
+REWARD_COLUMNS = ("sample_id", "score", "reward_extra", "reward_error", "token_rewards", "ref_logprobs")
+ADVANTAGE_COLUMNS = ("sample_id", "values", "advantages", "returns")
+
+
+class BatchError(ValueError):
+    """Stage tables that do not line up (missing sample ids, missing columns)."""
+
+
+def _as_list_array(col: pa.Array | pa.ChunkedArray) -> pa.ListArray:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if pa.types.is_large_list(col.type):
+        col = col.cast(pa.list_(col.type.value_type))
+    return col
+
+
+def lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Per-row lengths of a list column, int64 ``(rows,)``."""
+    return pc.list_value_length(_as_list_array(col)).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def pad_ragged(col: pa.Array | pa.ChunkedArray, pad_value: float | int = 0, dtype: Any = None,
+               side: str = "right", length: int | None = None) -> "torch.Tensor":
+    """Pad a ragged list column into a dense tensor.
+
+    Args:
+        col: Arrow list column with ``rows`` entries.
+        pad_value: value written where a row is shorter than ``length``.
+        dtype: torch dtype of the result (default: from the Arrow value type).
+        side: ``"right"`` (content starts at column 0) or ``"left"`` (content ends at the last column).
+        length: width of the result (default: the longest row). Rows longer than it are an error.
+
+    Returns:
+        Tensor ``(rows, length)``.
+
+    Raises:
+        BatchError: a row is longer than ``length``, or ``side`` is not left/right.
+    """
+    import torch
+
+    arr = _as_list_array(col)
+    lens = lengths(arr)
+    width = int(lens.max()) if length is None and len(lens) else int(length or 0)
+    if len(lens) and lens.max() > width:
+        raise BatchError(f"row {int(lens.argmax())} has {int(lens.max())} entries, more than length={width}")
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    if dtype is None:
+        dtype = torch.from_numpy(values[:0].copy()).dtype if values.dtype != object else torch.float32
+    out = torch.full((len(lens), width), pad_value, dtype=dtype)
+    if len(values) == 0:
+        return out
+    rows = np.repeat(np.arange(len(lens)), lens)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    cols = np.arange(len(values)) - np.repeat(starts, lens)
+    if side == "left":
+        cols = cols + np.repeat(width - lens, lens)
+    elif side != "right":
+        raise BatchError(f"side must be 'left' or 'right', got {side!r}")
+    out[torch.from_numpy(rows), torch.from_numpy(cols)] = torch.from_numpy(values).to(dtype)
+    return out
+
+
+def to_ragged(t: "torch.Tensor", lens: Sequence[int] | np.ndarray, arrow_type: pa.DataType = pa.float32()) -> pa.ListArray:
+    """Inverse of right-padding: keep the first ``lens[i]`` entries of row ``i``.
+
+    Args:
+        t: tensor ``(rows, width)``.
+        lens: ``(rows,)`` lengths, each ``<= width``.
+        arrow_type: Arrow value type of the result.
+    """
+    arr = t.detach().cpu().numpy()
+    lens = np.asarray(lens, dtype=np.int64)
+    mask = np.arange(arr.shape[1])[None, :] < lens[:, None]
+    flat = arr[mask]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, type=arrow_type))
+
+
+def list_column(rows: Iterable[Sequence[Any]], arrow_type: pa.DataType) -> pa.ListArray:
+    """Build a ``list<arrow_type>`` column from Python/numpy sequences."""
+    return pa.array([list(r) for r in rows], type=pa.list_(arrow_type))
+
+
+def json_column(values: Iterable[Any]) -> pa.Array:
+    """JSON-encode dicts/lists into a string column (heterogeneous structs do not fit Arrow structs)."""
+    return pa.array([None if v is None else json.dumps(v, sort_keys=True, default=str) for v in values],
+                    type=pa.string())
+
+
+def join_stages(tables: Sequence[pa.Table]) -> pa.Table:
+    """Line up stage tables on ``sample_id`` (the first table's row order wins).
+
+    Raises:
+        BatchError: a table lacks ``sample_id``, misses ids of the first table, or repeats a column.
+    """
+    base = tables[0]
+    if "sample_id" not in base.column_names:
+        raise BatchError("stage table has no 'sample_id' column")
+    out = base
+    ids = base.column("sample_id")
+    for t in tables[1:]:
+        if "sample_id" not in t.column_names:
+            raise BatchError("stage table has no 'sample_id' column")
+        other = t.column("sample_id")
+        if not other.equals(ids):
+            idx = pc.index_in(ids, value_set=other)
+            if idx.null_count:
+                missing = pc.filter(ids, pc.is_null(idx)).to_pylist()[:3]
+                raise BatchError(f"stage table is missing sample_id(s) {missing}")
+            t = t.take(idx)
+        for name in t.column_names:
+            if name == "sample_id":
+                continue
+            if name in out.column_names:
+                raise BatchError(f"column {name!r} is written by two stages")
+            out = out.append_column(name, t.column(name))
+    return out
+
+
+def select_rows(table: pa.Table, keep: np.ndarray) -> pa.Table:
+    """Rows where the boolean mask ``keep`` (rows,) is true."""
+    return table.filter(pa.array(np.asarray(keep, dtype=bool)))

@@ -1,0 +1,279 @@
+"""The run store: every stage output of every iteration, as files that can be verified.
+
+Layout under ``<root>/<run_id>/``::
+
+    config.yaml                       the resolved config
+    run.json                          run metadata (recipe, parent run for replays, status)
+    iterations/000007/rollout.parquet, reward.parquet, advantage.parquet (zstd), update.json,
+                      gate.json, manifest.json
+    checkpoints/000008/               see trajflow.checkpoint
+    final/                            the exported Hugging Face model
+
+Writes are atomic: a temp file in the same folder, ``fsync``, ``rename``, ``fsync`` of the folder;
+only then is the file recorded (sha256, rows, columns) in the iteration's ``manifest.json``, which is
+itself replaced atomically. A reader therefore never sees a half-written file, and a file that is
+on disk but not in the manifest (a crash between rename and manifest) is simply recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trajflow.batch import SCHEMA_VERSION
+
+log = logging.getLogger(__name__)
+
+STAGES = ("rollout", "reward", "advantage")
+
+
+class StoreError(RuntimeError):
+    """A stored file is missing, truncated, or does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class StageRef:
+    """A reference to one stored stage output: what Prefect tasks pass instead of data."""
+
+    iteration: int
+    stage: str
+    path: str
+    sha256: str
+    rows: int
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
+
+
+def atomic_write_parquet(path: Path, table: pa.Table) -> None:
+    """Write a zstd Parquet file atomically (temp file, fsync, rename, fsync folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+class RunStore:
+    """Files of one run. Cheap to construct; holds no open handles.
+
+    Args:
+        root: the store root (``store.root``).
+        run_id: the run's id (a folder name: letters, digits, ``-``, ``_``, ``.``).
+
+    Raises:
+        StoreError: ``run_id`` is not a plain folder name.
+    """
+
+    def __init__(self, root: str | Path, run_id: str) -> None:
+        if not run_id or "/" in run_id or run_id in (".", "..") or run_id.startswith("."):
+            raise StoreError(f"run id {run_id!r} is not a valid folder name")
+        self.root = Path(root).expanduser().resolve()
+        self.run_id = run_id
+        self.run_dir = self.root / run_id
+
+    # ---- paths
+    def iteration_dir(self, iteration: int) -> Path:
+        return self.run_dir / "iterations" / f"{iteration:06d}"
+
+    def checkpoints_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def final_dir(self) -> Path:
+        return self.run_dir / "final"
+
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "config.yaml"
+
+    def exists(self) -> bool:
+        return self.config_path.exists()
+
+    # ---- run-level metadata
+    def write_config(self, yaml_text: str) -> None:
+        atomic_write_bytes(self.config_path, yaml_text.encode())
+
+    def read_run_meta(self) -> dict:
+        p = self.run_dir / "run.json"
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    def update_run_meta(self, **fields: Any) -> dict:
+        meta = self.read_run_meta()
+        meta.update(fields)
+        atomic_write_json(self.run_dir / "run.json", meta)
+        return meta
+
+    # ---- manifests
+    def manifest_path(self, iteration: int) -> Path:
+        return self.iteration_dir(iteration) / "manifest.json"
+
+    def read_manifest(self, iteration: int) -> dict:
+        p = self.manifest_path(iteration)
+        if not p.exists():
+            return {"iteration": iteration, "schema_version": SCHEMA_VERSION, "status": "in_progress",
+                    "files": {}}
+        try:
+            return json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise StoreError(f"{p}: manifest is not valid JSON ({e})") from None
+
+    def _update_manifest(self, iteration: int, **fields: Any) -> dict:
+        m = self.read_manifest(iteration)
+        for k, v in fields.items():
+            if k == "files":
+                m.setdefault("files", {}).update(v)
+            else:
+                m[k] = v
+        atomic_write_json(self.manifest_path(iteration), m)
+        return m
+
+    def iterations(self) -> list[int]:
+        d = self.run_dir / "iterations"
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+    def is_complete(self, iteration: int) -> bool:
+        return self.read_manifest(iteration).get("status") == "complete"
+
+    def mark(self, iteration: int, status: str, **fields: Any) -> None:
+        """Set an iteration's status (``in_progress``, ``gated``, ``complete``) plus extra fields."""
+        self._update_manifest(iteration, status=status, **fields)
+
+    # ---- stage outputs
+    def stage_path(self, iteration: int, stage: str) -> Path:
+        return self.iteration_dir(iteration) / f"{stage}.parquet"
+
+    def write_stage(self, iteration: int, stage: str, table: pa.Table, policy_version: int) -> StageRef:
+        """Write a stage's table atomically, then record it in the manifest.
+
+        Args:
+            iteration: iteration number.
+            stage: ``rollout``, ``reward`` or ``advantage``.
+            table: the columns this stage produces, keyed by ``sample_id``.
+            policy_version: the policy version that produced the iteration's rollouts.
+
+        Raises:
+            StoreError: ``table`` has no ``sample_id`` column or repeats an id.
+        """
+        if "sample_id" not in table.column_names:
+            raise StoreError(f"{stage} output has no 'sample_id' column")
+        if len(set(table.column("sample_id").to_pylist())) != table.num_rows:
+            raise StoreError(f"{stage} output repeats a sample_id")
+        path = self.stage_path(iteration, stage)
+        atomic_write_parquet(path, table)
+        digest = sha256_file(path)
+        self._update_manifest(iteration, policy_version=policy_version, schema_version=SCHEMA_VERSION,
+                              files={stage: {"file": path.name, "sha256": digest, "rows": table.num_rows,
+                                             "columns": table.column_names, "written_at": time.time()}})
+        return StageRef(iteration, stage, str(path), digest, table.num_rows)
+
+    def verified_stage(self, iteration: int, stage: str, *, warn: bool = True) -> StageRef | None:
+        """The stage's reference if its file exists, is readable and matches the manifest's sha256.
+
+        A file that is recorded but does not verify (hash mismatch, truncation) is reported with a
+        warning naming it and ``None`` is returned, so the caller recomputes it.
+        """
+        entry = self.read_manifest(iteration).get("files", {}).get(stage)
+        path = self.stage_path(iteration, stage)
+        if entry is None or not path.exists():
+            return None
+        digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            if warn:
+                log.warning("stored %s does not match its manifest (sha256 %s..., expected %s...): "
+                            "it will be recomputed", path, digest[:12], entry["sha256"][:12])
+            return None
+        try:
+            rows = pq.ParquetFile(path).metadata.num_rows
+        except Exception as e:  # truncated or not Parquet at all
+            if warn:
+                log.warning("stored %s is unreadable (%s): it will be recomputed", path, e)
+            return None
+        return StageRef(iteration, stage, str(path), digest, rows)
+
+    def read_stage(self, iteration: int, stage: str, *, verify: bool = True) -> pa.Table:
+        """Read a stored stage output.
+
+        Raises:
+            StoreError: missing, not recorded, or (with ``verify``) not matching its manifest.
+        """
+        path = self.stage_path(iteration, stage)
+        if verify:
+            ref = self.verified_stage(iteration, stage, warn=False)
+            if ref is None:
+                raise StoreError(f"{path}: missing or does not match {self.manifest_path(iteration).name}")
+        try:
+            return pq.read_table(path)
+        except Exception as e:
+            raise StoreError(f"{path}: cannot be read as Parquet ({e})") from None
+
+    def read_ref(self, ref: StageRef) -> pa.Table:
+        """Read the table behind a reference, checking its hash first."""
+        if sha256_file(ref.path) != ref.sha256:
+            raise StoreError(f"{ref.path}: changed since it was written (sha256 mismatch)")
+        return pq.read_table(ref.path)
+
+    def write_iteration_json(self, iteration: int, name: str, obj: Any) -> Path:
+        """Atomically write ``<iteration>/<name>`` (e.g. ``update.json``) and record its hash."""
+        path = self.iteration_dir(iteration) / name
+        atomic_write_json(path, obj)
+        self._update_manifest(iteration, files={Path(name).stem: {"file": name, "sha256": sha256_file(path)}})
+        return path
+
+    def read_iteration_json(self, iteration: int, name: str) -> Any | None:
+        path = self.iteration_dir(iteration) / name
+        return json.loads(path.read_text()) if path.exists() else None
