@@ -1,0 +1,116 @@
+"""Rollout math: response masks, finish reasons and per-token log-probs.
+
+Plain tensor functions used by the rollout engines and the policy worker. No Ray, no Prefect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How responses are sampled.
+
+    Attributes:
+        n: samples per prompt (the group size).
+        temperature: softmax temperature (> 0); 0 means greedy decoding.
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens (0 = off).
+        max_new_tokens: response length cap, in tokens.
+        seed: seed of the sampling RNG (responses are a function of the prompts, weights and seed).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def response_mask(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
+    """Mask of the real response tokens: everything up to and including the first EOS.
+
+    Padding after the first EOS is excluded even when the pad id equals an EOS id (SmolLM2 uses
+    ``<|im_end|>`` for both), because only the *first* EOS counts. A response without EOS is kept
+    whole (it was cut at ``max_new_tokens``).
+
+    Args:
+        response_ids: ``(batch, response_len)`` int64, right-padded generated tokens.
+        eos_ids: token ids that end a response.
+
+    Returns:
+        ``(batch, response_len)`` bool mask.
+    """
+    is_eos = torch.isin(response_ids, torch.as_tensor(list(eos_ids), dtype=response_ids.dtype))
+    # Number of EOS strictly before each position; a position is real iff that number is 0.
+    eos_before = torch.cumsum(is_eos.to(torch.int64), dim=-1) - is_eos.to(torch.int64)
+    return eos_before == 0
+
+
+def response_lengths_and_finish(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> tuple[torch.Tensor, list[str]]:
+    """Valid length of each response (EOS included) and its finish reason.
+
+    Args:
+        response_ids: ``(batch, response_len)`` int64.
+        eos_ids: token ids that end a response.
+
+    Returns:
+        ``lengths`` ``(batch,)`` int64 and a list of ``"stop"`` (ended with EOS) or ``"length"``
+        (cut at the length cap) per row.
+    """
+    mask = response_mask(response_ids, eos_ids)
+    lengths = mask.sum(-1)
+    is_eos = torch.isin(response_ids, torch.as_tensor(list(eos_ids), dtype=response_ids.dtype))
+    stopped = (is_eos & mask).any(-1)
+    return lengths, ["stop" if s else "length" for s in stopped.tolist()]
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                         chunk_size: int = 0) -> torch.Tensor:
+    """Log-probability of ``labels`` under ``softmax(logits / temperature)``.
+
+    The temperature must be the one used for sampling, or the importance ratio of the first PPO
+    step is not 1 (Schulman et al. 2017 assume log-probs of the behaviour policy).
+
+    Args:
+        logits: ``(..., vocab)`` float.
+        labels: ``(...)`` int64.
+        temperature: > 0.
+        chunk_size: rows of the flattened batch processed at a time (0 = all at once) to bound the
+            ``(rows, vocab)`` float32 temporaries of log-softmax.
+
+    Returns:
+        ``(...)`` float32 log-probs.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1)
+    step = chunk_size or flat.shape[0] or 1
+    out = []
+    for i in range(0, flat.shape[0], step):
+        x = flat[i:i + step].float()
+        if temperature != 1.0:
+            x = x / temperature
+        picked = torch.gather(x, -1, flat_labels[i:i + step, None]).squeeze(-1)
+        out.append(picked - torch.logsumexp(x, dim=-1))
+    return torch.cat(out).reshape(labels.shape) if out else flat.new_zeros(labels.shape)
+
+
+def entropy_from_logits_t(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` along the last axis, ``(...)`` float32."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    logz = torch.logsumexp(x, dim=-1)
+    p = torch.softmax(x, dim=-1)
+    return logz - (p * x).sum(-1)

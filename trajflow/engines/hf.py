@@ -1,0 +1,85 @@
+"""Rollout with Hugging Face ``generate`` on the policy's own module (CPU or GPU)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from stages.rollout import SamplingParams, response_lengths_and_finish
+from trajflow.engines.base import GenerationOutput
+
+
+class HFRolloutEngine:
+    """Samples from a transformers causal LM that is also the one being trained.
+
+    Sharing the module means weight sync is free and the rollout always uses the newest policy.
+    Rows are generated in batches of ``micro_batch_size``, grouped by prompt length so that left
+    padding wastes little compute, then returned in prompt-major order.
+
+    Args:
+        model: the policy module.
+        pad_id: pad token id (left padding of prompts).
+        eos_ids: ids that end a response.
+        micro_batch_size: rows per ``generate`` call.
+        device: torch device of the model.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], micro_batch_size: int = 32,
+                 device: str = "cpu") -> None:
+        self.model = model
+        self.pad_id = pad_id
+        self.eos_ids = list(eos_ids)
+        self.micro_batch_size = micro_batch_size
+        self.device = device
+
+    def update_weights(self, named_tensors=None) -> None:
+        """Nothing to do: generation uses the trained module itself."""
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+        """Sample ``params.n`` responses for each prompt; see :class:`GenerationOutput` for the order."""
+        rows = [list(p) for p in prompt_ids for _ in range(params.n)]
+        order = sorted(range(len(rows)), key=lambda i: (len(rows[i]), i))
+        responses: list[list[int] | None] = [None] * len(rows)
+        finish: list[str | None] = [None] * len(rows)
+        gen = torch.Generator(device="cpu").manual_seed(int(params.seed))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(order), self.micro_batch_size):
+                idx = order[start:start + self.micro_batch_size]
+                batch = [rows[i] for i in idx]
+                width = max(len(p) for p in batch)
+                ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+                attn = torch.zeros((len(batch), width), dtype=torch.long)
+                for j, p in enumerate(batch):
+                    ids[j, width - len(p):] = torch.tensor(p)
+                    attn[j, width - len(p):] = 1
+                # One RNG stream per call, advanced in a fixed batch order: same seed, same samples.
+                torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+                kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids,
+                              pad_token_id=self.pad_id)
+                if params.greedy:
+                    kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                else:
+                    # top_k=0 disables the warper; None would fall back to generation_config's 50.
+                    kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                                  top_k=params.top_k)
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+                resp = out[:, width:].cpu()
+                if resp.shape[1] == 0:
+                    resp = torch.full((len(batch), 1), self.pad_id, dtype=torch.long)
+                lengths, reasons = response_lengths_and_finish(resp, self.eos_ids)
+                for j, i in enumerate(idx):
+                    responses[i] = resp[j, :int(lengths[j])].tolist()
+                    finish[i] = reasons[j]
+        finally:
+            self.model.train(was_training)
+        return GenerationOutput(response_ids=responses, finish_reason=finish)  # type: ignore[arg-type]
+
+
+def generated_token_count(out: GenerationOutput) -> int:
+    """Total response tokens in a generation output."""
+    return int(np.sum([len(r) for r in out.response_ids]))

@@ -1,0 +1,300 @@
+"""The policy worker (actor + rollout): keeps the model and its optimizer resident across iterations.
+
+A plain class, run as a long-lived Ray actor by :mod:`trajflow.workers.group`. Methods are named
+for their role in RL as in verl's workers: ``generate_sequences``, ``compute_log_prob``,
+``update_actor``, plus checkpointing. Inputs and outputs are plain Python/numpy (cheap to move
+through Ray's object store); tensors only exist inside the worker.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from stages.policy_update import PolicyLossConfig, agg_loss, compute_policy_loss, kl_loss
+from stages.rollout import SamplingParams
+from trajflow.engines.hf import HFRolloutEngine
+from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
+from trajflow.workers.forward import compute_log_probs, forward_micro_batch, micro_batch_slices, pack
+
+
+def set_threads(num_threads: int) -> int:
+    """Use ``num_threads`` torch threads (0: every CPU of the machine).
+
+    Ray sets ``OMP_NUM_THREADS`` to an actor's ``num_cpus`` (often 1), which would leave a CPU
+    worker using one core.
+    """
+    n = num_threads or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_prompt_length: int) -> list[list[int]]:
+    """Token ids of each chat prompt via the tokenizer's chat template (generation prompt added).
+
+    Raises:
+        ValueError: a prompt is longer than ``max_prompt_length`` tokens (names the row).
+    """
+    out = []
+    for i, messages in enumerate(messages_list):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        ids = list(map(int, ids))
+        if len(ids) > max_prompt_length:
+            raise ValueError(f"prompt row {i} has {len(ids)} tokens, more than data.max_prompt_length="
+                             f"{max_prompt_length}")
+        out.append(ids)
+    return out
+
+
+class PolicyWorker:
+    """Actor and rollout in one process (the ``hf`` engine shares the trained module).
+
+    Args:
+        model_path: a resolved Hugging Face directory.
+        actor: the ``actor`` config section as a dict.
+        model_cfg: the ``model`` config section as a dict.
+        rollout: the ``rollout`` config section as a dict.
+        seed: initial torch/numpy/random seed.
+        device: ``cpu``, ``cuda`` or ``npu``.
+        num_threads: torch threads (0 = all CPUs).
+    """
+
+    def __init__(self, model_path: str, actor: dict, model_cfg: dict, rollout: dict, seed: int,
+                 device: str = "cpu", num_threads: int = 0) -> None:
+        self.threads = set_threads(num_threads)
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+        self.actor = actor
+        self.rollout_cfg = rollout
+        self.device = device
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_causal_lm(model_path, model_cfg.get("dtype", "float32"), device,
+                                    model_cfg.get("attn_implementation", "sdpa"))
+        if model_cfg.get("gradient_checkpointing"):
+            self.model.gradient_checkpointing_enable()
+        self.model.config.use_cache = True
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.eos_ids = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor["lr"],
+                                           betas=tuple(actor.get("betas", (0.9, 0.999))),
+                                           weight_decay=actor.get("weight_decay", 0.0))
+        self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.get("micro_batch_size", 32), device)
+        self.policy_version = 0
+        self.optimizer_steps = 0
+
+    # ------------------------------------------------------------------ info
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "threads": self.threads, "policy_version": self.policy_version,
+                "eos_ids": self.eos_ids, "pad_id": self.pad_id,
+                "num_params": sum(p.numel() for p in self.model.parameters())}
+
+    # ------------------------------------------------------------------ rollout
+    def tokenize_prompts(self, messages_list: list[list[dict]], max_prompt_length: int) -> list[list[int]]:
+        return build_prompt_ids(self.tokenizer, messages_list, max_prompt_length)
+
+    def generate_sequences(self, prompt_ids: list[list[int]], params: SamplingParams,
+                           compute_old_log_prob: bool = True) -> dict:
+        """Sample ``params.n`` responses per prompt, then (optionally) their old log-probs.
+
+        Returns:
+            dict with ``response_ids`` (list of int lists, prompt-major), ``response_text``,
+            ``finish_reason``, ``old_logprobs`` (list of float32 arrays, or absent),
+            ``timing_s/gen``, ``timing_s/old_log_prob`` (seconds) and ``policy_version``.
+        """
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompt_ids, params)
+        t1 = time.perf_counter()
+        result = {"response_ids": out.response_ids, "finish_reason": out.finish_reason,
+                  "response_text": self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True),
+                  "policy_version": self.policy_version, "timing_s/gen": t1 - t0}
+        if compute_old_log_prob and not params.greedy:
+            rows = [p for p in prompt_ids for _ in range(params.n)]
+            result["old_logprobs"] = self.compute_log_prob(rows, out.response_ids, params.temperature)
+            result["timing_s/old_log_prob"] = time.perf_counter() - t1
+        return result
+
+    def compute_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                         temperature: float) -> list[np.ndarray]:
+        """Per-token log-probs under the current policy, packed exactly as :meth:`update_actor` packs."""
+        logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
+                                    micro_batch_size=self.actor["ppo_micro_batch_size"], pad_id=self.pad_id,
+                                    device=self.device)
+        return logp
+
+    # ------------------------------------------------------------------ update
+    def update_actor(self, batch: dict, temperature: float) -> dict:
+        """PPO-style policy update over one iteration's batch.
+
+        ``batch`` holds per-row lists: ``prompt_ids``, ``response_ids``, ``old_logprobs``,
+        ``advantages`` (ragged, aligned with ``response_ids``), optional ``ref_logprobs`` and
+        ``loss_mask`` (ragged 0/1; rows or tokens excluded from the loss). The batch is cut into
+        mini-batches of ``ppo_mini_batch_size * n`` rows (one optimizer step each) and those into
+        micro-batches of ``ppo_micro_batch_size`` rows (gradient accumulation, exact thanks to the
+        mini-batch-wide denominators of :func:`stages.policy_update.agg_loss`), for ``ppo_epochs``
+        passes.
+
+        Returns:
+            Metrics averaged over optimizer steps, verl names (``actor/pg_loss``, ``actor/pg_clipfrac``,
+            ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``, ``actor/lr``,
+            ``actor/ratio_first_step_max_abs_dev``) plus ``timing_s/update_actor``.
+        """
+        t0 = time.perf_counter()
+        a = self.actor
+        n_rows = len(batch["response_ids"])
+        mini_rows = int(batch.get("mini_batch_rows") or n_rows)
+        loss_cfg = PolicyLossConfig(clip_ratio=a["clip_ratio"], clip_ratio_low=a["clip_ratio_low"],
+                                    clip_ratio_high=a["clip_ratio_high"], clip_ratio_c=a["clip_ratio_c"],
+                                    loss_agg_mode=a["loss_agg_mode"])
+        use_kl = a["kl_loss_coef"] > 0 and batch.get("ref_logprobs") is not None
+        rng = np.random.default_rng(int(batch.get("shuffle_seed", 0)))
+        self.model.train()
+        sums: dict[str, list[float]] = {}
+        first_step_ratio_dev = None
+
+        def ragged(key: str, rows: Sequence[int], width: int, fill: float = 0.0) -> torch.Tensor:
+            t = torch.full((len(rows), width), fill, dtype=torch.float32)
+            for j, r in enumerate(rows):
+                v = np.asarray(batch[key][r], dtype=np.float32)
+                t[j, :len(v)] = torch.from_numpy(v[:width])
+            return t.to(self.device)
+
+        for epoch in range(a["ppo_epochs"]):
+            order = np.arange(n_rows)
+            if a.get("shuffle"):
+                order = rng.permutation(n_rows)
+            for m0 in range(0, n_rows, mini_rows):
+                mini = order[m0:m0 + mini_rows]
+                masks = []
+                for r in mini:
+                    lm = batch.get("loss_mask")
+                    masks.append(np.asarray(lm[r], dtype=np.float32) if lm is not None
+                                 else np.ones(len(batch["response_ids"][r]), np.float32))
+                global_tokens = float(sum(m.sum() for m in masks))
+                global_seqs = float(sum(1 for m in masks if m.sum() > 0))
+                if global_tokens == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                step_metrics: dict[str, float] = {}
+                for sl in micro_batch_slices(len(mini), a["ppo_micro_batch_size"]):
+                    rows = [int(r) for r in mini[sl]]
+                    packed = pack([batch["prompt_ids"][r] for r in rows], [batch["response_ids"][r] for r in rows],
+                                  self.pad_id, self.device)
+                    T = packed.responses.shape[1]
+                    mask = packed.response_mask.float() * ragged("loss_mask", rows, T) if batch.get("loss_mask") is not None \
+                        else packed.response_mask.float()
+                    logp, ent = forward_micro_batch(self.model, packed, temperature, compute_entropy=True)
+                    old = ragged("old_logprobs", rows, T)
+                    adv = ragged("advantages", rows, T)
+                    agg_kw = dict(global_num_tokens=global_tokens, global_num_seqs=global_seqs)
+                    pg_loss, pg_m = compute_policy_loss(a["policy_loss"], old, logp, adv, mask, loss_cfg, **agg_kw)
+                    loss = pg_loss
+                    ent_loss = agg_loss(ent.detach() if a["entropy_coeff"] == 0 else ent, mask, a["loss_agg_mode"], **agg_kw)
+                    if a["entropy_coeff"]:
+                        loss = loss - a["entropy_coeff"] * ent_loss
+                    if use_kl:
+                        ref = ragged("ref_logprobs", rows, T)
+                        kl = kl_loss(logp, ref, mask, a["kl_loss_type"], a["loss_agg_mode"], **agg_kw)
+                        loss = loss + a["kl_loss_coef"] * kl
+                        step_metrics["actor/kl_loss"] = step_metrics.get("actor/kl_loss", 0.0) + float(kl)
+                        step_metrics["actor/kl_coef"] = a["kl_loss_coef"]
+                    loss.backward()
+                    if first_step_ratio_dev is None:
+                        with torch.no_grad():
+                            dev = ((logp - old).exp() - 1).abs() * mask
+                            first_step_ratio_dev = float(dev.max())
+                    step_metrics["actor/pg_loss"] = step_metrics.get("actor/pg_loss", 0.0) + float(pg_loss)
+                    step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + float(ent_loss)
+                    frac = float(mask.sum()) / global_tokens
+                    for k, v in pg_m.items():
+                        step_metrics[k] = step_metrics.get(k, 0.0) + float(v) * frac
+                if a["grad_clip"] > 0:
+                    gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a["grad_clip"])
+                else:
+                    gn = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in self.model.parameters() if p.grad is not None))
+                gn = float(gn)
+                if math.isfinite(gn):
+                    self.optimizer.step()
+                    self.optimizer_steps += 1
+                step_metrics["actor/grad_norm"] = gn
+                for k, v in step_metrics.items():
+                    sums.setdefault(k, []).append(v)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy_version += 1
+        metrics = {k: float(np.mean(v)) for k, v in sums.items()}
+        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["actor/ratio_first_step_max_abs_dev"] = float(first_step_ratio_dev or 0.0)
+        metrics["timing_s/update_actor"] = time.perf_counter() - t0
+        metrics["policy_version"] = self.policy_version
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str) -> dict:
+        """Write weights (safetensors), optimizer state and the worker's RNG states into ``directory``."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        # Tied embeddings share storage; safetensors refuses shared tensors, so store copies.
+        seen: dict[int, str] = {}
+        for k, v in list(state.items()):
+            ptr = v.data_ptr()
+            if ptr in seen:
+                state[k] = v.clone()
+            seen[ptr] = k
+        save_file(state, str(d / "model.safetensors"))
+        torch.save({"optimizer": self.optimizer.state_dict(), "policy_version": self.policy_version,
+                    "optimizer_steps": self.optimizer_steps,
+                    "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                            "python": random.getstate()}}, d / "actor_state.pt")
+        return {"policy_version": self.policy_version}
+
+    def load_checkpoint(self, directory: str) -> dict:
+        """Restore weights, optimizer and RNG states saved by :meth:`save_checkpoint`."""
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        state = load_file(str(d / "model.safetensors"), device=str(self.device) if self.device != "cpu" else "cpu")
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:
+            raise RuntimeError(f"{d}/model.safetensors does not match the model: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
+        extra = torch.load(d / "actor_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(extra["optimizer"])
+        self.policy_version = int(extra["policy_version"])
+        self.optimizer_steps = int(extra.get("optimizer_steps", 0))
+        torch.set_rng_state(extra["rng"]["torch"])
+        np.random.set_state(extra["rng"]["numpy"])
+        random.setstate(extra["rng"]["python"])
+        return {"policy_version": self.policy_version}
+
+    def export_hf(self, directory: str) -> str:
+        """Save the current policy as a Hugging Face model directory (``from_pretrained``-loadable)."""
+        self.model.save_pretrained(directory, safe_serialization=True)
+        self.tokenizer.save_pretrained(directory)
+        return directory
+
+    def weights_digest(self) -> str:
+        """sha256 over all parameters (tests compare runs bit for bit)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for k, v in sorted(self.model.state_dict().items()):
+            h.update(k.encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
