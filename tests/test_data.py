@@ -109,6 +109,8 @@ def test_spec_errors_name_the_key(tmp_path):
         load_spec("basic_arithmetic", {"prompt_template": "Solve: {problem}"})
     with pytest.raises(DataError, match="basic_arithmetic"):  # unknown name lists shipped specs
         load_spec("basic_arithmatic")
+    with pytest.raises(DataError, match="math_verify"):  # lists the registered scorers
+        load_spec("gsm8k_sample", {"scorer": "math_verfy"})
     bad = tmp_path / "bad.yaml"
     bad.write_text("source: huggingface\n")
     with pytest.raises(DataError, match="source"):

@@ -221,8 +221,13 @@ def load_spec(spec_name_or_path: str | Path, overrides: Mapping[str, Any] | None
         raise DataError(f"{where}: 'seed' must be an integer, got {spec['seed']!r}")
     if not isinstance(spec["name"], str) or not spec["name"]:
         raise DataError(f"{where}: 'name' must be a non-empty string, got {spec['name']!r}")
-    if spec.get("scorer") is not None and not isinstance(spec["scorer"], str):
-        raise DataError(f"{where}: 'scorer' must be a scorer name (string), got {spec['scorer']!r}")
+    if spec.get("scorer") is not None:
+        from stages.reward import SCORERS
+
+        try:
+            SCORERS.get(spec["scorer"])
+        except ValueError as e:
+            raise DataError(f"{where}: 'scorer': {e}") from e
 
     split = spec.get("split") or {}
     if not isinstance(split, dict):
