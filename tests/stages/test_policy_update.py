@@ -1,0 +1,384 @@
+"""Policy/critic losses and aggregation modes, checked against values worked by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stages.policy_update import (
+    AGG_MODES,
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    agg_loss,
+    compute_policy_loss,
+    entropy_from_logits,
+    kl_loss,
+    value_loss,
+)
+
+
+def logps_with_ratio(ratios, new_logp=None):
+    """(old, new) log-probs whose ratio exp(new - old) is `ratios`; `new` carries the gradient."""
+    ratios = torch.tensor(ratios, dtype=torch.float64)
+    new = torch.full_like(ratios, math.log(0.5)) if new_logp is None else torch.tensor(new_logp, dtype=torch.float64)
+    old = new - torch.log(ratios)
+    return old, new.clone().requires_grad_(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# aggregation
+# ---------------------------------------------------------------------------------------------
+
+LOSS_2x3 = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK_2x3 = torch.tensor([[1, 1, 0], [1, 1, 1]])
+
+
+@pytest.mark.parametrize(
+    "mode, kwargs, expected",
+    [
+        ("token-mean", {}, (1 + 2 + 4 + 5 + 6) / 5),  # 3.6
+        ("seq-mean-token-sum", {}, ((1 + 2) + (4 + 5 + 6)) / 2),  # 9
+        ("seq-mean-token-mean", {}, ((1 + 2) / 2 + (4 + 5 + 6) / 3) / 2),  # 3.25
+        ("seq-mean-token-sum-norm", {}, ((1 + 2) / 3 + (4 + 5 + 6) / 3) / 2),  # 3
+        ("seq-mean-token-sum-norm", {"horizon": 4}, ((1 + 2) / 4 + (4 + 5 + 6) / 4) / 2),  # 2.25
+        ("token-mean", {"global_num_tokens": 10}, 18 / 10),
+        ("seq-mean-token-mean", {"global_num_seqs": 4}, (1.5 + 5.0) / 4),
+    ],
+)
+def test_agg_modes_by_hand(mode, kwargs, expected):
+    out = agg_loss(LOSS_2x3, MASK_2x3, mode, **kwargs)
+    assert out.dim() == 0
+    assert out.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_agg_ignores_garbage_outside_mask_and_handles_empty():
+    loss = LOSS_2x3.clone()
+    loss[0, 2] = float("nan")
+    assert agg_loss(loss, MASK_2x3.bool(), "token-mean").item() == pytest.approx(3.6, abs=1e-6)
+    for mode in AGG_MODES:
+        out = agg_loss(loss, torch.zeros(2, 3), mode)
+        assert out.item() == 0.0, mode
+    with pytest.raises(ValueError, match="Unknown loss_agg_mode 'token_mean'"):
+        agg_loss(LOSS_2x3, MASK_2x3, "token_mean")
+    with pytest.raises(ValueError, match="global_num_tokens must be a number > 0"):
+        agg_loss(LOSS_2x3, MASK_2x3, "token-mean", global_num_tokens=0)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_gradient_accumulation_with_global_denominators_is_exact(mode):
+    gen = torch.Generator().manual_seed(1)
+    loss = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    mask = torch.rand(6, 5, generator=gen) > 0.4
+    mask[:, 0] = True
+    mask[4] = False  # a row with no valid token counts as a sequence but adds nothing
+    param = torch.ones(6, 5, dtype=torch.float64, requires_grad=True)
+
+    full = agg_loss(loss * param, mask, mode)
+    (full_grad,) = torch.autograd.grad(full, param)
+
+    kwargs = {"global_num_tokens": float(mask.sum()), "global_num_seqs": 6.0, "horizon": 5}
+    total = torch.zeros((), dtype=torch.float64)
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        total = total + agg_loss((loss * param)[rows], mask[rows], mode, **kwargs)
+    (acc_grad,) = torch.autograd.grad(total, param)
+    torch.testing.assert_close(total, full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(acc_grad, full_grad, rtol=1e-12, atol=1e-12)
+
+    # without the global denominators, per-micro-batch means would not add up
+    naive = sum(agg_loss(loss[r], mask[r], mode) for r in (slice(0, 2), slice(2, 3), slice(3, 6)))
+    assert not torch.allclose(naive, full)
+
+
+# ---------------------------------------------------------------------------------------------
+# vanilla PPO
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ppo_ratio_above_high_clip_with_positive_advantage_is_clipped():
+    # ratio 1.5 > 1 + 0.2, A = +1: loss = -A * 1.2 and no gradient
+    old, new = logps_with_ratio([[1.5]])
+    loss, metrics = compute_policy_loss("vanilla", old, new, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1), PolicyLossConfig())
+    assert loss.item() == pytest.approx(-1.2, abs=1e-12)
+    loss.backward()
+    assert new.grad.item() == 0.0
+    assert metrics["actor/pg_clipfrac"] == 1.0 and metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics["actor/ppo_kl"] == pytest.approx(-math.log(1.5), abs=1e-12)
+
+
+def test_ppo_ratio_above_clip_with_negative_advantage_keeps_gradient():
+    # ratio 1.5, A = -1: max(1.5, 1.2) = 1.5 (unclipped); d(-A * r)/dlogp = r = 1.5
+    old, new = logps_with_ratio([[1.5]])
+    loss, metrics = compute_policy_loss("vanilla", old, new, -torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(1.5, abs=1e-12)
+    loss.backward()
+    assert new.grad.item() == pytest.approx(1.5, abs=1e-12)
+    assert metrics["actor/pg_clipfrac"] == 0.0
+
+
+def test_ppo_ratio_below_low_clip_with_negative_advantage_is_clipped():
+    # ratio 0.5, A = -1: max(0.5, 0.8) = 0.8, no gradient
+    old, new = logps_with_ratio([[0.5]])
+    loss, metrics = compute_policy_loss("vanilla", old, new, -torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(0.8, abs=1e-12)
+    loss.backward()
+    assert new.grad.item() == 0.0
+    assert metrics["actor/pg_clipfrac"] == 1.0
+
+
+def test_dual_clip_caps_negative_advantage_loss_at_c_times_abs_a():
+    # ratio 5, A = -2: PPO term max(10, 2.4) = 10; dual clip min(10, 3 * 2) = 6, no gradient
+    old, new = logps_with_ratio([[5.0, 2.0]])
+    adv = torch.tensor([[-2.0, -2.0]], dtype=torch.float64)
+    loss, metrics = compute_policy_loss("vanilla", old, new, adv, torch.ones(1, 2), PolicyLossConfig(clip_ratio_c=3.0))
+    # token 2: ratio 2 -> max(4, 2.4) = 4 < 6, not dual-clipped; token-mean (6 + 4) / 2
+    assert loss.item() == pytest.approx(5.0, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, 2.0 * 2.0 / 2]], dtype=torch.float64))
+    assert metrics["actor/pg_clipfrac_lower"] == 0.5
+    # an astronomically large ratio is clamped at exp(20) and the loss stays c * |A|
+    old, new = logps_with_ratio([[1.0]])
+    old = old - 50.0
+    loss, _ = compute_policy_loss("vanilla", old, new, -torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(3.0, abs=1e-12)
+
+
+def test_asymmetric_clip_higher():
+    # eps_low 0.2, eps_high 0.28: ratio 1.25 with A = +1 stays unclipped; ratio 0.75 with A = -1 is clipped at 0.8
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    old, new = logps_with_ratio([[1.25, 0.75]])
+    adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    loss, metrics = compute_policy_loss("vanilla", old, new, adv, torch.ones(1, 2), cfg, global_num_tokens=1.0)
+    assert loss.item() == pytest.approx(-1.25 + 0.8, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-1.25, 0.0]], dtype=torch.float64))
+    assert metrics["actor/pg_clipfrac"] == 0.5
+    # the symmetric 0.2 clip would clip the 1.25 as well
+    old, new = logps_with_ratio([[1.25]])
+    loss_sym, _ = compute_policy_loss("vanilla", old, new, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    assert loss_sym.item() == pytest.approx(-1.2, abs=1e-12)
+    # None falls back to clip_ratio
+    cfg_fb = PolicyLossConfig(clip_ratio_low=None, clip_ratio_high=None, clip_ratio=0.3)
+    assert (cfg_fb.low, cfg_fb.high) == (0.3, 0.3)
+
+
+def test_ppo_masked_tokens_do_not_count():
+    old, new = logps_with_ratio([[1.0, 1.0]])
+    old = old.clone()
+    old[0, 1] = float("nan")  # garbage after EOS
+    adv = torch.tensor([[2.0, 100.0]], dtype=torch.float64)
+    loss, metrics = compute_policy_loss("vanilla", old, new, adv, torch.tensor([[1, 0]]))
+    assert loss.item() == pytest.approx(-2.0, abs=1e-12)
+    assert math.isfinite(metrics["actor/ppo_kl"]) and metrics["actor/ppo_kl"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "cispo", "gpg"])
+def test_on_policy_ratio_is_exactly_one_and_nothing_is_clipped(name):
+    gen = torch.Generator().manual_seed(3)
+    logp = -torch.rand(4, 6, generator=gen) * 3
+    adv = torch.randn(4, 6, generator=gen)
+    mask = torch.rand(4, 6, generator=gen) > 0.2
+    new = logp.clone().requires_grad_(True)
+    loss, metrics = compute_policy_loss(name, logp.clone(), new, adv, mask, PolicyLossConfig())
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics["actor/ppo_kl"] == 0.0
+    n = int(mask.sum())
+    if name in ("vanilla", "gspo"):
+        # ratio == 1 exactly: loss is -mean(A), gradient -A / n on valid tokens
+        assert torch.equal(loss, agg_loss(-adv, mask, "token-mean"))
+    else:
+        # cispo (weight 1) and gpg: -A * log_prob
+        assert torch.equal(loss, agg_loss(-adv * logp, mask, "token-mean"))
+    loss.backward()
+    expected_grad = torch.where(mask, -adv / n, torch.zeros(()))
+    torch.testing.assert_close(new.grad, expected_grad, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# GSPO, CISPO, GPG
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gspo_sequence_ratio_by_hand():
+    # row 0: A = +1, log-ratios [0.1, 0.3, (masked)] -> s = exp(0.2) = 1.2214 > 1.2 -> clipped: -1.2 per token
+    # row 1: A = +0.5, log-ratios [0.05, -0.05, 0] -> s = exp(0) = 1 -> -0.5 per token
+    cfg = PolicyLossConfig(gspo_clip_ratio_low=0.2, gspo_clip_ratio_high=0.2)
+    new_v = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.7, -0.9]], dtype=torch.float64)
+    log_ratio = torch.tensor([[0.1, 0.3, 42.0], [0.05, -0.05, 0.0]], dtype=torch.float64)
+    old = new_v - log_ratio
+    new = new_v.clone().requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [0.5, 0.5, 0.5]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+
+    loss, metrics = compute_policy_loss("gspo", old, new, adv, mask, cfg)
+    assert loss.item() == pytest.approx((-1.2 * 2 - 0.5 * 3) / 5, abs=1e-12)  # token-mean: -0.78
+    loss.backward()
+    # clipped row: no gradient; row 1: d(-A * s_it)/dlogp_it = -A * s = -0.5, / 5 tokens
+    torch.testing.assert_close(new.grad, torch.tensor([[0, 0, 0], [-0.1, -0.1, -0.1]], dtype=torch.float64))
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 5)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-(0.1 + 0.3 + 0.05 - 0.05 + 0.0) / 5, abs=1e-12)
+
+    # the paper's sequence-level aggregation
+    cfg_seq = PolicyLossConfig(gspo_clip_ratio_low=0.2, gspo_clip_ratio_high=0.2, loss_agg_mode="seq-mean-token-mean")
+    loss_seq, _ = compute_policy_loss("gspo", old, new_v, adv, mask, cfg_seq)
+    assert loss_seq.item() == pytest.approx((-1.2 - 0.5) / 2, abs=1e-12)
+
+
+def test_gspo_uses_the_sequence_ratio_not_the_token_ratio():
+    # one sequence, A = -1, log-ratios [+0.1, -0.1]: s = 1 so both tokens give loss 1 (token ratios would differ)
+    cfg = PolicyLossConfig(gspo_clip_ratio_low=0.5, gspo_clip_ratio_high=0.5)
+    new = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    old = new - torch.tensor([[0.1, -0.1]], dtype=torch.float64)
+    loss, _ = compute_policy_loss("gspo", old, new, -torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2), cfg)
+    assert loss.item() == pytest.approx(1.0, abs=1e-12)
+    # default GSPO clip range is tiny (3e-4 / 4e-4): s = exp(0.001) is already clipped for A > 0
+    old2 = new - 0.001
+    loss2, m2 = compute_policy_loss("gspo", old2, new, torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2))
+    assert loss2.item() == pytest.approx(-(1 + 4e-4), abs=1e-12)
+    assert m2["actor/pg_clipfrac"] == 1.0
+
+
+def test_cispo_by_hand_keeps_gradient_of_clipped_tokens():
+    # ratios [1.5, 0.5], A = 1, upper bound 1.2, no lower bound:
+    # loss = mean(-sg(min(r, 1.2)) * A * logp) ; grad = [-1.2, -0.5] / 2
+    cfg = PolicyLossConfig(cispo_clip_ratio_high=0.2)
+    new_v = [[math.log(0.3), math.log(0.2)]]
+    old, new = logps_with_ratio([[1.5, 0.5]], new_logp=new_v)
+    adv = torch.ones(1, 2, dtype=torch.float64)
+    loss, metrics = compute_policy_loss("cispo", old, new, adv, torch.ones(1, 2), cfg)
+    expected = (-1.2 * math.log(0.3) - 0.5 * math.log(0.2)) / 2
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-0.6, -0.25]], dtype=torch.float64))
+    assert metrics["actor/pg_clipfrac"] == 0.5 and metrics["actor/pg_clipfrac_lower"] == 0.0
+
+    # with a lower bound of 1 - 0.2 the 0.5 weight becomes 0.8
+    cfg_low = PolicyLossConfig(cispo_clip_ratio_high=0.2, cispo_clip_ratio_low=0.2)
+    old, new = logps_with_ratio([[1.5, 0.5]], new_logp=new_v)
+    loss, metrics = compute_policy_loss("cispo", old, new, adv, torch.ones(1, 2), cfg_low)
+    assert loss.item() == pytest.approx((-1.2 * math.log(0.3) - 0.8 * math.log(0.2)) / 2, abs=1e-12)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.5
+
+    # the same token under PPO has no gradient: CISPO's point
+    old, new = logps_with_ratio([[1.5]])
+    ppo, _ = compute_policy_loss("vanilla", old, new, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1))
+    ppo.backward()
+    assert new.grad.item() == 0.0
+
+
+def test_gpg_loss_by_hand():
+    # loss = mean(-A * logp) = (-(2)(-0.5) - (-1)(-1.0)) / 2 = (1 - 1) / 2 = 0; grad = -A / 2
+    new = torch.tensor([[-0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-0.7, -1.0]], dtype=torch.float64)
+    adv = torch.tensor([[2.0, -1.0]], dtype=torch.float64)
+    loss, metrics = compute_policy_loss("gpg", old, new, adv, torch.ones(1, 2))
+    assert loss.item() == pytest.approx(0.0, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-1.0, 0.5]], dtype=torch.float64))
+    assert metrics["actor/ppo_kl"] == pytest.approx((-0.7 + 0.5) / 2, abs=1e-12)
+
+
+def test_policy_loss_registry_and_config_errors():
+    assert set(POLICY_LOSSES.names()) >= {"vanilla", "gspo", "cispo", "gpg"}
+    with pytest.raises(ValueError, match=r"Unknown policy loss 'vanila'\. Did you mean 'vanilla'\?"):
+        compute_policy_loss("vanila", torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1))
+    with pytest.raises(ValueError, match="clip_ratio_c must be a number > 1"):
+        PolicyLossConfig(clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        PolicyLossConfig(loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="advantages must have the shape of log_prob"):
+        compute_policy_loss("vanilla", torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# value loss, entropy, KL loss
+# ---------------------------------------------------------------------------------------------
+
+
+def test_value_clipping_takes_the_max_of_both_losses():
+    # token 0: vpred 1.5, old 1.0, R 2.0: unclipped .25, clipped (1.2 - 2)^2 = .64 -> .64 (clipped, no grad)
+    # token 1: vpred 0.1, old 0.0, R 1.0: inside the range, both .81
+    # token 2: vpred 1.5, old 1.0, R 1.1: unclipped .16, clipped (1.2 - 1.1)^2 = .01 -> .16 (unclipped)
+    vpreds = torch.tensor([[1.5, 0.1, 1.5]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float64)
+    returns = torch.tensor([[2.0, 1.0, 1.1]], dtype=torch.float64)
+    loss, metrics = value_loss(vpreds, old, returns, torch.ones(1, 3), cliprange_value=0.2)
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.81 + 0.16) / 3, abs=1e-12)
+    assert metrics["critic/vf_clipfrac"] == pytest.approx(1 / 3)
+    loss.backward()
+    assert vpreds.grad[0, 0].item() == 0.0
+    assert vpreds.grad[0, 2].item() == pytest.approx(0.5 * 2 * (1.5 - 1.1) / 3, abs=1e-12)
+    # aggregation mode is honoured
+    loss_seq, _ = value_loss(vpreds.detach(), old, returns, torch.tensor([[1, 1, 0]]), 0.2, "seq-mean-token-sum")
+    assert loss_seq.item() == pytest.approx(0.5 * (0.64 + 0.81), abs=1e-12)
+
+
+def test_entropy_from_logits():
+    logits = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 0.0],  # uniform over 4: ln 4
+            [0.0, math.log(3.0), -math.inf, -math.inf],  # p = [.25, .75]
+            [1000.0, 0.0, 0.0, 0.0],  # near one-hot, must stay finite
+        ],
+        dtype=torch.float64,
+    )
+    h = entropy_from_logits(logits)
+    p = np.array([0.25, 0.75])
+    np.testing.assert_allclose(h[:2].numpy(), [math.log(4.0), -(p * np.log(p)).sum()], atol=1e-12)
+    assert torch.isfinite(h).all() and 0.0 <= h[2].item() < 1e-12
+    assert entropy_from_logits(torch.randn(2, 3, 7)).shape == (2, 3)
+
+
+def test_kl_loss_aggregates_kl_penalty():
+    logp = torch.tensor([[0.2, -0.4, 0.6], [0.1, 0.3, 9.0]])
+    ref = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    out = kl_loss(logp, ref, mask, "k1", "token-mean")
+    assert out.item() == pytest.approx((0.2 - 0.4 + 0.6 + 0.1 + 0.3) / 5, abs=1e-6)
+    out_k2 = kl_loss(logp, ref, mask, "k2", "seq-mean-token-mean")
+    assert out_k2.item() == pytest.approx((0.5 * (0.04 + 0.16 + 0.36) / 3 + 0.5 * (0.01 + 0.09) / 2) / 2, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "cispo", "gpg"])
+def test_garbage_outside_mask_reaches_neither_loss_nor_gradient(name):
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0]], dtype=torch.bool)
+    new_v = -torch.rand(2, 5, generator=gen, dtype=torch.float64)
+    old_v = new_v + 0.1 * torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    adv_v = torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    cfg = PolicyLossConfig(gspo_clip_ratio_low=0.05, gspo_clip_ratio_high=0.05, cispo_clip_ratio_high=0.05)
+
+    def run(new, old, adv):
+        leaf = new.clone().requires_grad_(True)
+        loss, metrics = compute_policy_loss(name, old, leaf, adv, mask, cfg)
+        loss.backward()
+        return loss, leaf.grad, metrics
+
+    clean = run(new_v, old_v, adv_v)
+    dirty_new, dirty_old, dirty_adv = new_v.clone(), old_v.clone(), adv_v.clone()
+    dirty_new[~mask] = -math.inf
+    dirty_old[~mask] = float("nan")
+    dirty_adv[~mask] = math.inf
+    dirty = run(dirty_new, dirty_old, dirty_adv)
+    assert torch.equal(dirty[0], clean[0])
+    assert torch.isfinite(dirty[1]).all() and torch.equal(dirty[1], clean[1])
+    assert torch.equal(dirty[1][~mask], torch.zeros(int((~mask).sum()), dtype=torch.float64))
+    assert dirty[2] == clean[2]
+
+
+def test_value_and_kl_loss_ignore_garbage_outside_mask():
+    mask = torch.tensor([[1, 1, 0]])
+    vpreds = torch.tensor([[0.5, 0.1, 0.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[0.4, 0.0, float("nan")]], dtype=torch.float64)
+    returns = torch.tensor([[1.0, 0.0, math.inf]], dtype=torch.float64)
+    loss, metrics = value_loss(vpreds, old, returns, mask, 0.2)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(vpreds.grad).all() and vpreds.grad[0, 2].item() == 0.0
+    logp = torch.tensor([[-1.0, -2.0, -math.inf]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0, float("nan")]])
+    out = kl_loss(logp, ref, mask, "k3")
+    out.backward()
+    assert math.isfinite(out.item()) and torch.isfinite(logp.grad).all()
