@@ -192,7 +192,8 @@ def load_spec(spec_name_or_path: str | Path, overrides: Mapping[str, Any] | None
         ``spec_path`` (absolute) and the source's defaults filled in.
 
     Raises:
-        DataError: unreadable YAML, unknown ``source``, an unknown key (named, with the allowed keys),
+        DataError: unreadable YAML, unknown ``source``, an unknown key (named, with the allowed keys), a
+            ``scorer`` that is not registered in ``stages.reward.SCORERS``,
             or a value of the wrong type or range (named, with what was expected).
     """
     path = resolve_spec_path(spec_name_or_path)
