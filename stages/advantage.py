@@ -28,6 +28,7 @@ Inputs are validated at this boundary; errors name the argument, the row and wha
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,12 +83,12 @@ class AdvantageConfig:
     def __post_init__(self) -> None:
         for name in ("gamma", "lam"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
                 raise ValueError(f"AdvantageConfig.{name} must be a number in [0, 1], got {value!r}")
-        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or not self.epsilon >= 0:
+        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, numbers.Real) or not self.epsilon >= 0:
             raise ValueError(f"AdvantageConfig.epsilon must be a number >= 0, got {self.epsilon!r}")
         if self.pass_k is not None and (
-            isinstance(self.pass_k, bool) or not isinstance(self.pass_k, int) or self.pass_k < 2
+            isinstance(self.pass_k, bool) or not isinstance(self.pass_k, numbers.Integral) or self.pass_k < 2
         ):
             raise ValueError(f"AdvantageConfig.pass_k must be None or an int >= 2, got {self.pass_k!r}")
 

@@ -23,6 +23,7 @@ the gradient of the KL while k1/k3 are unbiased (or low-variance) estimates of i
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -151,7 +152,7 @@ class FixedKLController:
     """
 
     def __init__(self, kl_coef: float) -> None:
-        if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)) or not kl_coef >= 0:
+        if isinstance(kl_coef, bool) or not isinstance(kl_coef, numbers.Real) or not kl_coef >= 0:
             raise ValueError(f"kl_ctrl.kl_coef must be a number >= 0, got {kl_coef!r}")
         self.value = float(kl_coef)
 
@@ -188,7 +189,7 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int | float) -> None:
         for key, val, lower_ok in (("kl_coef", init_kl_coef, True), ("target_kl", target_kl, False), ("horizon", horizon, False)):
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not (val >= 0 if lower_ok else val > 0):
+            if isinstance(val, bool) or not isinstance(val, numbers.Real) or not (val >= 0 if lower_ok else val > 0):
                 raise ValueError(f"kl_ctrl.{key} must be a number {'>= 0' if lower_ok else '> 0'} for the adaptive controller, got {val!r}")
         self.value = float(init_kl_coef)
         self.target = float(target_kl)
@@ -222,7 +223,7 @@ class AdaptiveKLController:
 
 
 def _state_value(state: Any) -> float:
-    if not isinstance(state, dict) or isinstance(state.get("value"), bool) or not isinstance(state.get("value"), (int, float)):
+    if not isinstance(state, dict) or isinstance(state.get("value"), bool) or not isinstance(state.get("value"), numbers.Real):
         raise ValueError(f"KL controller state must be a dict with a numeric 'value', got {state!r}")
     return float(state["value"])
 

@@ -17,6 +17,7 @@ where ``agg_kwargs`` are passed to :func:`agg_loss` (``global_num_tokens``,
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +89,7 @@ class PolicyLossConfig:
             if getattr(self, name) is not None:
                 _check_nonneg(name, getattr(self, name))
         c = self.clip_ratio_c
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 1.0:
+        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not c > 1.0:
             raise ValueError(f"PolicyLossConfig.clip_ratio_c must be a number > 1 (dual-clip PPO), got {c!r}")
         if self.loss_agg_mode not in AGG_MODES:
             raise ValueError(f"PolicyLossConfig.loss_agg_mode must be one of {list(AGG_MODES)}, got {self.loss_agg_mode!r}")
@@ -105,7 +106,7 @@ class PolicyLossConfig:
 
 
 def _check_nonneg(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
         raise ValueError(f"PolicyLossConfig.{name} must be a number >= 0, got {value!r}")
 
 
@@ -146,7 +147,9 @@ def _masked_mean_float(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
     return float(value)
 
@@ -480,7 +483,7 @@ def value_loss(
         ValueError: mismatched shapes or a negative ``cliprange_value``.
     """
     _check_same_shape(vpreds=vpreds, values_old=values_old, returns=returns, response_mask=response_mask)
-    if isinstance(cliprange_value, bool) or not isinstance(cliprange_value, (int, float)) or not cliprange_value >= 0:
+    if isinstance(cliprange_value, bool) or not isinstance(cliprange_value, numbers.Real) or not cliprange_value >= 0:
         raise ValueError(f"critic.cliprange_value must be a number >= 0, got {cliprange_value!r}")
     mask = _bool_mask(response_mask)
     vpreds, values_old, returns = (_fill_outside(t, mask) for t in (vpreds, values_old, returns))

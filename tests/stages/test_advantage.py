@@ -379,3 +379,9 @@ def test_registry_refuses_silent_replacement():
     with pytest.raises(ValueError, match="already registered"):
         reg.register("a")(lambda: 2)
     assert reg.get("a") is first and reg.names() == ["a"] and "a" in reg
+
+
+def test_config_accepts_numpy_scalars():
+    cfg = AdvantageConfig(gamma=np.float32(0.5), lam=np.float64(1.0), pass_k=np.int64(2))
+    adv, ret = compute_advantage("reinforce_plus_plus", torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), None, cfg)
+    torch.testing.assert_close(ret, torch.tensor([[0.5, 1.0]]))

@@ -382,3 +382,11 @@ def test_value_and_kl_loss_ignore_garbage_outside_mask():
     out = kl_loss(logp, ref, mask, "k3")
     out.backward()
     assert math.isfinite(out.item()) and torch.isfinite(logp.grad).all()
+
+
+def test_denominators_and_config_accept_numpy_and_tensor_scalars():
+    out = agg_loss(LOSS_2x3, MASK_2x3, "token-mean", global_num_tokens=torch.tensor(10.0))
+    assert out.item() == pytest.approx(1.8, abs=1e-6)
+    out = agg_loss(LOSS_2x3, MASK_2x3, "seq-mean-token-sum-norm", global_num_seqs=np.float32(2), horizon=np.int64(4))
+    assert out.item() == pytest.approx(2.25, abs=1e-6)
+    assert PolicyLossConfig(clip_ratio_high=np.float64(0.28), clip_ratio_c=np.float32(3.0)).high == pytest.approx(0.28)
