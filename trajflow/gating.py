@@ -1,0 +1,84 @@
+"""The gate step of an iteration: build the reward view, validate it, record and enforce the result.
+
+The expectations themselves live in :mod:`trajflow.gates` (Great Expectations); this module is the
+glue between them and a run: it stores ``gate.json`` beside the iteration, logs ``gate/*`` metrics
+and the validation result to MLflow, marks a failed iteration as ``gated`` in its manifest and stops
+the run with :class:`GateFailed` before the policy update may use the data.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pyarrow as pa
+
+from trajflow.batch import join_stages, lengths
+from trajflow.runtime import RunContext
+from trajflow.store import StageRef
+
+
+class GateFailed(RuntimeError):
+    """A ``fail``-policy expectation failed; the message names each one, its observed value and rows."""
+
+
+def gate_view(rollout: pa.Table, reward: pa.Table) -> pa.Table:
+    """The columns the gate validates, one row per response (see ``trajflow.gates``)."""
+    joined = join_stages([rollout.select(["sample_id", "group_id", "iteration", "response_ids", "finish_reason"]),
+                          reward.select(["sample_id", "score", "reward_error"])])
+    return pa.table({
+        "sample_id": joined.column("sample_id"),
+        "group_id": joined.column("group_id"),
+        "iteration": joined.column("iteration"),
+        "score": joined.column("score"),
+        "response_length": pa.array(lengths(joined.column("response_ids")), pa.int32()),
+        "finish_reason": joined.column("finish_reason"),
+        "reward_error": joined.column("reward_error"),
+    })
+
+
+def gate_settings(cfg) -> SimpleNamespace:
+    """The gate's settings: the ``gates`` section plus ``rollout.max_new_tokens``."""
+    g = cfg.gates
+    return SimpleNamespace(enabled=g.enabled, suite=g.suite, score_min=g.score_min, score_max=g.score_max,
+                           max_new_tokens=cfg.rollout.max_new_tokens, max_equal_group_frac=g.max_equal_group_frac,
+                           max_truncated_frac=g.max_truncated_frac, max_error_rate=g.max_error_rate,
+                           drift_band=g.drift_band, drift_window=g.drift_window, policies=dict(g.policies))
+
+
+def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef) -> dict:
+    """Validate one iteration's rewards; returns ``{"success", "quarantined_sample_ids", "metrics"}``.
+
+    Raises:
+        GateFailed: a ``fail`` expectation failed (the iteration is marked ``gated``; nothing written
+            so far is removed).
+    """
+    cfg = ctx.cfg
+    if not cfg.gates.enabled:
+        return {"success": True, "quarantined_sample_ids": [], "metrics": {}}
+    from trajflow.gates import run_gate, write_data_docs
+
+    t0 = time.perf_counter()
+    view = gate_view(ctx.store.read_ref(rollout), ctx.store.read_ref(reward))
+    report = run_gate(view, gate_settings(cfg), history=ctx.score_history[-cfg.gates.drift_window:])
+    metrics = dict(report.metrics())
+    metrics["timing_s/gate"] = time.perf_counter() - t0
+    result = {"success": bool(report.success), "quarantined_sample_ids": sorted(report.quarantined_sample_ids),
+              "quarantined_reason": {k: sorted(v) for k, v in report.quarantined_reason.items()},
+              "metrics": metrics, "failures": report.failure_message() if not report.success else "",
+              "validation": report.gx_result_json}
+    path = ctx.store.write_iteration_json(iteration, "gate.json", result)
+    if ctx.tracker is not None:
+        ctx.tracker.log_metrics(metrics, step=iteration)
+        ctx.tracker.log_artifact(path, f"gates/iteration_{iteration:06d}")
+        if not report.success:
+            try:
+                docs = write_data_docs(report, ctx.store.iteration_dir(iteration) / "data_docs")
+                ctx.tracker.log_artifact(docs, f"gates/iteration_{iteration:06d}")
+            except Exception:  # data docs are a convenience; the JSON result is already stored
+                pass
+    ctx.extra.setdefault("gate_metrics", {})[iteration] = metrics
+    if not report.success:
+        ctx.store.mark(iteration, "gated", gate=result["failures"])
+        raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate:\n{report.failure_message()}")
+    return {k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}

@@ -1,0 +1,265 @@
+"""A training run's lifecycle around the flow's iteration loop: open, resume, per-iteration
+bookkeeping (manifest, metrics, validation, checkpoint, progress), finish, close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import ray
+from omegaconf import DictConfig
+
+from trajflow import checkpoint as ckpt
+from trajflow.config import to_yaml
+from trajflow.runtime import RunContext, close, create_workers, register, start_ray
+from trajflow.store import RunStore
+
+log = logging.getLogger(__name__)
+
+
+class RunExistsError(ValueError):
+    """A new run would overwrite an existing run folder."""
+
+
+def new_run_id(cfg: DictConfig) -> str:
+    """``<recipe>-<UTC time>-<4 hex>``: sortable and unique across parallel launches."""
+    return f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+def choose_run_id(cfg: DictConfig, run_id: str | None = None) -> tuple[str, bool]:
+    """The run id to use and whether it resumes an existing run (``trainer.resume=auto``).
+
+    Raises:
+        RunExistsError: the id names an existing run and ``trainer.resume`` is ``disable``.
+    """
+    run_id = run_id or cfg.trainer.run_id
+    if run_id is None:
+        return new_run_id(cfg), False
+    store = RunStore(cfg.store.root, run_id)
+    if store.exists():
+        if cfg.trainer.resume == "auto":
+            return run_id, True
+        raise RunExistsError(f"run {run_id!r} already exists in {store.run_dir}; use trainer.resume=auto "
+                             f"or 'trajflow resume {run_id}' to continue it")
+    return run_id, False
+
+
+class Progress:
+    """One live line per iteration: stage, reward mean, response length, seconds (tqdm)."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=start - 1, desc="train", unit="it", disable=not enabled,
+                        dynamic_ncols=True, file=sys.stderr)
+        self.t0 = time.perf_counter()
+        self.last: dict = {}
+
+    def stage(self, iteration: int, name: str) -> None:
+        self.bar.set_description(f"it {iteration} {name}")
+        self.bar.set_postfix(self.last, refresh=True)
+
+    def done(self, iteration: int, metrics: dict) -> None:
+        self.last = {"score": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
+                     "len": f"{metrics.get('response_length/mean', float('nan')):.1f}",
+                     "s": f"{metrics.get('timing_s/step', 0.0):.1f}"}
+        self.bar.set_description(f"it {iteration} done")
+        self.bar.set_postfix(self.last)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def progress_stage(ctx: RunContext, iteration: int, name: str) -> None:
+    bar = ctx.extra.get("progress")
+    if bar is not None:
+        bar.stage(iteration, name)
+
+
+def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
+    """Create (or reopen) the run folder, start Ray and the workers, restore a checkpoint on resume.
+
+    Raises:
+        RunExistsError: a new run's folder exists already.
+        trajflow.data.DataError, trajflow.models.ModelLoadError: bad dataset or model.
+    """
+    from trajflow.data import PromptSampler, load_prompt_dataset
+    from trajflow.models import resolve_model_path
+    from trajflow.tracking import Tracker
+
+    store = RunStore(cfg.store.root, run_id)
+    if not resume:
+        if store.exists():
+            raise RunExistsError(f"run {run_id!r} already exists in {store.run_dir}")
+        store.run_dir.mkdir(parents=True, exist_ok=True)
+        store.write_config(to_yaml(cfg))
+        store.update_run_meta(run_id=run_id, recipe=str(cfg.recipe), status="running", created=time.time())
+    else:
+        store.update_run_meta(status="running")
+    print(f"trajflow run {run_id}: {store.run_dir}", flush=True)
+
+    datasets = load_prompt_dataset(cfg.data.dataset)
+    model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    ctx = RunContext(cfg=cfg, store=store, model_path=model_path, datasets=datasets)
+    ctx.sampler = PromptSampler(datasets.train, cfg.data.train_batch_size, cfg.trainer.seed)
+    if cfg.algorithm.use_kl_in_reward:
+        from stages.kl import make_kl_controller
+
+        k = cfg.algorithm.kl_ctrl
+        ctx.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+    ctx.started_ray = start_ray(cfg)
+    register(ctx)
+    try:
+        create_workers(ctx)
+        start = 1
+        mlflow_run = store.read_run_meta().get("mlflow_run_id") if resume else None
+        latest = ckpt.latest_checkpoint(store) if resume else None
+        if latest is not None:
+            restore_checkpoint(ctx, latest)
+            start = latest + 1
+        ctx.extra["start_iteration"] = start
+        ctx.tracker = Tracker(cfg, run_id, mlflow_run_id=mlflow_run)
+        store.update_run_meta(mlflow_run_id=ctx.tracker.run_id, tracking_uri=ctx.tracker.uri)
+    except BaseException:
+        close(ctx)
+        raise
+    return ctx
+
+
+def restore_checkpoint(ctx: RunContext, iteration: int) -> None:
+    """Load the policy, optimizer, RNG, data cursor and controller state saved after ``iteration``."""
+    d = ckpt.checkpoint_dir(ctx.store, iteration)
+    state = ckpt.read_trainer_state(ctx.store, iteration)
+    ray.get(ctx.actor.load_checkpoint.remote(str(d / "actor")))
+    ctx.sampler.load_state_dict(state["sampler"])
+    if ctx.kl_ctrl is not None and state.get("kl_ctrl"):
+        ctx.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    ctx.score_history = list(state.get("score_history", []))
+    ctx.policy_version = int(state["policy_version"])
+    log.info("resumed %s from checkpoint %06d", ctx.run_id, iteration)
+
+
+def pending_iterations(ctx: RunContext) -> Iterator[int]:
+    """Iterations still to train, drawing each one's prompts from the data cursor just before it.
+
+    Validation runs first when due (before training, on a fresh run).
+    """
+    from flows.tasks import validate_stage
+
+    cfg = ctx.cfg
+    start = ctx.extra["start_iteration"]
+    total = cfg.trainer.total_iterations
+    if start > total:
+        print(f"run {ctx.run_id} already finished all {total} iterations; nothing to do", flush=True)
+        ctx.extra["nothing_to_do"] = True
+        return
+    if start == 1 and cfg.trainer.test_freq > 0 and cfg.trainer.val_before_train:
+        ctx.tracker.log_metrics(validate_stage(ctx.run_id, 0), step=0)
+    ctx.extra["progress"] = Progress(total, start, cfg.trainer.progress)
+    for it in range(start, total + 1):
+        ctx.extra.setdefault("batches", {})[it] = ctx.sampler.next_batch()
+        ctx.extra["iteration_start"] = time.perf_counter()
+        yield it
+
+
+def _memory_metrics(ctx: RunContext) -> dict[str, float]:
+    import psutil
+
+    m = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 2**30}
+    try:
+        rss = psutil.Process(ray.get(ctx.actor.info.remote())["pid"]).memory_info().rss
+        m["perf/actor_rss_gb"] = rss / 2**30
+    except Exception:  # remote node: not visible from here
+        pass
+    return m
+
+
+def finish_iteration(ctx: RunContext, iteration: int, metrics: dict) -> dict:
+    """Mark the iteration complete, log its metrics, validate and checkpoint when due."""
+    from flows.tasks import validate_stage
+
+    cfg = ctx.cfg
+    step_s = time.perf_counter() - ctx.extra["iteration_start"]
+    metrics = dict(metrics)
+    metrics.update(ctx.extra.get("timing", {}).get(iteration, {}))
+    metrics["timing_s/step"] = step_s
+    metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / step_s
+    metrics.update(_memory_metrics(ctx))
+    if ctx.kl_ctrl is not None and "critic/kl" in metrics:
+        ctx.kl_ctrl.update(metrics["critic/kl"], cfg.data.train_batch_size * cfg.rollout.n)
+    if "critic/score/mean" in metrics:
+        ctx.score_history.append(metrics["critic/score/mean"])
+    ctx.store.mark(iteration, "complete", policy_version_after=ctx.policy_version)
+    last = iteration == cfg.trainer.total_iterations
+    if cfg.trainer.test_freq > 0 and (iteration % cfg.trainer.test_freq == 0 or last):
+        metrics.update(validate_stage(ctx.run_id, iteration))
+    ctx.tracker.log_metrics(metrics, step=iteration)
+    _log_samples(ctx, iteration)
+    if (cfg.trainer.save_freq and iteration % cfg.trainer.save_freq == 0) or last:
+        save(ctx, iteration)
+    ctx.extra["last_metrics"] = metrics
+    ctx.extra["progress"].done(iteration, metrics)
+    return metrics
+
+
+def _log_samples(ctx: RunContext, iteration: int) -> None:
+    k = ctx.cfg.trainer.log_samples
+    if not k:
+        return
+    t = ctx.store.read_stage(iteration, "rollout", verify=False).slice(0, k)
+    r = ctx.store.read_stage(iteration, "reward", verify=False).slice(0, k)
+    ctx.tracker.log_table({"sample_id": t.column("sample_id").to_pylist(),
+                           "response_text": t.column("response_text").to_pylist(),
+                           "ground_truth": t.column("ground_truth").to_pylist(),
+                           "score": r.column("score").to_pylist()},
+                          f"samples/iteration_{iteration:06d}.json")
+
+
+def save(ctx: RunContext, iteration: int) -> Path:
+    """Checkpoint the state after ``iteration``."""
+    state = {"sampler": ctx.sampler.state_dict(), "policy_version": ctx.policy_version,
+             "kl_ctrl": ctx.kl_ctrl.state_dict() if ctx.kl_ctrl is not None else None,
+             "score_history": ctx.score_history, "mlflow_run_id": ctx.tracker.run_id, "saved_at": time.time()}
+    return ckpt.save_checkpoint(ctx.store, iteration, state,
+                                lambda d: ray.get(ctx.actor.save_checkpoint.remote(str(d / "actor"))),
+                                ctx.cfg.trainer.max_checkpoints)
+
+
+def finish_run(ctx: RunContext) -> dict:
+    """Export the final policy to ``<run>/final`` and return the run summary."""
+    store = ctx.store
+    if not ctx.extra.get("nothing_to_do") or not store.final_dir.exists():
+        tmp = store.run_dir / ".final-tmp"
+        ray.get(ctx.actor.export_hf.remote(str(tmp)))
+        if store.final_dir.exists():
+            import shutil
+
+            shutil.rmtree(store.final_dir)
+        os.replace(tmp, store.final_dir)
+    meta = store.update_run_meta(status="finished", finished=time.time(), policy_version=ctx.policy_version)
+    print(f"trajflow run {ctx.run_id} finished: {store.run_dir}", flush=True)
+    return {"run_id": ctx.run_id, "run_dir": str(store.run_dir), "mlflow_run_id": meta.get("mlflow_run_id"),
+            "metrics": ctx.extra.get("last_metrics", {}), "policy_version": ctx.policy_version}
+
+
+def close_run(ctx: RunContext, status: str) -> None:
+    """Close progress, MLflow run and workers; a failed run says where its files are."""
+    bar = ctx.extra.get("progress")
+    if bar is not None:
+        bar.close()
+    if ctx.tracker is not None:
+        try:
+            ctx.tracker.finish(status)
+        except Exception as e:  # never hide the original error behind a tracking one
+            log.warning("could not close the MLflow run: %s", e)
+    if status != "FINISHED":
+        ctx.store.update_run_meta(status="failed")
+        print(f"trajflow run {ctx.run_id} stopped ({status.lower()}): {ctx.store.run_dir}", flush=True)
+    close(ctx)

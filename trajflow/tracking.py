@@ -1,0 +1,116 @@
+"""MLflow tracking: one MLflow run per trajflow run, verl metric names, the resolved config as params.
+
+The default tracking store is SQLite under the store root (``sqlite:///<root>/mlflow.db``), with
+artifacts beside it in ``<root>/mlartifacts``, so a run directory tree is self-contained.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+from typing import Any, Mapping
+
+from omegaconf import DictConfig
+
+from trajflow.config import flatten
+
+
+def tracking_uri(cfg: DictConfig) -> str:
+    """``tracking.uri`` or the SQLite default under ``store.root``."""
+    if cfg.tracking.uri:
+        return str(cfg.tracking.uri)
+    root = Path(cfg.store.root).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def git_commit() -> str | None:
+    """The source tree's commit, if it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def mlflow_metric_name(name: str) -> str:
+    """verl metric name -> a name MLflow accepts (``val-core/x/acc/mean@1`` -> ``.../mean_at_1``)."""
+    return name.replace("@", "_at_")
+
+
+class Tracker:
+    """Thin wrapper over an MLflow run (client API, so several runs can coexist in one process).
+
+    Args:
+        cfg: the resolved run config.
+        run_id: the trajflow run id (MLflow run name).
+        tags: extra MLflow tags (e.g. replay lineage).
+        mlflow_run_id: reattach to this MLflow run (resume) instead of creating one.
+    """
+
+    def __init__(self, cfg: DictConfig, run_id: str, tags: Mapping[str, str] | None = None,
+                 mlflow_run_id: str | None = None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.uri = tracking_uri(cfg)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        name = cfg.trainer.experiment_name or f"trajflow/{cfg.recipe}"
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            artifact_location = None
+            if self.uri.startswith("sqlite:///"):
+                artifact_location = (Path(self.uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+            exp_id = self.client.create_experiment(name, artifact_location=artifact_location)
+        else:
+            exp_id = exp.experiment_id
+        self.experiment_id = exp_id
+        if mlflow_run_id:
+            self.run_id = mlflow_run_id
+            self.client.update_run(mlflow_run_id, status="RUNNING")
+        else:
+            all_tags = {"trajflow.run_id": run_id, "trajflow.recipe": str(cfg.recipe)}
+            commit = git_commit()
+            if commit:
+                all_tags["mlflow.source.git.commit"] = commit
+            all_tags.update(tags or {})
+            run = self.client.create_run(exp_id, run_name=run_id, tags=all_tags)
+            self.run_id = run.info.run_id
+            self.log_params(flatten(cfg))
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """One ``log_batch`` per call (one SQLite transaction instead of one per metric)."""
+        import time
+
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        # MLflow rejects '@' in names; verl's MLflow adapter writes "mean@4" as "mean_at_4" too.
+        items = [Metric(mlflow_metric_name(k), float(v), ts, step) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_table(self, data: dict, artifact_file: str) -> None:
+        self.client.log_table(self.run_id, data=data, artifact_file=artifact_file)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
