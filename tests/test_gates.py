@@ -8,10 +8,7 @@ the views built here (counts of bad rows, fractions such as 3/10), never copied 
 from __future__ import annotations
 
 import json
-import math
-import shutil
 import types
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
