@@ -49,7 +49,12 @@ def train_flow(config_yaml: str, run_id: str, resume: bool = False) -> dict:
 
 
 def train(recipe: str | None = None, overrides: Sequence[str] = (), run_id: str | None = None) -> dict:
-    """Build the config, then run :func:`train_flow` (honours ``trainer.resume=auto``)."""
+    """Build the config, check data and model, then run :func:`train_flow` (honours ``trainer.resume=auto``).
+
+    Raises:
+        ConfigError, DataError, ModelLoadError, RunExistsError: bad input, before anything is written.
+    """
     cfg = load_config(recipe, overrides)
+    session.preflight(cfg)
     run_id, resume = session.choose_run_id(cfg, run_id)
     return train_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, resume=resume)

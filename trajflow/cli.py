@@ -52,6 +52,9 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help="config ove
     """Train a policy with a recipe (default: grpo_default) and key=value overrides."""
 
     def go():
+        from trajflow.config import load_config
+
+        load_config(config, overrides or [])  # fail fast on bad config, before Prefect/Ray start
         from flows.train import train as train_entry
 
         return train_entry(config, overrides or [], run_id)

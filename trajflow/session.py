@@ -50,6 +50,21 @@ def choose_run_id(cfg: DictConfig, run_id: str | None = None) -> tuple[str, bool
     return run_id, False
 
 
+def preflight(cfg: DictConfig) -> None:
+    """Fail on bad data or model input before Prefect, Ray or the run folder are touched.
+
+    Raises:
+        trajflow.data.DataError: the dataset spec or a row is invalid (names file and row).
+        trajflow.models.ModelLoadError: ``model.path`` is not loadable.
+    """
+    from trajflow.data import load_prompt_dataset, load_spec
+    from trajflow.models import resolve_model_path
+
+    if load_spec(cfg.data.dataset).get("source") == "file":
+        load_prompt_dataset(cfg.data.dataset)  # row checks; generated datasets are valid by construction
+    resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+
+
 class Progress:
     """One live line per iteration: stage, reward mean, response length, seconds (tqdm)."""
 
@@ -95,6 +110,9 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     from trajflow.tracking import Tracker
 
     store = RunStore(cfg.store.root, run_id)
+    # Load inputs first: a bad dataset or model must not leave a half-created run behind.
+    datasets = load_prompt_dataset(cfg.data.dataset)
+    model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     if not resume:
         if store.exists():
             raise RunExistsError(f"run {run_id!r} already exists in {store.run_dir}")
@@ -104,9 +122,6 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     else:
         store.update_run_meta(status="running")
     print(f"trajflow run {run_id}: {store.run_dir}", flush=True)
-
-    datasets = load_prompt_dataset(cfg.data.dataset)
-    model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     ctx = RunContext(cfg=cfg, store=store, model_path=model_path, datasets=datasets)
     ctx.sampler = PromptSampler(datasets.train, cfg.data.train_batch_size, cfg.trainer.seed)
     if cfg.algorithm.use_kl_in_reward:
