@@ -93,15 +93,22 @@ def gate_stage(run_id: str, iteration: int, rollout: StageRef, reward: StageRef)
 
 @task(name="advantage", task_run_name="advantage-{run_id}-it{iteration}", **TASK_OPTS)
 def advantage_stage(run_id: str, iteration: int, rollout: StageRef, reward: StageRef, gate: dict) -> StageRef:
-    """Compute advantages and returns on a Ray worker and store them."""
+    """Compute advantages and returns on a Ray worker and store them.
+
+    Rows quarantined by the gate take no part: the estimator sees only the kept rows (so they
+    cannot shift a group's baseline), and their advantages are stored as zeros.
+    """
     ctx = get_context(run_id)
     ref = ctx.store.verified_stage(iteration, "advantage")
     if ref is not None:
         return ref
     t0 = time.perf_counter()
     joined = join_stages([ctx.store.read_ref(rollout), ctx.store.read_ref(reward)])
-    joined = _with_loss_mask(joined, gate)
-    out = ray.get(ray.remote(num_cpus=0)(pipeline.advantage_table).remote(joined, ctx.plain("algorithm")))
+    dropped = set(gate.get("quarantined_sample_ids") or ())
+    keep = np.array([sid not in dropped for sid in joined.column("sample_id").to_pylist()])
+    compute = ray.remote(num_cpus=0)(pipeline.advantage_table)
+    out = ray.get(compute.remote(joined.filter(pa.array(keep)), ctx.plain("algorithm"))) if keep.any() else None
+    out = pipeline.fill_dropped_rows(joined, out)
     ctx.extra.setdefault("timing", {}).setdefault(iteration, {})["timing_s/adv"] = time.perf_counter() - t0
     return ctx.store.write_stage(iteration, "advantage", out, ctx.policy_version)
 

@@ -9,6 +9,7 @@ the run with :class:`GateFailed` before the policy update may use the data.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -74,10 +75,13 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
         if not report.success:
             try:
                 docs = write_data_docs(report, ctx.store.iteration_dir(iteration) / "data_docs")
-                ctx.tracker.log_artifact(docs, f"gates/iteration_{iteration:06d}")
+                ctx.tracker.log_artifact(Path(docs).parent, f"gates/iteration_{iteration:06d}/data_docs")
             except Exception:  # data docs are a convenience; the JSON result is already stored
                 pass
     ctx.extra.setdefault("gate_metrics", {})[iteration] = metrics
+    if report.score_mean is not None:
+        # The drift check's history: mean over finite scores of rows whose scorer did not raise.
+        ctx.extra.setdefault("gate_score_mean", {})[iteration] = float(report.score_mean)
     if not report.success:
         ctx.store.mark(iteration, "gated", gate=result["failures"])
         raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate:\n{report.failure_message()}")

@@ -163,6 +163,30 @@ def advantage_table(joined: pa.Table, algorithm_cfg: dict, values: list[np.ndarr
     return pa.table(cols)
 
 
+def fill_dropped_rows(joined: pa.Table, computed: pa.Table | None) -> pa.Table:
+    """Advantage table over every row of ``joined``: computed rows as given, the others zero.
+
+    Args:
+        joined: all rows of the iteration (``sample_id``, ``response_ids``).
+        computed: :func:`advantage_table` over the kept rows (``None`` if none was kept).
+    """
+    ids = joined.column("sample_id").to_pylist()
+    resp_len = lengths(joined.column("response_ids"))
+    by_id: dict[str, int] = {}
+    cols = ["advantages", "returns"]
+    if computed is not None:
+        by_id = {sid: i for i, sid in enumerate(computed.column("sample_id").to_pylist())}
+        cols = [c for c in computed.column_names if c != "sample_id"]
+        if len(by_id) == len(ids):
+            return computed.take(pa.array([by_id[s] for s in ids]))
+    data = {c: computed.column(c).to_pylist() if computed is not None else None for c in cols}
+    out: dict[str, Any] = {"sample_id": joined.column("sample_id")}
+    for c in cols:
+        out[c] = pa.array([data[c][by_id[s]] if s in by_id else [0.0] * int(n) for s, n in zip(ids, resp_len)],
+                          pa.list_(pa.float32()))
+    return pa.table(out)
+
+
 def batch_metrics(joined: pa.Table) -> dict[str, float]:
     """verl's data metrics over one iteration's joined batch."""
     score = joined.column("score").to_numpy(zero_copy_only=False).astype(np.float64)

@@ -209,8 +209,9 @@ def finish_iteration(ctx: RunContext, iteration: int, metrics: dict) -> dict:
     metrics.update(_memory_metrics(ctx))
     if ctx.kl_ctrl is not None and "critic/kl" in metrics:
         ctx.kl_ctrl.update(metrics["critic/kl"], cfg.data.train_batch_size * cfg.rollout.n)
-    if "critic/score/mean" in metrics:
-        ctx.score_history.append(metrics["critic/score/mean"])
+    gate_mean = ctx.extra.get("gate_score_mean", {}).get(iteration)
+    if gate_mean is not None or "critic/score/mean" in metrics:
+        ctx.score_history.append(gate_mean if gate_mean is not None else metrics["critic/score/mean"])
     ctx.store.mark(iteration, "complete", policy_version_after=ctx.policy_version)
     last = iteration == cfg.trainer.total_iterations
     if cfg.trainer.test_freq > 0 and (iteration % cfg.trainer.test_freq == 0 or last):
