@@ -65,6 +65,27 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help="config ove
     typer.echo(f"run {summary['run_id']} done: {summary['run_dir']} {shown}")
 
 
+@app.command()
+def gate(run_id: str = typer.Argument(..., help="run id under the store root"),
+         iteration: Optional[int] = typer.Option(None, "--iteration", "-i", help="one iteration (default: all)"),
+         suite: Optional[str] = typer.Option(None, "--suite", help="expectation suite file (default: the run's)"),
+         store: str = typer.Option("runs", "--store", help="store root")) -> None:
+    """Re-validate a run's stored reward outputs, e.g. with a stricter suite. Exit 3 if a gate fails."""
+    from trajflow.gating import recheck_run
+
+    reports = _run(recheck_run, store, run_id, iteration, suite)
+    failed = False
+    for it, report in reports:
+        status = "ok" if report.success else "FAILED"
+        typer.echo(f"iteration {it:6d}: {status} ({report.rows} rows, {len(report.quarantined_sample_ids)} quarantined)")
+        for o in report.results:
+            mark = "pass" if o.success else ("skip" if o.details.get("skipped") else o.policy)
+            typer.echo(f"  {o.name:28s} {mark:10s} observed={o.observed_value}")
+        failed |= not report.success
+    if failed:
+        raise typer.Exit(3)
+
+
 @app.command("config")
 def show_config(overrides: Optional[List[str]] = typer.Argument(None),
                 config: Optional[str] = typer.Option(None, "--config", "-c")) -> None:

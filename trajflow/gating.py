@@ -86,3 +86,39 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
         ctx.store.mark(iteration, "gated", gate=result["failures"])
         raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate:\n{report.failure_message()}")
     return {k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}
+
+
+def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suite: str | None = None) -> list:
+    """Re-run the gate over stored reward outputs (``trajflow gate``); nothing is written.
+
+    Returns:
+        ``[(iteration, GateReport), ...]`` in iteration order.
+
+    Raises:
+        StoreError: unknown run, or the iteration has no verified rollout/reward output.
+    """
+    from omegaconf import OmegaConf
+
+    from trajflow.config import load_config
+    from trajflow.gates import run_gate
+    from trajflow.store import RunStore, StoreError
+
+    store = RunStore(store_root, run_id)
+    if not store.exists():
+        raise StoreError(f"no run {run_id!r} under {store.root}")
+    overrides = [f"gates.suite={suite}"] if suite else []
+    cfg = load_config(base=OmegaConf.load(store.config_path), overrides=overrides)
+    its = [iteration] if iteration is not None else [i for i in store.iterations()
+                                                     if store.verified_stage(i, "reward", warn=False)]
+    if iteration is not None and iteration not in store.iterations():
+        raise StoreError(f"run {run_id!r} has no iteration {iteration} (has {store.iterations()})")
+    settings = gate_settings(cfg)
+    settings.enabled = True
+    out, history = [], []
+    for it in its:
+        view = gate_view(store.read_stage(it, "rollout"), store.read_stage(it, "reward"))
+        report = run_gate(view, settings, history=history[-cfg.gates.drift_window:])
+        if report.score_mean is not None:
+            history.append(float(report.score_mean))
+        out.append((it, report))
+    return out
