@@ -109,3 +109,26 @@ def test_raising_scorer_is_counted_and_gated_by_error_rate(tiny_model_dir, ray_l
     errors = [e for e in reward.column("reward_error").to_pylist() if e]
     assert len(errors) == 2 and all("scorer exploded" in e for e in errors)
     assert summary["metrics"]["reward/scorer_errors"] == 2.0
+
+
+def test_gate_command_revalidates_with_a_stricter_suite(tiny_model_dir, ray_local, tmp_path, scorer_file):
+    import subprocess
+    import sys
+
+    summary = _train(tiny_model_dir, tmp_path, scorer_file, "constant", **{"trainer.total_iterations": 1})
+    cli = str(Path(sys.executable).parent / "trajflow")
+    ok = subprocess.run([cli, "gate", summary["run_id"], "--store", str(tmp_path)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "iteration      1: ok" in ok.stdout
+    suite = json.loads((Path(__file__).parents[1] / "datasets/expectations/reward_default.json").read_text())
+    for e in suite["expectations"]:
+        if e["meta"]["name"] == "equal_reward_group_frac":
+            e["meta"]["policy"] = "fail"
+    strict = tmp_path / "strict.json"
+    strict.write_text(json.dumps(suite))
+    bad = subprocess.run([cli, "gate", summary["run_id"], "--store", str(tmp_path), "--suite", str(strict)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 3, bad.stderr
+    assert "FAILED" in bad.stdout and "equal_reward_group_frac" in bad.stdout
+    missing = subprocess.run([cli, "gate", "nope", "--store", str(tmp_path)], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
