@@ -29,31 +29,43 @@ def _rollout(worker, temperature=0.7):
     return rows, out
 
 
-def test_first_ppo_step_has_ratio_exactly_one(worker):
+def _batch(rows, out, mini_rows):
+    return {"prompt_ids": rows, "response_ids": out["response_ids"], "old_logprobs": out["old_logprobs"],
+            "advantages": [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out["response_ids"])],
+            "mini_batch_rows": mini_rows}
+
+
+def test_recomputed_old_logprobs_give_ratio_exactly_one(worker):
+    # Two mini-batches: the trainer recomputes old log-probs before the first step with the
+    # update's own packing, so the first step's ratio is 1 bit for bit (temperature 0.7).
     rows, out = _rollout(worker, temperature=0.7)
-    # Recompute the first micro-batch as the update does (train mode, autograd on).
     worker.model.train()
     packed = pack(rows[:2], out["response_ids"][:2], worker.pad_id)
     logp, _ = forward_micro_batch(worker.model, packed, 0.7)
+    recomputed = worker.compute_log_prob(rows, out["response_ids"], 0.7)
     for j in range(2):
         n = len(out["response_ids"][j])
-        ratio = torch.exp(logp[j, :n].detach() - torch.from_numpy(out["old_logprobs"][j]))
-        assert torch.equal(ratio, torch.ones(n))
-    batch = {"prompt_ids": rows, "response_ids": out["response_ids"], "old_logprobs": [x.tolist() for x in out["old_logprobs"]],
-             "advantages": [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out["response_ids"])],
-             "mini_batch_rows": 4}
-    metrics = worker.update_actor(batch, temperature=0.7)
+        assert torch.equal(torch.exp(logp[j, :n].detach() - torch.from_numpy(recomputed[j])), torch.ones(n))
+    metrics = worker.update_actor(_batch(rows, out, mini_rows=2), temperature=0.7)
     assert metrics["actor/ratio_first_step_max_abs_dev"] == 0.0
-    assert metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["policy_version"] == 1
 
 
-def test_old_logprobs_depend_on_temperature(worker):
-    rows, out = _rollout(worker, temperature=1.0)
-    hot = worker.compute_log_prob(rows, out["response_ids"], 2.0)
-    cold = worker.compute_log_prob(rows, out["response_ids"], 1.0)
-    assert all(np.allclose(a, b) for a, b in zip(cold, out["old_logprobs"]))
-    assert not all(np.allclose(a, b) for a, b in zip(hot, out["old_logprobs"]))
+def test_single_step_update_is_on_policy_and_matches_rollout_logprobs(worker):
+    rows, out = _rollout(worker, temperature=0.7)
+    metrics = worker.update_actor(_batch(rows, out, mini_rows=4), temperature=0.7)
+    assert metrics["actor/ratio_first_step_max_abs_dev"] == 0.0
+    assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/ppo_kl"] == 0.0
+    # The engine's sampling log-probs agree with the trainer's at the same temperature.
+    assert metrics["actor/rollout_logprob_diff"] < 1e-4
+
+
+def test_rollout_logprobs_use_the_sampling_temperature(worker):
+    rows, out = _rollout(worker, temperature=0.7)
+    same = worker.compute_log_prob(rows, out["response_ids"], 0.7)
+    other = worker.compute_log_prob(rows, out["response_ids"], 1.0)
+    assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(same, out["old_logprobs"]))
+    assert not all(np.allclose(a, b, atol=1e-2) for a, b in zip(other, out["old_logprobs"]))
 
 
 def test_generation_is_a_function_of_the_seed(worker):
@@ -64,7 +76,7 @@ def test_generation_is_a_function_of_the_seed(worker):
 
 def test_checkpoint_round_trip(worker, tiny_model_dir, tmp_path):
     rows, out = _rollout(worker)
-    batch = {"prompt_ids": rows, "response_ids": out["response_ids"], "old_logprobs": [x.tolist() for x in out["old_logprobs"]],
+    batch = {"prompt_ids": rows, "response_ids": out["response_ids"], "old_logprobs": out["old_logprobs"],
              "advantages": [[0.5] * len(r) for r in out["response_ids"]], "mini_batch_rows": 4}
     worker.update_actor(batch, 0.7)
     worker.save_checkpoint(str(tmp_path / "ck"))

@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.rollout import SamplingParams, response_lengths_and_finish
+from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish
 from trajflow.engines.base import GenerationOutput
 
 
@@ -44,6 +44,7 @@ class HFRolloutEngine:
         order = sorted(range(len(rows)), key=lambda i: (len(rows[i]), i))
         responses: list[list[int] | None] = [None] * len(rows)
         finish: list[str | None] = [None] * len(rows)
+        logprobs: list[list[float] | None] = [None] * len(rows)
         gen = torch.Generator(device="cpu").manual_seed(int(params.seed))
         was_training = self.model.training
         self.model.eval()
@@ -59,8 +60,11 @@ class HFRolloutEngine:
                     attn[j, width - len(p):] = 1
                 # One RNG stream per call, advanced in a fixed batch order: same seed, same samples.
                 torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+                # output_logits: the raw per-step logits, from which the sampled tokens' log-probs
+                # under the sampling temperature are read without a second forward pass.
                 kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids,
-                              pad_token_id=self.pad_id)
+                              pad_token_id=self.pad_id, return_dict_in_generate=True,
+                              output_logits=not params.greedy)
                 if params.greedy:
                     kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
                 else:
@@ -68,16 +72,24 @@ class HFRolloutEngine:
                     kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
                                   top_k=params.top_k)
                 out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
-                resp = out[:, width:].cpu()
+                resp = out.sequences[:, width:].cpu()
                 if resp.shape[1] == 0:
                     resp = torch.full((len(batch), 1), self.pad_id, dtype=torch.long)
+                step_lp = None
+                if out.logits:
+                    step_lp = torch.stack([logprobs_from_logits(lg, resp[:, t].to(lg.device), params.temperature)
+                                           for t, lg in enumerate(out.logits)], dim=1).cpu()
                 lengths, reasons = response_lengths_and_finish(resp, self.eos_ids)
                 for j, i in enumerate(idx):
-                    responses[i] = resp[j, :int(lengths[j])].tolist()
+                    n = int(lengths[j])
+                    responses[i] = resp[j, :n].tolist()
                     finish[i] = reasons[j]
+                    if step_lp is not None:
+                        logprobs[i] = step_lp[j, :n].tolist()
         finally:
             self.model.train(was_training)
-        return GenerationOutput(response_ids=responses, finish_reason=finish)  # type: ignore[arg-type]
+        return GenerationOutput(response_ids=responses, finish_reason=finish,  # type: ignore[arg-type]
+                                logprobs=None if params.greedy else logprobs)  # type: ignore[arg-type]
 
 
 def generated_token_count(out: GenerationOutput) -> int:

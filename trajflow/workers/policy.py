@@ -108,13 +108,16 @@ class PolicyWorker:
         return build_prompt_ids(self.tokenizer, messages_list, max_prompt_length)
 
     def generate_sequences(self, prompt_ids: list[list[int]], params: SamplingParams,
-                           compute_old_log_prob: bool = True) -> dict:
-        """Sample ``params.n`` responses per prompt, then (optionally) their old log-probs.
+                           recompute_log_prob: bool = False) -> dict:
+        """Sample ``params.n`` responses per prompt with their rollout log-probs.
+
+        The log-probs are read from the generation's own logits under the sampling temperature
+        (no second forward pass); ``recompute_log_prob`` recomputes them teacher-forced instead.
 
         Returns:
             dict with ``response_ids`` (list of int lists, prompt-major), ``response_text``,
-            ``finish_reason``, ``old_logprobs`` (list of float32 arrays, or absent),
-            ``timing_s/gen``, ``timing_s/old_log_prob`` (seconds) and ``policy_version``.
+            ``finish_reason``, ``old_logprobs`` (list of float lists; absent for greedy decoding),
+            ``timing_s/gen`` (seconds) and ``policy_version``.
         """
         t0 = time.perf_counter()
         out = self.engine.generate(prompt_ids, params)
@@ -122,10 +125,13 @@ class PolicyWorker:
         result = {"response_ids": out.response_ids, "finish_reason": out.finish_reason,
                   "response_text": self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True),
                   "policy_version": self.policy_version, "timing_s/gen": t1 - t0}
-        if compute_old_log_prob and not params.greedy:
-            rows = [p for p in prompt_ids for _ in range(params.n)]
-            result["old_logprobs"] = self.compute_log_prob(rows, out.response_ids, params.temperature)
-            result["timing_s/old_log_prob"] = time.perf_counter() - t1
+        if not params.greedy:
+            if recompute_log_prob or out.logprobs is None:
+                rows = [p for p in prompt_ids for _ in range(params.n)]
+                result["old_logprobs"] = [x.tolist() for x in self.compute_log_prob(rows, out.response_ids, params.temperature)]
+                result["timing_s/old_log_prob"] = time.perf_counter() - t1
+            else:
+                result["old_logprobs"] = out.logprobs
         return result
 
     def compute_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
@@ -140,9 +146,15 @@ class PolicyWorker:
     def update_actor(self, batch: dict, temperature: float) -> dict:
         """PPO-style policy update over one iteration's batch.
 
-        ``batch`` holds per-row lists: ``prompt_ids``, ``response_ids``, ``old_logprobs``,
-        ``advantages`` (ragged, aligned with ``response_ids``), optional ``ref_logprobs`` and
-        ``loss_mask`` (ragged 0/1; rows or tokens excluded from the loss). The batch is cut into
+        ``batch`` holds per-row lists: ``prompt_ids``, ``response_ids``, ``old_logprobs`` (the
+        rollout engine's), ``advantages`` (ragged, aligned with ``response_ids``), optional
+        ``ref_logprobs`` and ``loss_mask`` (ragged 0/1; rows or tokens excluded from the loss).
+
+        The behaviour policy's log-probs in the PPO ratio are the trainer's own: when the whole
+        batch is one optimizer step of one epoch (fully on-policy), they are the current forward's
+        log-probs detached, so the ratio is exactly 1 and no extra forward pass is spent; otherwise
+        they are recomputed before the first step with the same packing as the update. The
+        engine's log-probs are only compared with them (``actor/rollout_logprob_diff``). The batch is cut into
         mini-batches of ``ppo_mini_batch_size * n`` rows (one optimizer step each) and those into
         micro-batches of ``ppo_micro_batch_size`` rows (gradient accumulation, exact thanks to the
         mini-batch-wide denominators of :func:`stages.policy_update.agg_loss`), for ``ppo_epochs``
@@ -154,6 +166,7 @@ class PolicyWorker:
             ``actor/ratio_first_step_max_abs_dev``) plus ``timing_s/update_actor``.
         """
         t0 = time.perf_counter()
+        sums: dict[str, list[float]] = {}
         a = self.actor
         n_rows = len(batch["response_ids"])
         mini_rows = int(batch.get("mini_batch_rows") or n_rows)
@@ -162,8 +175,14 @@ class PolicyWorker:
                                     loss_agg_mode=a["loss_agg_mode"])
         use_kl = a["kl_loss_coef"] > 0 and batch.get("ref_logprobs") is not None
         rng = np.random.default_rng(int(batch.get("shuffle_seed", 0)))
+        single_step = a["ppo_epochs"] == 1 and mini_rows >= n_rows
+        trainer_old = None
+        if not single_step:
+            t_old = time.perf_counter()
+            trainer_old = self.compute_log_prob(batch["prompt_ids"], batch["response_ids"], temperature)
+            sums["timing_s/old_log_prob"] = [time.perf_counter() - t_old]
+        diffs: list[float] = []
         self.model.train()
-        sums: dict[str, list[float]] = {}
         first_step_ratio_dev = None
 
         def ragged(key: str, rows: Sequence[int], width: int, fill: float = 0.0) -> torch.Tensor:
@@ -198,7 +217,16 @@ class PolicyWorker:
                     mask = packed.response_mask.float() * ragged("loss_mask", rows, T) if batch.get("loss_mask") is not None \
                         else packed.response_mask.float()
                     logp, ent = forward_micro_batch(self.model, packed, temperature, compute_entropy=True)
-                    old = ragged("old_logprobs", rows, T)
+                    if trainer_old is None:
+                        old = logp.detach()
+                    else:
+                        old = torch.zeros_like(logp)
+                        for j, r in enumerate(rows):
+                            old[j, :len(trainer_old[r])] = torch.from_numpy(trainer_old[r])
+                    if epoch == 0 and batch.get("old_logprobs") is not None:
+                        rollout_lp = ragged("old_logprobs", rows, T)
+                        m = packed.response_mask
+                        diffs.append(float(((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)))
                     adv = ragged("advantages", rows, T)
                     agg_kw = dict(global_num_tokens=global_tokens, global_num_seqs=global_seqs)
                     pg_loss, pg_m = compute_policy_loss(a["policy_loss"], old, logp, adv, mask, loss_cfg, **agg_kw)
@@ -238,6 +266,9 @@ class PolicyWorker:
         metrics = {k: float(np.mean(v)) for k, v in sums.items()}
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["actor/ratio_first_step_max_abs_dev"] = float(first_step_ratio_dev or 0.0)
+        if diffs:
+            # verl's training/rollout_probs_diff: how far the engine's log-probs are from the trainer's.
+            metrics["actor/rollout_logprob_diff"] = float(np.mean(diffs))
         metrics["timing_s/update_actor"] = time.perf_counter() - t0
         metrics["policy_version"] = self.policy_version
         return metrics
