@@ -1,8 +1,8 @@
 """The ``train`` flow: rollout -> reward -> gate -> advantage -> update -> checkpoint, per iteration.
 
-Run it with ``trajflow train [--config RECIPE] [key=value ...]`` or call :func:`train` directly.
-Prefect runs without a server by default (a temporary local one); set ``PREFECT_API_URL`` to use a
-real server.
+Run it with ``trajflow train [--config RECIPE] [key=value ...]`` or call :func:`train` directly;
+deployments run :func:`train_recipe` (``infra/prefect/prefect.yaml``). Prefect runs without a server
+by default (a temporary local one); set ``PREFECT_API_URL`` to use a real server.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from trajflow.env import configure_environment
 
 configure_environment()
 
-from typing import Sequence  # noqa: E402
+from typing import Optional, Sequence  # noqa: E402
 
 from omegaconf import OmegaConf  # noqa: E402
 from prefect import flow  # noqa: E402
 
-from flows.tasks import advantage_stage, gate_stage, reward_stage, rollout_stage, update_stage  # noqa: E402
+from flows import tasks  # noqa: E402
+from flows.reporting import iteration_artifact, rename_flow_run  # noqa: E402
 from trajflow import session  # noqa: E402
-from trajflow.config import load_config  # noqa: E402
+from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402
 
 
 @flow(name="train", flow_run_name="train-{run_id}", validate_parameters=False)
@@ -31,16 +32,18 @@ def train_flow(config_yaml: str, run_id: str, resume: bool = False) -> dict:
         resume: continue the run from its newest complete checkpoint.
     """
     cfg = load_config(base=OmegaConf.create(config_yaml))
+    stage = tasks.stages_for(cfg)  # the stage tasks with this run's retries and timeouts
     ctx = session.open_run(cfg, run_id, resume=resume)
     status = "FAILED"
     try:
         for it in session.pending_iterations(ctx):
-            rollout = rollout_stage(run_id, it)
-            reward = reward_stage(run_id, it, rollout)
-            gate = gate_stage(run_id, it, rollout, reward)
-            advantage = advantage_stage(run_id, it, rollout, reward, gate)
-            metrics = update_stage(run_id, it, rollout, reward, advantage, gate)
-            session.finish_iteration(ctx, it, metrics)
+            rollout = stage.rollout(run_id, it)
+            reward = stage.reward(run_id, it, rollout)
+            gate = stage.gate(run_id, it, rollout, reward)
+            advantage = stage.advantage(run_id, it, rollout, reward, gate)
+            metrics = stage.update(run_id, it, rollout, reward, advantage, gate)
+            metrics = session.finish_iteration(ctx, it, metrics)
+            iteration_artifact(ctx, it, metrics)
         summary = session.finish_run(ctx)
         status = "FINISHED"
         return summary
@@ -57,4 +60,30 @@ def train(recipe: str | None = None, overrides: Sequence[str] = (), run_id: str 
     cfg = load_config(recipe, overrides)
     session.preflight(cfg)
     run_id, resume = session.choose_run_id(cfg, run_id)
+    return train_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, resume=resume)
+
+
+@flow(name="train-recipe", flow_run_name="train-recipe-{recipe}")
+def train_recipe(recipe: str = DEFAULT_RECIPE, overrides: Optional[list[str]] = None,
+                 run_id: Optional[str] = None) -> dict:
+    """Train a recipe with ``key=value`` overrides: the entry of the ``train`` deployment.
+
+    Builds and checks the config, picks the run id (``trainer.resume=auto`` continues an existing
+    run), renames this flow run ``train-recipe-<run id>`` and runs :func:`train_flow` as a subflow.
+
+    Args:
+        recipe: a recipe name under ``flows/configs/`` or a YAML path on the worker.
+        overrides: config overrides such as ``["trainer.total_iterations=50", "actor.lr=2e-5"]``.
+        run_id: the run id (default: generated from the recipe and the time).
+
+    Returns:
+        The run summary (``run_id``, ``run_dir``, ``mlflow_run_id``, final ``metrics``, ``policy_version``).
+
+    Raises:
+        ConfigError, DataError, ModelLoadError, RunExistsError: bad input, before anything is written.
+    """
+    cfg = load_config(recipe, list(overrides or []))
+    session.preflight(cfg)
+    run_id, resume = session.choose_run_id(cfg, run_id)
+    rename_flow_run(f"train-recipe-{run_id}")
     return train_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, resume=resume)

@@ -86,6 +86,29 @@ def gate(run_id: str = typer.Argument(..., help="run id under the store root"),
         raise typer.Exit(3)
 
 
+@app.command()
+def deploy(server: Optional[str] = typer.Option(None, "--server", help="Prefect server URL, e.g. "
+                                                "http://127.0.0.1:4200 (default: PREFECT_API_URL)"),
+           source: Optional[str] = typer.Option(None, "--source", help="trajflow source folder on the worker "
+                                                "machines (default: this checkout)"),
+           pool: Optional[str] = typer.Option(None, "--pool", help="work pool name (default: the one in "
+                                              "infra/prefect/work-pools.yaml)")) -> None:
+    """Register the Prefect deployments (train, evaluate, replay), their work pool, queues and schedules."""
+    from trajflow.deploy import DeployError
+    from trajflow.deploy import deploy as register_all
+
+    try:
+        out = register_all(server, source, pool, echo=typer.echo)
+    except DeployError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    first_pool = out["pools"][0] if out["pools"] else "POOL"
+    typer.echo(f"registered {len(out['deployments'])} deployment(s) on {out['api_url']}. Next:\n"
+               f"  PREFECT_API_URL={out['api_url']} prefect worker start --pool {first_pool} --type process\n"
+               f"  PREFECT_API_URL={out['api_url']} prefect deployment run train-recipe/train "
+               f"--param recipe=grpo_default")
+
+
 @app.command("config")
 def show_config(overrides: Optional[List[str]] = typer.Argument(None),
                 config: Optional[str] = typer.Option(None, "--config", "-c")) -> None:

@@ -27,6 +27,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "flows" / "configs"
 DEFAULT_RECIPE = "grpo_default"
+#: Stage task names of the train flow (keys of ``trainer.stage_timeouts``).
+STAGE_NAMES = ("rollout", "reward", "gate", "advantage", "update_actor", "validate")
 
 
 class ConfigError(ValueError):
@@ -210,6 +212,12 @@ class TrainerConfig:
     experiment_name: Optional[str] = _f(None, "MLflow experiment (default: the recipe name)")
     log_samples: int = _f(4, "sample generations logged per iteration", ge=0)
     progress: bool = _f(True, "live progress line per iteration")
+    stage_retries: int = _f(2, "retries of a stage task after a transient failure (a Ray worker died, "
+                            "a stage timed out); dead workers are recreated from the newest checkpoint", ge=0)
+    stage_retry_delay_s: float = _f(5.0, "seconds between a failed stage attempt and its retry", ge=0.0)
+    stage_timeout_s: float = _f(3600.0, "wall-clock limit of one stage attempt in seconds (0 = none)", ge=0.0)
+    stage_timeouts: dict = _f({}, "per-stage limits in seconds overriding stage_timeout_s, e.g. "
+                              "{update_actor: 1800}; stages: " + ", ".join(STAGE_NAMES))
 
 
 @dataclass
@@ -233,6 +241,8 @@ class TrackingConfig:
     """MLflow."""
 
     uri: Optional[str] = _f(None, "MLflow tracking URI (default: sqlite:///<store.root>/mlflow.db)")
+    ui_url: Optional[str] = _f(None, "MLflow UI base URL for links in Prefect artifacts, e.g. "
+                               "http://mlflow.internal:5000 (default: no link, the MLflow run id only)")
 
 
 @dataclass
@@ -383,6 +393,15 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         if value not in ("fail", "warn", "quarantine"):
             raise ConfigError(f"{source}: gates.policies.{key}={value!r} is not allowed: "
                               "choose one of fail, warn, quarantine")
+    for key, value in cfg.trainer.stage_timeouts.items():
+        if key not in STAGE_NAMES:
+            close = difflib.get_close_matches(str(key), STAGE_NAMES, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{source}: trainer.stage_timeouts.{key} is not a stage: choose from "
+                              f"{', '.join(STAGE_NAMES)}{hint}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{source}: trainer.stage_timeouts.{key}={value!r} must be a number of "
+                              "seconds >= 0 (0 = no limit)")
     if cfg.gates.score_min > cfg.gates.score_max:
         raise ConfigError(f"{source}: gates.score_min={cfg.gates.score_min} must be <= "
                           f"gates.score_max={cfg.gates.score_max}")

@@ -221,3 +221,66 @@ def batch_metrics(joined: pa.Table) -> dict[str, float]:
     if "reward_error" in joined.column_names:
         m["reward/scorer_errors"] = float(joined.column("reward_error").null_count * -1 + joined.num_rows)
     return m
+
+
+def iteration_seed(seed: int, iteration: int, salt: int = 0) -> int:
+    """Seed for iteration-local randomness (sampling, shuffling): equal across resumes and retries.
+
+    Args:
+        seed: ``trainer.seed``.
+        iteration: the iteration (or validation step).
+        salt: separates streams of one iteration (0 rollout, 1 update shuffle, 2 validation).
+
+    Returns:
+        An int in ``[0, 2**31 - 1)``.
+    """
+    return (seed * 1_000_003 + iteration * 7919 + salt) % (2**31 - 1)
+
+
+def with_loss_mask(joined: pa.Table, gate: dict | None) -> pa.Table:
+    """Add a ragged 0/1 float32 ``loss_mask`` column that drops the gate's quarantined rows.
+
+    Args:
+        joined: the iteration's joined stages (needs ``sample_id``, ``response_ids``).
+        gate: the gate result (``quarantined_sample_ids``); ``None`` or none quarantined: unchanged.
+
+    Returns:
+        ``joined``, plus ``loss_mask`` (list<float32>, one entry per response token) when rows are dropped.
+    """
+    dropped = set((gate or {}).get("quarantined_sample_ids") or ())
+    if not dropped:
+        return joined
+    lens = lengths(joined.column("response_ids"))
+    keep = [sid not in dropped for sid in joined.column("sample_id").to_pylist()]
+    mask = [[1.0 if k else 0.0] * int(n) for k, n in zip(keep, lens)]
+    return joined.append_column("loss_mask", pa.array(mask, pa.list_(pa.float32())))
+
+
+def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_mini_batch_size: int,
+                 use_ref_logprobs: bool) -> dict[str, Any]:
+    """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
+
+    The same stored tables always give the same batch (the shuffle seed derives from the
+    iteration), so an update re-run after a worker died reproduces the original one.
+
+    Args:
+        joined: rollout + reward + advantage joined on ``sample_id`` (optionally with ``loss_mask``).
+        iteration: the iteration (shuffle seed).
+        seed: ``trainer.seed``.
+        n: ``rollout.n`` (rows per prompt).
+        ppo_mini_batch_size: prompts per optimizer step.
+        use_ref_logprobs: pass ``ref_logprobs`` (KL loss on) when the column exists.
+
+    Returns:
+        Per-row lists ``prompt_ids``, ``response_ids``, ``old_logprobs``, ``advantages`` (ragged), optional
+        ``loss_mask`` and ``ref_logprobs``, plus ``mini_batch_rows`` and ``shuffle_seed``.
+    """
+    batch: dict[str, Any] = {c: joined.column(c).to_pylist()
+                             for c in ("prompt_ids", "response_ids", "old_logprobs", "advantages")}
+    if "loss_mask" in joined.column_names:
+        batch["loss_mask"] = joined.column("loss_mask").to_pylist()
+    if use_ref_logprobs and "ref_logprobs" in joined.column_names:
+        batch["ref_logprobs"] = joined.column("ref_logprobs").to_pylist()
+    batch["mini_batch_rows"] = ppo_mini_batch_size * n
+    batch["shuffle_seed"] = iteration_seed(seed, iteration, salt=1)
+    return batch

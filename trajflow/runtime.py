@@ -3,15 +3,24 @@
 Prefect tasks receive only a run id and small references; they look the live objects up here
 (``get_context(run_id)``) so that no actor handle or tensor is ever hashed, serialised or persisted
 by Prefect.
+
+Worker failures: every stage task runs inside :func:`stage_guard`, which bounds its Ray waits by the
+stage's timeout and, on a transient failure (a Ray worker died, a wait timed out), drops the workers
+that no longer answer. Prefect then retries the task (:func:`retry_on_transient`), whose first step,
+:func:`ensure_workers`, recreates what was dropped: the policy worker from the run's newest checkpoint
+(or the initial model) with the stored updates since then re-applied, so the retry sees exactly the
+policy the failed attempt saw.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,38 +94,246 @@ def unregister(run_id: str) -> None:
     _CONTEXTS.pop(run_id, None)
 
 
-def create_workers(ctx: RunContext) -> None:
-    """Start the policy worker (and the reference worker when a KL term is on) as Ray actors."""
+#: Run this class instead of :class:`trajflow.workers.policy.PolicyWorker` (a subclass: extensions,
+#: instrumented workers in tests). ``None``: the stock worker.
+policy_worker_cls: type | None = None
+
+
+def _worker_resources(cfg: DictConfig) -> dict[str, Any]:
+    resources: dict[str, Any] = {"num_cpus": cfg.resources.actor_num_cpus}
+    if cfg.trainer.device == "cuda":
+        resources["num_gpus"] = 1
+    elif cfg.trainer.device == "npu":
+        resources["resources"] = {"NPU": 1}
+    return resources
+
+
+def create_policy_worker(ctx: RunContext) -> None:
+    """Start the policy worker (actor + rollout) as a Ray actor with the initial model; waits until loaded.
+
+    Raises:
+        ray.exceptions.RayActorError: the model could not be loaded (the cause names it).
+    """
     import ray
 
     from trajflow.workers.policy import PolicyWorker
+
+    cfg = ctx.cfg
+    cls = ray.remote(max_restarts=0)(policy_worker_cls or PolicyWorker)
+    ctx.actor = cls.options(**_worker_resources(cfg)).remote(
+        ctx.model_path, ctx.plain("actor"), ctx.plain("model"), ctx.plain("rollout"), int(cfg.trainer.seed),
+        cfg.trainer.device, int(cfg.trainer.num_threads))
+    # Surface load errors (bad model directory, ...) here rather than at the first stage.
+    ray.get(ctx.actor.info.remote())
+
+
+def create_reference_worker(ctx: RunContext) -> None:
+    """Start the frozen reference policy (for KL terms) as a Ray actor; waits until loaded."""
+    import ray
+
     from trajflow.workers.reference import ReferenceWorker
 
     cfg = ctx.cfg
-    device = cfg.trainer.device
-    resources: dict[str, Any] = {"num_cpus": cfg.resources.actor_num_cpus}
-    if device == "cuda":
-        resources["num_gpus"] = 1
-    elif device == "npu":
-        resources["resources"] = {"NPU": 1}
-    policy_cls = ray.remote(max_restarts=0)(PolicyWorker)
-    ctx.actor = policy_cls.options(**resources).remote(
-        ctx.model_path, ctx.plain("actor"), ctx.plain("model"), ctx.plain("rollout"), int(cfg.trainer.seed),
-        device, int(cfg.trainer.num_threads))
-    if ctx.needs_reference():
-        ref_path = cfg.reference.path
-        if ref_path:
-            from trajflow.models import resolve_model_path
+    ref_path = cfg.reference.path
+    if ref_path:
+        from trajflow.models import resolve_model_path
 
-            ref_path = str(resolve_model_path(ref_path, cfg.model.cache_dir))
-        ref_cls = ray.remote(ReferenceWorker)
-        ctx.reference = ref_cls.options(num_cpus=0).remote(
-            ref_path or ctx.model_path, ctx.plain("model"), int(cfg.rollout.log_prob_micro_batch_size), device,
-            int(cfg.trainer.num_threads))
-    # Surface load errors (bad model directory, ...) here rather than at the first stage.
-    ray.get(ctx.actor.info.remote())
-    if ctx.reference is not None:
-        ray.get(ctx.reference.pid.remote())
+        ref_path = str(resolve_model_path(ref_path, cfg.model.cache_dir))
+    ref_cls = ray.remote(ReferenceWorker)
+    ctx.reference = ref_cls.options(num_cpus=0).remote(
+        ref_path or ctx.model_path, ctx.plain("model"), int(cfg.rollout.log_prob_micro_batch_size),
+        cfg.trainer.device, int(cfg.trainer.num_threads))
+    ray.get(ctx.reference.pid.remote())
+
+
+def create_workers(ctx: RunContext) -> None:
+    """Start the policy worker (and the reference worker when a KL term is on) as Ray actors."""
+    create_policy_worker(ctx)
+    if ctx.needs_reference():
+        create_reference_worker(ctx)
+
+
+# ------------------------------------------------------------------------------------------------
+# failures: timeouts, dead workers, recreation
+
+
+def transient_errors() -> tuple[type[BaseException], ...]:
+    """Exception types a retry can cure: a worker, node or object died, or a wait timed out.
+
+    ``TimeoutError`` covers Ray's ``GetTimeoutError`` and Prefect's task-run timeout. A
+    ``RayTaskError`` (the stage's own code raised) is not transient: retrying repeats it.
+    """
+    import ray.exceptions as rex
+
+    return (rex.RayActorError, rex.WorkerCrashedError, rex.ObjectLostError, rex.NodeDiedError,
+            rex.LocalRayletDiedError, rex.OutOfMemoryError, rex.RaySystemError, TimeoutError)
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a failure a retry can cure (see :func:`transient_errors`)."""
+    return isinstance(exc, transient_errors())
+
+
+def retry_on_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect ``retry_condition_fn``: retry a stage only after a transient failure.
+
+    Bad input (config, data, a failed quality gate, a bug in a stage) fails at once instead of
+    being repeated ``trainer.stage_retries`` times.
+    """
+    exc = getattr(state, "data", None)
+    if not isinstance(exc, BaseException):
+        try:
+            exc = state.result(raise_on_failure=False)
+        except Exception:  # the result cannot be read back: treat it as not retryable
+            return False
+    return is_transient(exc)
+
+
+def stage_timeout(cfg: DictConfig, stage: str) -> float | None:
+    """The stage's wall-clock limit in seconds (``trainer.stage_timeouts``, else ``stage_timeout_s``); None = none."""
+    value = cfg.trainer.stage_timeouts.get(stage, cfg.trainer.stage_timeout_s)
+    return float(value) if value and float(value) > 0 else None
+
+
+@contextlib.contextmanager
+def stage_guard(ctx: RunContext, stage: str) -> Iterator[None]:
+    """Run one attempt of a stage: bound its Ray waits (:func:`wait`) by the stage's timeout; after a
+    transient failure drop the workers that no longer answer, so that the retry recreates them.
+
+    Args:
+        ctx: the run.
+        stage: the stage name (a key of ``trainer.stage_timeouts``).
+    """
+    limit = stage_timeout(ctx.cfg, stage)
+    ctx.extra["deadline"] = (time.monotonic() + limit) if limit else None
+    try:
+        yield
+    except BaseException as e:
+        if is_transient(e):
+            dropped = drop_unresponsive_workers(ctx)
+            log.warning("run %s: stage %s failed (%s: %s); dropped workers: %s", ctx.run_id, stage,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "", dropped or "none")
+        raise
+    finally:
+        ctx.extra["deadline"] = None
+
+
+def wait(ctx: RunContext, refs: Any) -> Any:
+    """``ray.get(refs)`` bounded by the running stage's deadline.
+
+    Raises:
+        ray.exceptions.GetTimeoutError: the stage's time limit passed first.
+        ray.exceptions.RayActorError: the worker died while computing.
+    """
+    import ray
+
+    deadline = ctx.extra.get("deadline")
+    timeout = None if deadline is None else max(0.01, deadline - time.monotonic())
+    return ray.get(refs, timeout=timeout)
+
+
+def _answers(handle: Any, method: str, timeout_s: float) -> bool:
+    import ray
+
+    try:
+        ray.get(getattr(handle, method).remote(), timeout=timeout_s)
+        return True
+    except Exception:
+        return False
+
+
+def drop_unresponsive_workers(ctx: RunContext, timeout_s: float = 10.0) -> list[str]:
+    """Kill and forget the run's actors that do not answer a ping within ``timeout_s``.
+
+    A dead actor fails the ping at once; a live one stuck in a timed-out call cannot answer (actor
+    calls run one at a time) and is killed too. Returns the dropped roles (``policy``, ``reference``).
+    """
+    import ray
+
+    dropped = []
+    for attr, method, role in (("actor", "info", "policy"), ("reference", "pid", "reference")):
+        handle = getattr(ctx, attr)
+        if handle is None or _answers(handle, method, timeout_s):
+            continue
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+        setattr(ctx, attr, None)
+        dropped.append(role)
+    return dropped
+
+
+def ensure_workers(ctx: RunContext, through: int) -> list[str]:
+    """Recreate the workers a failed stage attempt dropped; a no-op when all are alive.
+
+    The policy worker comes back in the state after iteration ``through``: the run's newest checkpoint
+    at or before it (else ``ctx.extra["initial_checkpoint"]``, an actor checkpoint folder a derived run
+    starts from, else the initial model), then the stored updates of every later iteration up to
+    ``through``, re-applied in order from the run store. Those batches and shuffle seeds are what the
+    original updates used, so the recreated policy equals the lost one.
+
+    Args:
+        ctx: the run.
+        through: the last iteration whose update the caller's stage must see (``iteration - 1``
+            before an iteration's rollout or update; ``step`` for validation after step's update).
+
+    Returns:
+        The recreated roles (``policy``, ``reference``); empty when nothing was missing.
+
+    Raises:
+        trajflow.store.StoreError: an iteration to re-apply lacks verified stage outputs.
+        RuntimeError: the recreated policy's version differs from the run's (its history is incomplete).
+    """
+    created = []
+    if ctx.reference is None and ctx.needs_reference() and not ctx.extra.get("policy_only"):
+        create_reference_worker(ctx)
+        created.append("reference")
+    if ctx.actor is None:
+        create_policy_worker(ctx)
+        restore_policy(ctx, through)
+        created.append("policy")
+    if created:
+        log.warning("run %s: recreated %s worker(s) in the state after iteration %d", ctx.run_id,
+                    " and ".join(created), through)
+    return created
+
+
+def restore_policy(ctx: RunContext, through: int) -> int:
+    """Bring a freshly created policy worker to the state after iteration ``through`` (see
+    :func:`ensure_workers`); returns the number of updates re-applied."""
+    from trajflow import checkpoint as ckpt
+    from trajflow import pipeline
+    from trajflow.batch import join_stages
+    from trajflow.store import STAGES, StoreError
+
+    store, cfg = ctx.store, ctx.cfg
+    saved = [c for c in ckpt.list_checkpoints(store) if c <= through]
+    base = saved[-1] if saved else None
+    if base is not None:
+        wait(ctx, ctx.actor.load_checkpoint.remote(str(ckpt.checkpoint_dir(store, base) / "actor")))
+    elif ctx.extra.get("initial_checkpoint"):
+        wait(ctx, ctx.actor.load_checkpoint.remote(str(ctx.extra["initial_checkpoint"])))
+    replayed = 0
+    for it in store.iterations():
+        if it <= (base or 0) or it > through:
+            continue
+        if store.read_iteration_json(it, "update.json") is None:
+            raise StoreError(f"{store.iteration_dir(it)}: no update.json; cannot rebuild the policy after "
+                             f"iteration {through} (its update was never recorded)")
+        joined = join_stages([store.read_stage(it, stage) for stage in STAGES])
+        joined = pipeline.with_loss_mask(joined, store.read_iteration_json(it, "gate.json"))
+        batch = pipeline.update_batch(joined, it, seed=int(cfg.trainer.seed), n=int(cfg.rollout.n),
+                                      ppo_mini_batch_size=int(cfg.actor.ppo_mini_batch_size),
+                                      use_ref_logprobs=cfg.actor.kl_loss_coef > 0)
+        wait(ctx, ctx.actor.update_actor.remote(batch, cfg.rollout.temperature))
+        replayed += 1
+    version = int(wait(ctx, ctx.actor.info.remote())["policy_version"])
+    if version != ctx.policy_version:
+        raise RuntimeError(f"run {ctx.run_id}: the recreated policy worker is at policy version {version} "
+                           f"(checkpoint {base}, {replayed} stored updates re-applied) but the run is at "
+                           f"{ctx.policy_version}; its stored history is incomplete")
+    return replayed
 
 
 def close(ctx: RunContext) -> None:
