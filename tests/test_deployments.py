@@ -4,7 +4,7 @@ Starts ``prefect server start`` on loopback with a fresh SQLite ``PREFECT_HOME``
 worker, registers the deployments with the real CLI, triggers ``train-recipe/train`` through the
 Prefect API with the tiny model, waits for it, then checks the run store, the flow run's state and
 name, the per-iteration artifacts, the task-run names, the evaluate schedule's cron and the training
-queue's concurrency limit. Everything started is stopped in the fixture's finalizer (whole process
+queue's concurrency limit (a second training run stays scheduled while the first one runs). Everything started is stopped in the fixture's finalizer (whole process
 trees). Takes ~2-4 minutes on 2 CPU cores.
 """
 
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(600)
 
 POOL = "trajflow-cpu"
 RUN_TIMEOUT_S = 360
+HELD_POLLS = 6  # polls (2 s apart) during which a second training run must stay scheduled
 
 
 def _free_port() -> int:
@@ -158,7 +159,9 @@ def test_train_deployment_runs_through_the_worker(stack):
     from prefect import get_client
     from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowRunFilter,
                                                 FlowRunFilterParentFlowRunId, TaskRunFilter, TaskRunFilterFlowRunId)
+    from prefect.client.schemas.objects import StateType
     from prefect.deployments import run_deployment
+    from prefect.states import Cancelled
 
     from flows.reporting import artifact_key
 
@@ -168,6 +171,7 @@ def test_train_deployment_runs_through_the_worker(stack):
     t0 = time.monotonic()
     flow_run = run_deployment("train-recipe/train", parameters={"recipe": "grpo_default", "overrides": overrides},
                               timeout=0)
+    second, held = None, 0
     with get_client(sync_client=True) as client:
         while True:
             flow_run = client.read_flow_run(flow_run.id)
@@ -176,11 +180,25 @@ def test_train_deployment_runs_through_the_worker(stack):
             if time.monotonic() - t0 > RUN_TIMEOUT_S:
                 pytest.fail(f"train run still {flow_run.state_name} after {RUN_TIMEOUT_S} s; worker log:\n"
                             f"{_tail(stack['logs']['worker'])}")
+            if flow_run.state_type == StateType.RUNNING and held < HELD_POLLS:
+                # A second training run on the same pool must wait while the first one runs (the
+                # `training` queue's concurrency limit), although the worker is idle otherwise.
+                if second is None:
+                    second = run_deployment("train-recipe/train", timeout=0, parameters={
+                        "recipe": "grpo_default", "overrides": tiny_overrides(stack["model"], stack["tmp"] / "runs-2")})
+                state = client.read_flow_run(second.id).state
+                assert state.type == StateType.SCHEDULED, f"second training run is {state.name} beside the first"
+                held += 1
+                if held == HELD_POLLS:  # held long enough (the worker polls every 2 s): withdraw it
+                    client.set_flow_run_state(second.id, Cancelled(), force=True)
             time.sleep(2)
         elapsed = time.monotonic() - t0
         assert flow_run.state.is_completed(), (f"state {flow_run.state_name}: {flow_run.state.message}\n"
                                                f"{_tail(stack['logs']['worker'])}")
         print(f"server healthy after {stack['t_server']:.0f} s; train run completed in {elapsed:.0f} s")
+        assert held == HELD_POLLS, "the first run finished before the second could be observed waiting"
+        assert client.read_flow_run(second.id).state.type == StateType.CANCELLED
+        assert not (stack["tmp"] / "runs-2").exists()
 
         # The run store: one finished run with both iterations complete, checkpoints and the final model.
         runs = [d for d in store_root.iterdir() if d.is_dir() and (d / "config.yaml").exists()]

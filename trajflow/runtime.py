@@ -211,6 +211,8 @@ def stage_guard(ctx: RunContext, stage: str) -> Iterator[None]:
     except BaseException as e:
         if is_transient(e):
             dropped = drop_unresponsive_workers(ctx)
+            if dropped:
+                ctx.extra["workers_lost"] = dropped
             log.warning("run %s: stage %s failed (%s: %s); dropped workers: %s", ctx.run_id, stage,
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "", dropped or "none")
         raise
@@ -242,7 +244,11 @@ def _answers(handle: Any, method: str, timeout_s: float) -> bool:
         return False
 
 
-def drop_unresponsive_workers(ctx: RunContext, timeout_s: float = 10.0) -> list[str]:
+#: Seconds a worker has to answer a ping after a failed stage before it is killed and recreated.
+PING_TIMEOUT_S = 10.0
+
+
+def drop_unresponsive_workers(ctx: RunContext, timeout_s: float | None = None) -> list[str]:
     """Kill and forget the run's actors that do not answer a ping within ``timeout_s``.
 
     A dead actor fails the ping at once; a live one stuck in a timed-out call cannot answer (actor
@@ -253,7 +259,7 @@ def drop_unresponsive_workers(ctx: RunContext, timeout_s: float = 10.0) -> list[
     dropped = []
     for attr, method, role in (("actor", "info", "policy"), ("reference", "pid", "reference")):
         handle = getattr(ctx, attr)
-        if handle is None or _answers(handle, method, timeout_s):
+        if handle is None or _answers(handle, method, PING_TIMEOUT_S if timeout_s is None else timeout_s):
             continue
         try:
             ray.kill(handle, no_restart=True)
@@ -294,8 +300,9 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
         restore_policy(ctx, through)
         created.append("policy")
     if created:
-        log.warning("run %s: recreated %s worker(s) in the state after iteration %d", ctx.run_id,
-                    " and ".join(created), through)
+        lost = ctx.extra.pop("workers_lost", None)
+        (log.warning if lost else log.info)("run %s: %s %s worker(s) in the state after iteration %d", ctx.run_id,
+                                            "recreated" if lost else "started", " and ".join(created), through)
     return created
 
 
