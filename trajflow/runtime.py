@@ -108,8 +108,12 @@ def _worker_resources(cfg: DictConfig) -> dict[str, Any]:
     return resources
 
 
-def create_policy_worker(ctx: RunContext) -> None:
-    """Start the policy worker (actor + rollout) as a Ray actor with the initial model; waits until loaded.
+def create_policy_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start the policy worker (actor + rollout) as a Ray actor with the initial model.
+
+    Args:
+        ctx: the run (``ctx.actor`` is set).
+        wait_loaded: wait until the model is loaded, so that load errors surface here.
 
     Raises:
         ray.exceptions.RayActorError: the model could not be loaded (the cause names it).
@@ -123,12 +127,12 @@ def create_policy_worker(ctx: RunContext) -> None:
     ctx.actor = cls.options(**_worker_resources(cfg)).remote(
         ctx.model_path, ctx.plain("actor"), ctx.plain("model"), ctx.plain("rollout"), int(cfg.trainer.seed),
         cfg.trainer.device, int(cfg.trainer.num_threads))
-    # Surface load errors (bad model directory, ...) here rather than at the first stage.
-    ray.get(ctx.actor.info.remote())
+    if wait_loaded:
+        ray.get(ctx.actor.info.remote())
 
 
-def create_reference_worker(ctx: RunContext) -> None:
-    """Start the frozen reference policy (for KL terms) as a Ray actor; waits until loaded."""
+def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start the frozen reference policy (for KL terms) as a Ray actor (``ctx.reference``)."""
     import ray
 
     from trajflow.workers.reference import ReferenceWorker
@@ -143,14 +147,21 @@ def create_reference_worker(ctx: RunContext) -> None:
     ctx.reference = ref_cls.options(num_cpus=0).remote(
         ref_path or ctx.model_path, ctx.plain("model"), int(cfg.rollout.log_prob_micro_batch_size),
         cfg.trainer.device, int(cfg.trainer.num_threads))
-    ray.get(ctx.reference.pid.remote())
+    if wait_loaded:
+        ray.get(ctx.reference.pid.remote())
 
 
 def create_workers(ctx: RunContext) -> None:
-    """Start the policy worker (and the reference worker when a KL term is on) as Ray actors."""
-    create_policy_worker(ctx)
+    """Start the policy worker (and the reference worker when a KL term is on) as Ray actors; both load
+    in parallel, and load errors (bad model directory, ...) surface here rather than at the first stage."""
+    import ray
+
+    create_policy_worker(ctx, wait_loaded=False)
     if ctx.needs_reference():
-        create_reference_worker(ctx)
+        create_reference_worker(ctx, wait_loaded=False)
+    ray.get(ctx.actor.info.remote())
+    if ctx.reference is not None:
+        ray.get(ctx.reference.pid.remote())
 
 
 # ------------------------------------------------------------------------------------------------
