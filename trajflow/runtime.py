@@ -287,8 +287,9 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
     The policy worker comes back in the state after iteration ``through``: the run's newest checkpoint
     at or before it (else ``ctx.extra["initial_checkpoint"]``, an actor checkpoint folder a derived run
     starts from, else the initial model), then the stored updates of every later iteration up to
-    ``through``, re-applied in order from the run store. Those batches and shuffle seeds are what the
-    original updates used, so the recreated policy equals the lost one.
+    ``through`` that recorded an update (``update.json``), re-applied in order from the run store. Those
+    batches and shuffle seeds are what the original updates used, so the recreated policy equals the
+    lost one; the policy version is checked against the run's.
 
     Args:
         ctx: the run.
@@ -300,7 +301,8 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
 
     Raises:
         trajflow.store.StoreError: an iteration to re-apply lacks verified stage outputs.
-        RuntimeError: the recreated policy's version differs from the run's (its history is incomplete).
+        RuntimeError: the recreated policy's version differs from the run's (its stored history is
+            incomplete, e.g. a derived run that did not set ``initial_checkpoint``).
     """
     created = []
     if ctx.reference is None and ctx.needs_reference() and not ctx.extra.get("policy_only"):
@@ -323,7 +325,7 @@ def restore_policy(ctx: RunContext, through: int) -> int:
     from trajflow import checkpoint as ckpt
     from trajflow import pipeline
     from trajflow.batch import join_stages
-    from trajflow.store import STAGES, StoreError
+    from trajflow.store import STAGES
 
     store, cfg = ctx.store, ctx.cfg
     saved = [c for c in ckpt.list_checkpoints(store) if c <= through]
@@ -334,11 +336,9 @@ def restore_policy(ctx: RunContext, through: int) -> int:
         wait(ctx, ctx.actor.load_checkpoint.remote(str(ctx.extra["initial_checkpoint"])))
     replayed = 0
     for it in store.iterations():
-        if it <= (base or 0) or it > through:
+        # Iterations without update.json changed no weights (a replay that stops before the update).
+        if it <= (base or 0) or it > through or store.read_iteration_json(it, "update.json") is None:
             continue
-        if store.read_iteration_json(it, "update.json") is None:
-            raise StoreError(f"{store.iteration_dir(it)}: no update.json; cannot rebuild the policy after "
-                             f"iteration {through} (its update was never recorded)")
         joined = join_stages([store.read_stage(it, stage) for stage in STAGES])
         joined = pipeline.with_loss_mask(joined, store.read_iteration_json(it, "gate.json"))
         batch = pipeline.update_batch(joined, it, seed=int(cfg.trainer.seed), n=int(cfg.rollout.n),
