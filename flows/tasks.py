@@ -30,7 +30,8 @@ from trajflow import pipeline
 from trajflow.batch import join_stages
 from trajflow.config import TrainerConfig
 from trajflow.pipeline import iteration_seed
-from trajflow.runtime import RunContext, ensure_workers, get_context, retry_on_transient, stage_guard, stage_timeout, wait
+from trajflow.runtime import (RunContext, ensure_workers, get_context, retry_on_transient, stage_guard, stage_timeout,
+                              wait)
 from trajflow.store import StageRef
 
 __all__ = ["iteration_seed", "stages_for", "run_validation", "rollout_stage", "reward_stage", "gate_stage",

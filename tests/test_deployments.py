@@ -4,8 +4,9 @@ Starts ``prefect server start`` on loopback with a fresh SQLite ``PREFECT_HOME``
 worker, registers the deployments with the real CLI, triggers ``train-recipe/train`` through the
 Prefect API with the tiny model, waits for it, then checks the run store, the flow run's state and
 name, the per-iteration artifacts, the task-run names, the evaluate schedule's cron and the training
-queue's concurrency limit (a second training run stays scheduled while the first one runs). Everything started is stopped in the fixture's finalizer (whole process
-trees). Takes ~2-4 minutes on 2 CPU cores.
+queue's concurrency limit (a second training run stays scheduled while the first one runs).
+Everything started is stopped in the fixture's finalizer (whole process trees). Takes ~3 minutes
+on 2 CPU cores (~7 when the machine is heavily shared).
 """
 
 from __future__ import annotations

@@ -257,7 +257,10 @@ def ensure_pools(client: Any, pools: list[PoolSpec]) -> list[str]:
             done.append(f"updated work pool {p.name}")
         for q in p.queues:
             fields: dict[str, Any] = {"concurrency_limit": q.concurrency_limit}  # None: no limit
-            fields.update({k: v for k, v in (("priority", q.priority), ("description", q.description)) if v is not None})
+            if q.priority is not None:
+                fields["priority"] = q.priority
+            if q.description is not None:
+                fields["description"] = q.description
             try:
                 wq = client.read_work_queue_by_name(q.name, work_pool_name=p.name)
                 client.update_work_queue(wq.id, **fields)
