@@ -7,12 +7,15 @@ entry marks a token that counts). Values stored outside the mask never reach a l
 Policy losses are registered in :data:`POLICY_LOSSES` under their config name
 (``actor.policy_loss.loss_mode``) with one signature::
 
-    fn(old_log_prob, log_prob, advantages, response_mask, config, **agg_kwargs)
+    fn(old_log_prob, log_prob, advantages, response_mask, config, *, rollout_is_weights=None, **agg_kwargs)
         -> (loss: 0-dim tensor, metrics: dict[str, float])
 
 where ``agg_kwargs`` are passed to :func:`agg_loss` (``global_num_tokens``,
 ``global_num_seqs``, ``horizon``) and ``metrics`` always holds ``actor/pg_clipfrac``,
-``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` (verl's names).
+``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` (verl's names). ``rollout_is_weights``
+(``(batch, response_len)``, from :func:`stages.rollout_correction.rollout_is_weights`) multiplies
+the per-token policy-gradient loss before aggregation (truncated importance sampling for a rollout
+engine whose log-probs differ from the trainer's; Yao et al. 2025); it is treated as a constant.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ __all__ = [
     "entropy_from_logits",
     "value_loss",
     "kl_loss",
+    "explained_variance",
 ]
 
 POLICY_LOSSES = Registry("policy loss")
@@ -146,6 +150,21 @@ def _masked_mean_float(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float(torch.where(mask, x.to(torch.float64), torch.zeros((), dtype=torch.float64, device=x.device)).sum() / n)
 
 
+def _apply_is_weights(pg_losses: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """``pg_losses * weights`` on the valid tokens (rollout importance-sampling correction), detached weights.
+
+    Raises:
+        ValueError: ``weights`` is not of the shape of ``pg_losses``.
+    """
+    if weights is None:
+        return pg_losses
+    if not isinstance(weights, torch.Tensor) or weights.shape != pg_losses.shape:
+        raise ValueError(f"rollout_is_weights must have the shape of log_prob {tuple(pg_losses.shape)}, got "
+                         f"{getattr(weights, 'shape', type(weights).__name__)}")
+    w = _fill_outside(weights.detach().to(pg_losses.dtype), mask)
+    return pg_losses * w
+
+
 def _positive(name: str, value: Any) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
@@ -236,6 +255,8 @@ def compute_policy_loss_vanilla(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with asymmetric and dual clipping.
@@ -253,6 +274,8 @@ def compute_policy_loss_vanilla(
         advantages: ``(batch, response_len)``.
         response_mask: ``(batch, response_len)`` bool or 0/1.
         config: :class:`PolicyLossConfig` (default ``PolicyLossConfig()``).
+        rollout_is_weights: optional ``(batch, response_len)`` rollout importance weights that
+            multiply each token's loss before aggregation (no gradient flows through them).
         **agg_kwargs: ``global_num_tokens``/``global_num_seqs``/``horizon`` for :func:`agg_loss`.
 
     Returns:
@@ -275,7 +298,7 @@ def compute_policy_loss_vanilla(
     loss_dual = torch.minimum(loss_ppo, -advantages * config.clip_ratio_c)
     negative = advantages < 0
     pg_losses = torch.where(negative, loss_dual, loss_ppo)
-    loss = agg_loss(pg_losses, mask, config.loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(_apply_is_weights(pg_losses, rollout_is_weights, mask), mask, config.loss_agg_mode, **agg_kwargs)
     metrics = {
         "actor/pg_clipfrac": _masked_mean_float((loss_clipped > loss_unclipped).float(), mask),
         "actor/ppo_kl": _masked_mean_float(-log_ratio, mask),
@@ -291,6 +314,8 @@ def compute_policy_loss_gspo(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token (Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071, eq. 13-14).
@@ -320,7 +345,7 @@ def compute_policy_loss_gspo(
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1.0 - config.gspo_clip_ratio_low, 1.0 + config.gspo_clip_ratio_high)
     pg_losses = torch.maximum(loss_unclipped, loss_clipped)
-    loss = agg_loss(pg_losses, mask, config.loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(_apply_is_weights(pg_losses, rollout_is_weights, mask), mask, config.loss_agg_mode, **agg_kwargs)
     metrics = {
         "actor/pg_clipfrac": _masked_mean_float((loss_clipped > loss_unclipped).float(), mask),
         "actor/ppo_kl": _masked_mean_float(-log_ratio, mask),
@@ -336,6 +361,8 @@ def compute_policy_loss_cispo(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1, arXiv:2506.13585, sec. 3.1, eq. 4-5).
@@ -361,7 +388,7 @@ def compute_policy_loss_cispo(
     lower = None if config.cispo_clip_ratio_low is None else 1.0 - config.cispo_clip_ratio_low
     weight = torch.clamp(ratio, min=lower, max=upper)
     pg_losses = -weight * advantages * log_prob
-    loss = agg_loss(pg_losses, mask, config.loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(_apply_is_weights(pg_losses, rollout_is_weights, mask), mask, config.loss_agg_mode, **agg_kwargs)
     metrics = {
         "actor/pg_clipfrac": _masked_mean_float((ratio > upper).float(), mask),
         "actor/ppo_kl": _masked_mean_float(-log_ratio, mask),
@@ -377,6 +404,8 @@ def compute_policy_loss_gpg(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GPG policy-gradient loss (Chu et al. 2025, arXiv:2504.02546, eq. 5): -A_it * log_prob_it.
@@ -394,7 +423,8 @@ def compute_policy_loss_gpg(
     _check_same_shape(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, response_mask=response_mask)
     mask = _bool_mask(response_mask)
     old_log_prob, log_prob, advantages = (_fill_outside(t, mask) for t in (old_log_prob, log_prob, advantages))
-    loss = agg_loss(-advantages * log_prob, mask, config.loss_agg_mode, **agg_kwargs)
+    loss = agg_loss(_apply_is_weights(-advantages * log_prob, rollout_is_weights, mask), mask, config.loss_agg_mode,
+                    **agg_kwargs)
     metrics = {
         "actor/pg_clipfrac": 0.0,
         "actor/ppo_kl": _masked_mean_float(-(log_prob - old_log_prob).detach(), mask),
@@ -410,6 +440,8 @@ def compute_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: PolicyLossConfig | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Run the policy loss registered as ``name`` (``actor.policy_loss.loss_mode``).
@@ -418,6 +450,8 @@ def compute_policy_loss(
         name: one of ``POLICY_LOSSES.names()``.
         old_log_prob, log_prob, advantages, response_mask: ``(batch, response_len)``.
         config: :class:`PolicyLossConfig` (default ``PolicyLossConfig()``).
+        rollout_is_weights: optional ``(batch, response_len)`` rollout importance weights
+            multiplied into the per-token loss (see the module docstring).
         **agg_kwargs: forwarded to :func:`agg_loss`.
 
     Returns:
@@ -427,7 +461,8 @@ def compute_policy_loss(
         ValueError: unknown ``name`` (lists the registered ones) or malformed inputs.
     """
     fn = POLICY_LOSSES.get(name)
-    return fn(old_log_prob, log_prob, advantages, response_mask, config or PolicyLossConfig(), **agg_kwargs)
+    return fn(old_log_prob, log_prob, advantages, response_mask, config or PolicyLossConfig(),
+              rollout_is_weights=rollout_is_weights, **agg_kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,3 +561,33 @@ def kl_loss(
     mask = _bool_mask(response_mask)
     logprob, ref_logprob = (_fill_outside(t, mask) for t in (logprob, ref_logprob))
     return agg_loss(kl_penalty(logprob, ref_logprob, kl_type), mask, loss_agg_mode, **agg_kwargs)
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """How much of the return's variance the critic explains: ``1 - Var[R - V] / Var[R]``.
+
+    Computed over the valid tokens of the batch with unbiased (Bessel-corrected) variances and
+    ``1e-5`` added to the denominator, as verl's ``critic/vf_explained_var``: 1 is a perfect
+    critic, 0 one that predicts the mean, negative one worse than the mean.
+
+    Args:
+        values: ``(batch, response_len)`` the critic's predictions V(s_t).
+        returns: ``(batch, response_len)`` the targets R_t.
+        response_mask: ``(batch, response_len)`` bool or 0/1.
+
+    Returns:
+        A Python float (0.0 with fewer than two valid tokens).
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    _check_same_shape(values=values, returns=returns, response_mask=response_mask)
+    mask = _bool_mask(response_mask)
+    if int(mask.sum()) < 2:
+        return 0.0
+    v = values.to(torch.float64)[mask]
+    r = returns.to(torch.float64)[mask]
+    var_r = torch.var(r, unbiased=True)
+    var_diff = torch.var(r - v, unbiased=True)
+    return float(1.0 - var_diff / (var_r + 1e-5))

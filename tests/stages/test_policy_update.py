@@ -390,3 +390,23 @@ def test_denominators_and_config_accept_numpy_and_tensor_scalars():
     out = agg_loss(LOSS_2x3, MASK_2x3, "seq-mean-token-sum-norm", global_num_seqs=np.float32(2), horizon=np.int64(4))
     assert out.item() == pytest.approx(2.25, abs=1e-6)
     assert PolicyLossConfig(clip_ratio_high=np.float64(0.28), clip_ratio_c=np.float32(3.0)).high == pytest.approx(0.28)
+
+
+# ---------------------------------------------------------------------------------------------
+# critic metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def test_explained_variance_by_hand():
+    from stages.policy_update import explained_variance
+
+    # valid tokens: R = [1, 2, 3, 4], V = [1, 2, 2, 5] -> R - V = [0, 0, 1, -1]
+    # unbiased Var[R] = 5/3, Var[R - V] = (0 + 0 + 1 + 1) / 3 = 2/3 -> 1 - (2/3) / (5/3 + 1e-5)
+    returns = torch.tensor([[1.0, 2.0, 99.0], [3.0, 4.0, 0.0]])
+    values = torch.tensor([[1.0, 2.0, float("nan")], [2.0, 5.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    assert explained_variance(values, returns, mask) == pytest.approx(1 - (2 / 3) / (5 / 3 + 1e-5), abs=1e-9)
+    # a perfect critic explains everything; predicting the mean explains nothing
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0, abs=1e-5)
+    assert explained_variance(torch.full_like(returns, 2.5), returns, mask) == pytest.approx(0.0, abs=1e-5)
+    assert explained_variance(values, returns, torch.tensor([[1, 0, 0], [0, 0, 0]])) == 0.0

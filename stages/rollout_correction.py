@@ -1,0 +1,96 @@
+"""Rollout importance-sampling correction for a rollout engine whose log-probs differ from the trainer's.
+
+A fast inference engine (vLLM, SGLang, another precision or kernel) samples responses from
+``pi_rollout``, which is not bit-identical to the trainer's ``pi_old`` even with the same weights. The
+PPO ratio ``pi_theta / pi_old`` then corrects for the wrong distribution. Truncated importance
+sampling (TIS; Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Training", https://fengyao.notion.site/off-policy-rl) multiplies the policy-gradient loss by
+
+    w = min(pi_old(y) / pi_rollout(y), C)
+
+computed per token (``level="token"``) or once per sequence from the product of the token ratios
+(``level="sequence"``: ``w_i = min(exp(sum_t (log pi_old - log pi_rollout)), C)``, broadcast to the
+row's tokens), with ``C = algorithm.rollout_is_threshold``. The weight is a constant (no gradient).
+
+Plain tensor functions; no Ray, no Prefect.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+__all__ = ["ROLLOUT_IS_LEVELS", "ROLLOUT_IS_LOG_CLAMP", "rollout_is_weights"]
+
+#: Allowed values of ``algorithm.rollout_is``.
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+#: The log of the ratio is clamped to [-20, 20] before exp() (overflow guard, as for the PPO ratio).
+ROLLOUT_IS_LOG_CLAMP = 20.0
+
+
+@torch.no_grad()
+def rollout_is_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    threshold: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance weights ``min(pi_old / pi_rollout, threshold)`` (Yao et al. 2025, TIS).
+
+    token level:    w_it = min(exp(clamp(old_it - rollout_it, -20, 20)), C)
+    sequence level: w_i  = min(exp(clamp(sum_t m_it (old_it - rollout_it), -20, 20)), C), the same
+                    value on every valid token of row i.
+
+    Args:
+        old_log_prob: ``(batch, response_len)`` float, the trainer's log-probs of the sampled tokens
+            under the policy that generated them (pi_old, computed by the trainer).
+        rollout_log_prob: ``(batch, response_len)`` float, the rollout engine's log-probs of the
+            same tokens (the stored ``old_logprobs`` column).
+        response_mask: ``(batch, response_len)`` bool or 0/1.
+        level: ``"token"`` or ``"sequence"`` (``algorithm.rollout_is``).
+        threshold: the truncation bound C > 0 (``algorithm.rollout_is_threshold``).
+
+    Returns:
+        ``(weights, metrics)``: weights ``(batch, response_len)`` float32, no gradient, 0 outside the
+        mask; metrics ``rollout_corr/rollout_is_mean|max|min`` (over valid tokens for ``token``, over
+        rows with a valid token for ``sequence``, before truncation for max/min),
+        ``rollout_corr/rollout_is_clipfrac`` (share truncated at C) and
+        ``rollout_corr/log_ratio_mean`` (mean of old - rollout over valid tokens: a k1 estimate of
+        KL(pi_rollout || pi_old)).
+
+    Raises:
+        ValueError: unknown ``level``, a non-positive ``threshold`` or mismatched shapes.
+    """
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"algorithm.rollout_is must be one of {list(ROLLOUT_IS_LEVELS)} or null, got {level!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold > 0:
+        raise ValueError(f"algorithm.rollout_is_threshold must be a number > 0, got {threshold!r}")
+    for name, t in (("rollout_log_prob", rollout_log_prob), ("response_mask", response_mask)):
+        if not isinstance(t, torch.Tensor) or t.shape != old_log_prob.shape or old_log_prob.dim() != 2:
+            raise ValueError(f"{name} must have the shape of old_log_prob {tuple(old_log_prob.shape)} "
+                             f"(batch, response_len), got {getattr(t, 'shape', type(t).__name__)}")
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    zero = torch.zeros((), dtype=torch.float64, device=old_log_prob.device)
+    diff = torch.where(mask, old_log_prob.double() - rollout_log_prob.double(), zero)
+    if level == "token":
+        log_w = diff.clamp(-ROLLOUT_IS_LOG_CLAMP, ROLLOUT_IS_LOG_CLAMP)
+        raw = torch.exp(log_w)
+        sel = mask
+        stats = raw[sel]
+    else:
+        log_w = diff.sum(dim=-1).clamp(-ROLLOUT_IS_LOG_CLAMP, ROLLOUT_IS_LOG_CLAMP)
+        raw_row = torch.exp(log_w)
+        raw = raw_row.unsqueeze(-1).expand(mask.shape)
+        stats = raw_row[mask.any(dim=-1)]
+    weights = torch.where(mask, raw.clamp(max=float(threshold)), zero).to(torch.float32)
+    n_tok = int(mask.sum())
+    metrics = {
+        "rollout_corr/rollout_is_mean": float(stats.clamp(max=float(threshold)).mean()) if stats.numel() else 1.0,
+        "rollout_corr/rollout_is_max": float(stats.max()) if stats.numel() else 1.0,
+        "rollout_corr/rollout_is_min": float(stats.min()) if stats.numel() else 1.0,
+        "rollout_corr/rollout_is_clipfrac": float((stats > threshold).double().mean()) if stats.numel() else 0.0,
+        "rollout_corr/log_ratio_mean": float(diff.sum() / n_tok) if n_tok else 0.0,
+    }
+    return weights, metrics
