@@ -20,6 +20,7 @@ import torch
 
 from stages.policy_update import PolicyLossConfig, agg_loss, compute_policy_loss, kl_loss
 from stages.rollout import SamplingParams
+from stages.rollout_correction import rollout_is_weights
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
 from trajflow.workers.forward import compute_log_probs, forward_micro_batch, micro_batch_slices, pack
@@ -154,7 +155,10 @@ class PolicyWorker:
         batch is one optimizer step of one epoch (fully on-policy), they are the current forward's
         log-probs detached, so the ratio is exactly 1 and no extra forward pass is spent; otherwise
         they are recomputed before the first step with the same packing as the update. The
-        engine's log-probs are only compared with them (``actor/rollout_logprob_diff``). The batch is cut into
+        engine's log-probs are compared with them (``actor/rollout_logprob_diff``) and, with
+        ``batch["rollout_is"]`` (``"token"``/``"sequence"``, threshold ``batch["rollout_is_threshold"]``),
+        weight the policy-gradient loss by min(pi_old / pi_rollout, threshold)
+        (:mod:`stages.rollout_correction`; metrics ``rollout_corr/*``). The batch is cut into
         mini-batches of ``ppo_mini_batch_size * n`` rows (one optimizer step each) and those into
         micro-batches of ``ppo_micro_batch_size`` rows (gradient accumulation, exact thanks to the
         mini-batch-wide denominators of :func:`stages.policy_update.agg_loss`), for ``ppo_epochs``
@@ -182,6 +186,9 @@ class PolicyWorker:
             trainer_old = self.compute_log_prob(batch["prompt_ids"], batch["response_ids"], temperature)
             sums["timing_s/old_log_prob"] = [time.perf_counter() - t_old]
         diffs: list[float] = []
+        is_level = batch.get("rollout_is")
+        is_threshold = float(batch.get("rollout_is_threshold") or 2.0)
+        is_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.model.train()
         first_step_ratio_dev = None
 
@@ -223,13 +230,25 @@ class PolicyWorker:
                         old = torch.zeros_like(logp)
                         for j, r in enumerate(rows):
                             old[j, :len(trainer_old[r])] = torch.from_numpy(trainer_old[r])
-                    if epoch == 0 and batch.get("old_logprobs") is not None:
+                    is_w = None
+                    if batch.get("old_logprobs") is not None:
                         rollout_lp = ragged("old_logprobs", rows, T)
                         m = packed.response_mask
-                        diffs.append(float(((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)))
+                        if epoch == 0:
+                            diffs.append(float(((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)))
+                        if is_level:  # truncated IS: min(pi_old / pi_rollout, C), a constant weight
+                            is_w, _ = rollout_is_weights(old, rollout_lp, m, is_level, is_threshold)
+                            if epoch == 0:
+                                for j, r in enumerate(rows):
+                                    n = len(batch["response_ids"][r])
+                                    is_rows[r] = (old[j, :n].cpu().numpy(), rollout_lp[j, :n].cpu().numpy())
                     adv = ragged("advantages", rows, T)
-                    agg_kw = dict(global_num_tokens=global_tokens, global_num_seqs=global_seqs)
-                    pg_loss, pg_m = compute_policy_loss(a["policy_loss"], old, logp, adv, mask, loss_cfg, **agg_kw)
+                    # Dr. GRPO's constant normaliser is the response cap (verl pads responses to it), not
+                    # the micro-batch's longest response, so micro-batches add up to the mini-batch loss.
+                    agg_kw = dict(global_num_tokens=global_tokens, global_num_seqs=global_seqs,
+                                  horizon=int(self.rollout_cfg.get("max_new_tokens") or T))
+                    pg_loss, pg_m = compute_policy_loss(a["policy_loss"], old, logp, adv, mask, loss_cfg,
+                                                        rollout_is_weights=is_w, **agg_kw)
                     loss = pg_loss
                     ent_loss = agg_loss(ent.detach() if a["entropy_coeff"] == 0 else ent, mask, a["loss_agg_mode"], **agg_kw)
                     if a["entropy_coeff"]:
@@ -269,9 +288,25 @@ class PolicyWorker:
         if diffs:
             # verl's training/rollout_probs_diff: how far the engine's log-probs are from the trainer's.
             metrics["actor/rollout_logprob_diff"] = float(np.mean(diffs))
+        if is_rows:
+            metrics.update(self._rollout_is_metrics(is_rows, is_level, is_threshold))
         metrics["timing_s/update_actor"] = time.perf_counter() - t0
         metrics["policy_version"] = self.policy_version
         return metrics
+
+    @staticmethod
+    def _rollout_is_metrics(rows: dict[int, tuple[np.ndarray, np.ndarray]], level: str, threshold: float) -> dict:
+        """``rollout_corr/*`` over the whole batch from each row's (trainer old, engine) log-probs."""
+        ordered = [rows[r] for r in sorted(rows)]
+        width = max([len(o) for o, _ in ordered] + [1])
+        old = torch.zeros((len(ordered), width), dtype=torch.float64)
+        eng = torch.zeros_like(old)
+        mask = torch.zeros((len(ordered), width), dtype=torch.bool)
+        for i, (o, e) in enumerate(ordered):
+            old[i, :len(o)] = torch.from_numpy(o.astype(np.float64))
+            eng[i, :len(e)] = torch.from_numpy(e.astype(np.float64))
+            mask[i, :len(o)] = True
+        return rollout_is_weights(old, eng, mask, level, threshold)[1]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str) -> dict:

@@ -1,0 +1,258 @@
+"""The critic worker: a value model V(s_t) for GAE, trained with the clipped value loss.
+
+The value model is a causal LM's transformer body (``model.get_decoder()``: embeddings, blocks, final
+norm; no LM head) plus a ``torch.nn.Linear(hidden, 1)`` value head, as verl's and TRL's critics. It
+starts from ``critic.path`` when set, else from the policy's initial weights, and has its own AdamW
+(``critic.lr``). The head starts at zero (V = 0 everywhere), so the first GAE advantages are the
+discounted returns.
+
+Values use the packing of :mod:`trajflow.workers.forward`: the value of response token ``t`` is read
+at the hidden state that predicts it (column ``P - 1 + t``), the state *before* the token is
+generated, which is what GAE's ``V(s_t)`` means (verl reads ``values[:, -T-1:-1]`` the same way).
+
+A plain class, run as a Ray actor by :func:`trajflow.runtime.create_workers` only when the advantage
+estimator needs values (``algorithm.adv_estimator=gae``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from stages.policy_update import explained_variance, value_loss
+from trajflow.models import load_causal_lm, load_tokenizer
+from trajflow.workers.forward import PackedBatch, micro_batch_slices, pack
+from trajflow.workers.policy import set_threads
+
+
+class ValueModel(torch.nn.Module):
+    """Transformer body + linear value head.
+
+    Args:
+        decoder: the body of a causal LM (``model.get_decoder()``), returning ``last_hidden_state``.
+        hidden_size: width of the body's output.
+    """
+
+    def __init__(self, decoder: torch.nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, packed: PackedBatch) -> torch.Tensor:
+        """Values of the response positions.
+
+        Args:
+            packed: a micro-batch from :func:`trajflow.workers.forward.pack`.
+
+        Returns:
+            ``(b, T)`` float32 values V(s_t) for response tokens ``t = 0..T-1``; entries outside
+            ``packed.response_mask`` are meaningless.
+        """
+        hidden = self.decoder(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                              position_ids=packed.position_ids, use_cache=False).last_hidden_state
+        P, T = packed.prompt_width, packed.responses.shape[1]
+        h = hidden[:, P - 1:P - 1 + T]
+        return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+
+class CriticWorker:
+    """Value model and its optimizer, resident across iterations (a Ray actor in the pipeline).
+
+    Args:
+        model_path: resolved Hugging Face directory of a causal LM whose body becomes the critic
+            (``critic.path`` or the policy's ``model.path``).
+        critic: the ``critic`` config section as a dict (``lr``, ``cliprange_value``, ``ppo_epochs``,
+            ``ppo_micro_batch_size``, ``grad_clip``).
+        model_cfg: the ``model`` config section as a dict (``dtype``, ``attn_implementation``,
+            ``gradient_checkpointing``).
+        device: torch device.
+        num_threads: torch threads (0 = all CPUs).
+
+    Raises:
+        trajflow.models.ModelLoadError: the directory cannot be loaded.
+    """
+
+    def __init__(self, model_path: str, critic: dict, model_cfg: dict, device: str = "cpu",
+                 num_threads: int = 0) -> None:
+        set_threads(num_threads)
+        self.cfg = critic
+        self.device = device
+        lm = load_causal_lm(model_path, model_cfg.get("dtype", "float32"), device,
+                            model_cfg.get("attn_implementation", "sdpa"))
+        if model_cfg.get("gradient_checkpointing"):
+            lm.gradient_checkpointing_enable()
+        hidden = int(lm.config.hidden_size)
+        self.model = ValueModel(lm.get_decoder(), hidden).to(device)
+        del lm
+        self.pad_id = int(load_tokenizer(model_path).pad_token_id)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=critic["lr"],
+                                           weight_decay=critic.get("weight_decay", 0.0))
+        self.optimizer_steps = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # ------------------------------------------------------------------ values
+    @torch.no_grad()
+    def compute_values(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """V(s_t) for every response token, as ragged float32 arrays aligned with ``response_ids``."""
+        was_training = self.model.training
+        self.model.eval()
+        out: list[np.ndarray] = []
+        try:
+            for sl in micro_batch_slices(len(prompt_ids), int(self.cfg["ppo_micro_batch_size"])):
+                packed = pack(prompt_ids[sl], response_ids[sl], self.pad_id, self.device)
+                v = self.model(packed)
+                for j, r in enumerate(response_ids[sl]):
+                    out.append(v[j, :len(r)].cpu().numpy().astype(np.float32))
+        finally:
+            self.model.train(was_training)
+        return out
+
+    # ------------------------------------------------------------------ update
+    def update_critic(self, batch: dict) -> dict:
+        """Clipped value-loss regression of V onto the GAE returns.
+
+        ``batch`` holds per-row lists: ``prompt_ids``, ``response_ids``, ``values`` (the values
+        computed before the update, ragged), ``returns`` (ragged), optional ``loss_mask`` (ragged
+        0/1), plus ``mini_batch_rows`` (rows per optimizer step), ``shuffle`` and ``shuffle_seed``.
+        The loss is :func:`stages.policy_update.value_loss` with ``critic.cliprange_value``,
+        token-mean over each mini-batch (exact under micro-batching), for ``critic.ppo_epochs``
+        passes.
+
+        Returns:
+            Metrics averaged over optimizer steps: ``critic/vf_loss``, ``critic/vf_clipfrac``,
+            ``critic/vpred_mean``, ``critic/grad_norm``; plus ``critic/vf_explained_var`` of the
+            pre-update values (verl's definition), ``critic/lr`` and ``timing_s/update_critic``.
+        """
+        t0 = time.perf_counter()
+        c = self.cfg
+        n_rows = len(batch["response_ids"])
+        mini_rows = int(batch.get("mini_batch_rows") or n_rows)
+        rng = np.random.default_rng(int(batch.get("shuffle_seed", 0)))
+        lm = batch.get("loss_mask")
+
+        def row_mask(r: int) -> np.ndarray:
+            return np.asarray(lm[r], np.float32) if lm is not None else np.ones(len(batch["response_ids"][r]), np.float32)
+
+        def ragged(key: str, rows: Sequence[int], width: int) -> torch.Tensor:
+            t = torch.zeros((len(rows), width), dtype=torch.float32)
+            for j, r in enumerate(rows):
+                v = np.asarray(batch[key][r], dtype=np.float32)[:width]
+                t[j, :len(v)] = torch.from_numpy(v)
+            return t.to(self.device)
+
+        ev = self._explained_variance(batch, row_mask)
+        self.model.train()
+        sums: dict[str, list[float]] = {}
+        for _ in range(int(c.get("ppo_epochs", 1))):
+            order = rng.permutation(n_rows) if batch.get("shuffle") else np.arange(n_rows)
+            for m0 in range(0, n_rows, mini_rows):
+                mini = order[m0:m0 + mini_rows]
+                global_tokens = float(sum(row_mask(int(r)).sum() for r in mini))
+                if global_tokens == 0:
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                step: dict[str, float] = {}
+                for sl in micro_batch_slices(len(mini), int(c["ppo_micro_batch_size"])):
+                    rows = [int(r) for r in mini[sl]]
+                    packed = pack([batch["prompt_ids"][r] for r in rows], [batch["response_ids"][r] for r in rows],
+                                  self.pad_id, self.device)
+                    T = packed.responses.shape[1]
+                    mask = packed.response_mask.float()
+                    if lm is not None:
+                        mask = mask * ragged("loss_mask", rows, T)
+                    vpreds = self.model(packed)
+                    loss, m = value_loss(vpreds, ragged("values", rows, T), ragged("returns", rows, T), mask,
+                                         float(c["cliprange_value"]), "token-mean", global_num_tokens=global_tokens)
+                    loss.backward()
+                    frac = float(mask.sum()) / global_tokens
+                    step["critic/vf_loss"] = step.get("critic/vf_loss", 0.0) + float(loss.item())
+                    for k, v in m.items():
+                        step[k] = step.get(k, 0.0) + float(v) * frac
+                if c.get("grad_clip", 0) > 0:
+                    gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c["grad_clip"]))
+                else:
+                    gn = float(torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in self.model.parameters()
+                                              if p.grad is not None)))
+                if math.isfinite(gn):
+                    self.optimizer.step()
+                    self.optimizer_steps += 1
+                step["critic/grad_norm"] = gn
+                for k, v in step.items():
+                    sums.setdefault(k, []).append(v)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {k: float(np.mean(v)) for k, v in sums.items()}
+        metrics["critic/vf_explained_var"] = ev
+        metrics["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["timing_s/update_critic"] = time.perf_counter() - t0
+        return metrics
+
+    @staticmethod
+    def _explained_variance(batch: dict, row_mask) -> float:
+        vals = [np.asarray(v, np.float64) for v in batch["values"]]
+        rets = [np.asarray(r, np.float64) for r in batch["returns"]]
+        width = max([len(v) for v in vals] + [1])
+        V = torch.zeros((len(vals), width), dtype=torch.float64)
+        R = torch.zeros_like(V)
+        M = torch.zeros_like(V)
+        for i, (v, r) in enumerate(zip(vals, rets)):
+            V[i, :len(v)] = torch.from_numpy(v)
+            R[i, :len(r)] = torch.from_numpy(r)
+            M[i, :len(v)] = torch.from_numpy(row_mask(i).astype(np.float64)[:len(v)])
+        return explained_variance(V, R, M)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str) -> dict:
+        """Write the value model (safetensors) and optimizer state into ``directory``."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        seen: set[int] = set()
+        for k, v in list(state.items()):  # tied weights share storage; safetensors refuses that
+            if v.data_ptr() in seen:
+                state[k] = v.clone()
+            seen.add(v.data_ptr())
+        save_file(state, str(d / "model.safetensors"))
+        torch.save({"optimizer": self.optimizer.state_dict(), "optimizer_steps": self.optimizer_steps},
+                   d / "critic_state.pt")
+        return {"optimizer_steps": self.optimizer_steps}
+
+    def load_checkpoint(self, directory: str) -> dict:
+        """Restore what :meth:`save_checkpoint` wrote.
+
+        Raises:
+            RuntimeError: the saved tensors do not match this value model.
+        """
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        state = load_file(str(d / "model.safetensors"))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"{d}/model.safetensors does not match the critic: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
+        extra = torch.load(d / "critic_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(extra["optimizer"])
+        self.optimizer_steps = int(extra.get("optimizer_steps", 0))
+        return {"optimizer_steps": self.optimizer_steps}
+
+    def weights_digest(self) -> str:
+        """sha256 over the value model's parameters (tests compare states)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for k, v in sorted(self.model.state_dict().items()):
+            h.update(k.encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
