@@ -4,6 +4,8 @@
 
 - ``actor/model.safetensors`` and ``actor/actor_state.pt`` (optimizer, policy version, RNG states),
   written by the policy worker;
+- ``critic/model.safetensors`` and ``critic/critic_state.pt`` (value model and its optimizer), when
+  the run trains a critic (``algorithm.adv_estimator=gae``);
 - ``trainer_state.json``: iteration, data cursor (prompt sampler state), KL controller state,
   score history for drift gates, MLflow run id.
 

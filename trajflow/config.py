@@ -108,6 +108,18 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A learned reward model, combined with the rule-based score."""
+
+    enable: bool = _f(False, "score responses with a reward model too: score = rule_weight * rule + rm_weight * rm")
+    path: Optional[str] = _f(None, "Hugging Face directory of a sequence-classification model with one label")
+    rule_weight: float = _f(1.0, "weight of the rule-based (scorer) score in the combined score")
+    rm_weight: float = _f(1.0, "weight of the reward model's score in the combined score")
+    micro_batch_size: int = _f(8, "sequences per reward-model forward pass", ge=1)
+    max_length: int = _f(2048, "prompt + response tokens scored; longer inputs keep their last tokens", ge=1)
+
+
+@dataclass
 class RewardConfig:
     """Scoring responses."""
 
@@ -117,6 +129,7 @@ class RewardConfig:
     format_bonus: float = _f(0.1, "reasoning-gym scorer: bonus for an 'Answer:' line", ge=0.0)
     overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig)
     num_workers: int = _f(1, "Ray tasks that score a batch in parallel", ge=1)
+    reward_model: RewardModelConfig = _section(RewardModelConfig)
 
 
 @dataclass
@@ -134,7 +147,10 @@ class FilterGroupsConfig:
     """DAPO dynamic sampling."""
 
     enable: bool = _f(False, "drop groups whose rewards are all equal and refill the batch")
-    max_num_gen_batches: int = _f(4, "generation batches tried per iteration (0 = unbounded)", ge=0)
+    metric: str = _f("acc", "per-response value whose spread decides: 'acc' (the scorer's accuracy, else the "
+                     "score) or 'score' (the final score, after shaping)", choices=["acc", "score"])
+    max_num_gen_batches: int = _f(4, "generation batches tried per iteration (0 = up to one epoch of prompts); "
+                                  "when reached, train on the groups kept so far (an error if there are none)", ge=0)
 
 
 @dataclass
@@ -149,6 +165,12 @@ class AlgorithmConfig:
     kl_penalty: str = _f("kl", "KL estimator for the in-reward penalty", choices_from="kl")
     kl_ctrl: KLControlConfig = _section(KLControlConfig)
     filter_groups: FilterGroupsConfig = _section(FilterGroupsConfig)
+    mask_truncated_samples: bool = _f(False, "exclude responses cut at rollout.max_new_tokens (finish_reason "
+                                      "'length') from the policy loss (DAPO's overlong filtering)")
+    rollout_is: Optional[str] = _f(None, "rollout importance-sampling correction: weight the policy loss by "
+                                   "min(pi_old / pi_rollout, threshold) per 'token' or per 'sequence' (null = off)",
+                                   choices=["token", "sequence"])
+    rollout_is_threshold: float = _f(2.0, "truncation bound C of the rollout importance weights", gt=0.0)
 
 
 @dataclass
@@ -180,7 +202,8 @@ class ActorConfig:
 class CriticConfig:
     """Value model (used by estimators that need values, e.g. GAE)."""
 
-    path: Optional[str] = _f(None, "value model directory (default: the policy's base + value head)")
+    path: Optional[str] = _f(None, "causal-LM directory whose transformer body, plus a new value head, is the "
+                             "critic (default: the policy's model.path)")
     lr: float = _f(1e-5, "critic AdamW learning rate", gt=0.0)
     cliprange_value: float = _f(0.5, "value clipping range", gt=0.0)
     ppo_epochs: int = _f(1, "critic passes per iteration", ge=1)
@@ -411,6 +434,17 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
         raise ConfigError(f"{source}: data.train_batch_size={cfg.data.train_batch_size} must be a multiple "
                           f"of actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}")
+    rm = cfg.reward.reward_model
+    if rm.enable and not rm.path:
+        raise ConfigError(f"{source}: reward.reward_model.enable=true needs reward.reward_model.path "
+                          "(a sequence-classification model directory)")
+    if cfg.algorithm.filter_groups.enable and cfg.rollout.n < 2:
+        raise ConfigError(f"{source}: algorithm.filter_groups.enable=true needs rollout.n >= 2 (got "
+                          f"{cfg.rollout.n}): a group of one response never has reward variance")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and ob.len > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"{source}: reward.overlong_buffer.len={ob.len} must be <= rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens}")
     if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")

@@ -17,15 +17,19 @@ import torch
 from trajflow.batch import json_column, lengths, list_column, pad_ragged, to_ragged
 
 
-def sample_ids(iteration: int, num_prompts: int, n: int) -> tuple[list[str], list[str]]:
-    """``sample_id`` and ``group_id`` per row, prompt-major: ``it000003-p0005-s2`` / ``it000003-p0005``."""
-    groups = [f"it{iteration:06d}-p{j:04d}" for j in range(num_prompts) for _ in range(n)]
+def sample_ids(iteration: int, num_prompts: int, n: int, offset: int = 0) -> tuple[list[str], list[str]]:
+    """``sample_id`` and ``group_id`` per row, prompt-major: ``it000003-p0005-s2`` / ``it000003-p0005``.
+
+    ``offset`` numbers the prompts from ``offset`` on (the later generation batches of dynamic
+    sampling continue the numbering, so ids stay unique within an iteration).
+    """
+    groups = [f"it{iteration:06d}-p{j:04d}" for j in range(offset, offset + num_prompts) for _ in range(n)]
     samples = [f"{g}-s{k}" for g, k in zip(groups, [k for _ in range(num_prompts) for k in range(n)])]
     return samples, groups
 
 
 def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[Sequence[int]], gen: dict,
-                  n: int) -> pa.Table:
+                  n: int, offset: int = 0) -> pa.Table:
     """The rollout stage's output.
 
     Args:
@@ -35,8 +39,9 @@ def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[S
         prompt_ids: token ids per prompt.
         gen: the policy worker's ``generate_sequences`` result (``n`` rows per prompt, prompt-major).
         n: samples per prompt.
+        offset: number of the first prompt (see :func:`sample_ids`).
     """
-    sids, gids = sample_ids(iteration, len(prompts), n)
+    sids, gids = sample_ids(iteration, len(prompts), n, offset)
     rep = [p for p in prompts for _ in range(n)]
     rep_ids = [ids for ids in prompt_ids for _ in range(n)]
     cols = {
@@ -58,6 +63,83 @@ def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[S
     return pa.table(cols)
 
 
+def baseline_columns(prompt_rows: Sequence[int], greedy: dict) -> dict[str, pa.Array]:
+    """ReMax's greedy baseline responses as rollout columns (one greedy response per prompt, repeated on
+    every row of the prompt's group).
+
+    Args:
+        prompt_rows: for each row, the index of its prompt in ``greedy``'s order.
+        greedy: ``generate_sequences`` output with one greedy response per prompt.
+    """
+    ids = [greedy["response_ids"][k] for k in prompt_rows]
+    return {"baseline_response_ids": list_column(ids, pa.int32()),
+            "baseline_response_text": pa.array([greedy["response_text"][k] for k in prompt_rows], pa.string())}
+
+
+def final_scores(rule_scores: np.ndarray, rm_scores: np.ndarray | None, response_lengths: np.ndarray,
+                 reward_cfg: dict, max_new_tokens: int) -> tuple[np.ndarray, dict[str, float]]:
+    """The sequence score that training uses: rule/RM combination plus DAPO's overlong penalty.
+
+    ``score = rule_weight * rule + rm_weight * rm`` when ``reward.reward_model.enable`` (else
+    ``score = rule``), then ``+ overlong_penalty(len)`` when ``reward.overlong_buffer.enable`` (Yu et
+    al. 2025, eq. 13).
+
+    Args:
+        rule_scores: ``(rows,)`` float, the scorers' scores.
+        rm_scores: ``(rows,)`` float reward-model scores, or ``None`` without a reward model.
+        response_lengths: ``(rows,)`` int response lengths in tokens.
+        reward_cfg: the ``reward`` config section as a dict.
+        max_new_tokens: ``rollout.max_new_tokens``.
+
+    Returns:
+        ``(scores (rows,) float32, metrics)`` with ``reward/overlong_penalty/mean`` when shaping is on
+        and ``reward/rule_score/mean``, ``reward/rm_score/mean`` with a reward model.
+
+    Raises:
+        ValueError: a reward model is enabled but ``rm_scores`` is missing or of the wrong length.
+    """
+    from stages.reward import overlong_penalty
+
+    rule = np.asarray(rule_scores, dtype=np.float64)
+    metrics: dict[str, float] = {}
+    rm_cfg = reward_cfg.get("reward_model") or {}
+    if rm_cfg.get("enable"):
+        if rm_scores is None or len(rm_scores) != len(rule):
+            raise ValueError("reward.reward_model.enable is set but reward-model scores are missing for "
+                             f"{len(rule)} rows")
+        rm = np.asarray(rm_scores, dtype=np.float64)
+        score = float(rm_cfg.get("rule_weight", 1.0)) * rule + float(rm_cfg.get("rm_weight", 1.0)) * rm
+        if len(rule):
+            metrics["reward/rule_score/mean"] = float(rule.mean())
+            metrics["reward/rm_score/mean"] = float(rm.mean())
+    else:
+        score = rule
+    ob = reward_cfg.get("overlong_buffer") or {}
+    if ob.get("enable"):
+        pen = overlong_penalty(np.asarray(response_lengths), max_new_tokens, ob["len"], ob["penalty_factor"])
+        score = score + pen
+        metrics["reward/overlong_penalty/mean"] = float(np.mean(pen)) if len(pen) else 0.0
+    return score.astype(np.float32), metrics
+
+
+def filter_metric(scores: np.ndarray, extras: Sequence[Any], metric: str) -> np.ndarray:
+    """Per-row value that dynamic sampling filters on (``algorithm.filter_groups.metric``).
+
+    ``score``: the final score. ``acc``: the scorer's ``acc`` extra where it reports one, else the
+    final score of that row.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    if metric == "score":
+        return scores
+    if metric != "acc":
+        raise ValueError(f"algorithm.filter_groups.metric must be 'acc' or 'score', got {metric!r}")
+    out = scores.copy()
+    for i, e in enumerate(extras):
+        if isinstance(e, dict) and isinstance(e.get("acc"), (int, float)) and not isinstance(e.get("acc"), bool):
+            out[i] = float(e["acc"])
+    return out
+
+
 def score_rows(data_sources: list[str], solutions: list[str], ground_truths: list[str],
                extra_infos: list[str | None], reward_cfg: dict) -> Any:
     """Score responses with the configured scorers (runs on a Ray worker); returns ``RewardResult``."""
@@ -72,28 +154,35 @@ def score_rows(data_sources: list[str], solutions: list[str], ground_truths: lis
 
 def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
                  ref_logprobs: list[np.ndarray] | None, reward_cfg: dict, algorithm_cfg: dict,
-                 max_new_tokens: int, kl_coef: float) -> tuple[pa.Table, dict]:
+                 max_new_tokens: int, kl_coef: float, rm_scores: np.ndarray | None = None,
+                 reward_baselines: np.ndarray | None = None) -> tuple[pa.Table, dict]:
     """The reward stage's output: scores, token-level rewards and (with a reference) ref log-probs.
 
-    The sequence score sits on the last response token (outcome reward). With
-    ``algorithm.use_kl_in_reward`` the per-token penalty ``kl_coef * KL`` is subtracted
-    (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2). DAPO's soft overlong punishment
-    (Yu et al. 2025, eq. 13) is added to the score when enabled.
+    The sequence score (:func:`final_scores`: rule scores, combined with the reward model's when
+    one is enabled, plus DAPO's soft overlong punishment, Yu et al. 2025, eq. 13) sits on the last
+    response token (outcome reward). With ``algorithm.use_kl_in_reward`` the per-token penalty
+    ``kl_coef * KL`` is subtracted (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2).
+
+    Args:
+        rollout: the rollout table.
+        scores: ``(rows,)`` rule-based scores from :func:`score_rows`.
+        extras: per-row scorer extras.
+        ref_logprobs: reference log-probs per row (ragged), or ``None``.
+        reward_cfg, algorithm_cfg: config sections as dicts.
+        max_new_tokens: ``rollout.max_new_tokens``.
+        kl_coef: the KL controller's current coefficient.
+        rm_scores: ``(rows,)`` reward-model scores (with ``reward.reward_model.enable``).
+        reward_baselines: ``(rows,)`` ReMax baseline score (the greedy response's final score) per row.
 
     Returns:
-        The table and metrics (``critic/kl``, ``reward/overlong_penalty/mean``).
+        The table (``score``, ``rule_score``/``rm_score`` with a reward model, ``reward_baseline``
+        for ReMax, ``token_rewards``, ...) and metrics (``critic/kl``, ``reward/*``).
     """
     from stages.kl import apply_kl_penalty_to_rewards
-    from stages.reward import overlong_penalty
 
     resp_len = lengths(rollout.column("response_ids"))
-    scores = np.asarray(scores, dtype=np.float32).copy()
-    metrics: dict[str, float] = {}
-    ob = reward_cfg.get("overlong_buffer") or {}
-    if ob.get("enable"):
-        pen = overlong_penalty(resp_len, max_new_tokens, ob["len"], ob["penalty_factor"])
-        scores = scores + pen
-        metrics["reward/overlong_penalty/mean"] = float(np.mean(pen))
+    rule = np.asarray(scores, dtype=np.float32).copy()
+    scores, metrics = final_scores(rule, rm_scores, resp_len, reward_cfg, max_new_tokens)
     B, T = len(scores), max(int(resp_len.max()) if len(resp_len) else 1, 1)
     token_scores = torch.zeros((B, T), dtype=torch.float32)
     last = torch.from_numpy(np.maximum(resp_len - 1, 0))
@@ -121,6 +210,12 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
     }
     if ref_logprobs is not None:
         cols["ref_logprobs"] = list_column(ref_logprobs, pa.float32())
+    if (reward_cfg.get("reward_model") or {}).get("enable"):
+        cols["rule_score"] = pa.array(rule, pa.float32())
+        cols["rm_score"] = pa.array(np.asarray(rm_scores, dtype=np.float32), pa.float32())
+    if reward_baselines is not None:
+        cols["reward_baseline"] = pa.array(np.asarray(reward_baselines, dtype=np.float32), pa.float32())
+        metrics["reward/baseline/mean"] = float(np.mean(reward_baselines)) if len(reward_baselines) else 0.0
     return pa.table(cols), metrics
 
 
@@ -185,6 +280,27 @@ def fill_dropped_rows(joined: pa.Table, computed: pa.Table | None) -> pa.Table:
         out[c] = pa.array([data[c][by_id[s]] if s in by_id else [0.0] * int(n) for s, n in zip(ids, resp_len)],
                           pa.list_(pa.float32()))
     return pa.table(out)
+
+
+def actor_loss_mask(joined: pa.Table, mask_truncated: bool) -> tuple[list[list[float]] | None, dict[str, float]]:
+    """The policy loss mask: the table's ``loss_mask`` (quarantined rows) and, with
+    ``algorithm.mask_truncated_samples``, zero on every row whose ``finish_reason`` is ``length``
+    (DAPO's overlong filtering, Yu et al. 2025, sec. 3.4; TRL's ``mask_truncated_completions``).
+
+    Returns:
+        ``(mask, metrics)``: ragged 0/1 rows aligned with ``response_ids``, or ``None`` when every
+        token counts; ``batch/masked_truncated`` (rows masked for truncation) when masking is on.
+    """
+    base = joined.column("loss_mask").to_pylist() if "loss_mask" in joined.column_names else None
+    if not mask_truncated:
+        return base, {}
+    lens = lengths(joined.column("response_ids"))
+    truncated = [f == "length" for f in joined.column("finish_reason").to_pylist()]
+    rows = []
+    for i, n in enumerate(lens):
+        row = list(base[i]) if base is not None else [1.0] * int(n)
+        rows.append([0.0] * int(n) if truncated[i] else row)
+    return rows, {"batch/masked_truncated": float(sum(truncated))}
 
 
 def batch_metrics(joined: pa.Table) -> dict[str, float]:
@@ -257,7 +373,8 @@ def with_loss_mask(joined: pa.Table, gate: dict | None) -> pa.Table:
 
 
 def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_mini_batch_size: int,
-                 use_ref_logprobs: bool) -> dict[str, Any]:
+                 use_ref_logprobs: bool, mask_truncated: bool = False, rollout_is: str | None = None,
+                 rollout_is_threshold: float = 2.0) -> dict[str, Any]:
     """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
 
     The same stored tables always give the same batch (the shuffle seed derives from the
@@ -270,17 +387,52 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         n: ``rollout.n`` (rows per prompt).
         ppo_mini_batch_size: prompts per optimizer step.
         use_ref_logprobs: pass ``ref_logprobs`` (KL loss on) when the column exists.
+        mask_truncated: ``algorithm.mask_truncated_samples``: zero loss mask on responses cut at the
+            length cap (:func:`actor_loss_mask`).
+        rollout_is: ``algorithm.rollout_is`` (``token``/``sequence``/None): the worker weights the
+            policy-gradient loss by truncated importance weights (:mod:`stages.rollout_correction`).
+        rollout_is_threshold: ``algorithm.rollout_is_threshold``.
 
     Returns:
         Per-row lists ``prompt_ids``, ``response_ids``, ``old_logprobs``, ``advantages`` (ragged), optional
-        ``loss_mask`` and ``ref_logprobs``, plus ``mini_batch_rows`` and ``shuffle_seed``.
+        ``loss_mask`` and ``ref_logprobs``, plus ``mini_batch_rows``, ``shuffle_seed`` and, with rollout
+        IS, ``rollout_is`` and ``rollout_is_threshold``.
     """
     batch: dict[str, Any] = {c: joined.column(c).to_pylist()
                              for c in ("prompt_ids", "response_ids", "old_logprobs", "advantages")}
-    if "loss_mask" in joined.column_names:
-        batch["loss_mask"] = joined.column("loss_mask").to_pylist()
+    loss_mask, _ = actor_loss_mask(joined, mask_truncated)
+    if loss_mask is not None:
+        batch["loss_mask"] = loss_mask
     if use_ref_logprobs and "ref_logprobs" in joined.column_names:
         batch["ref_logprobs"] = joined.column("ref_logprobs").to_pylist()
+    if rollout_is:
+        batch["rollout_is"] = str(rollout_is)
+        batch["rollout_is_threshold"] = float(rollout_is_threshold)
     batch["mini_batch_rows"] = ppo_mini_batch_size * n
     batch["shuffle_seed"] = iteration_seed(seed, iteration, salt=1)
+    return batch
+
+
+def update_batch_options(cfg: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`update_batch` from a run config (shared by the update stage and
+    the replay of stored updates when a policy worker is recreated)."""
+    return dict(seed=int(cfg.trainer.seed), n=int(cfg.rollout.n),
+                ppo_mini_batch_size=int(cfg.actor.ppo_mini_batch_size),
+                use_ref_logprobs=cfg.actor.kl_loss_coef > 0,
+                mask_truncated=bool(cfg.algorithm.mask_truncated_samples),
+                rollout_is=cfg.algorithm.rollout_is, rollout_is_threshold=float(cfg.algorithm.rollout_is_threshold))
+
+
+def critic_batch(joined: pa.Table, iteration: int, cfg: Any) -> dict[str, Any]:
+    """The critic worker's ``update_critic`` batch for one iteration, from its stored stages.
+
+    Rows: ``prompt_ids``, ``response_ids``, ``values`` (the critic's values before the update),
+    ``returns``, optional ``loss_mask`` (quarantined rows); the actor's mini-batch size and shuffle
+    flag, and a shuffle seed of its own. Deterministic, so a recreated critic replays it exactly.
+    """
+    batch: dict[str, Any] = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "values", "returns")}
+    if "loss_mask" in joined.column_names:
+        batch["loss_mask"] = joined.column("loss_mask").to_pylist()
+    batch.update(mini_batch_rows=int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n),
+                 shuffle=bool(cfg.actor.shuffle), shuffle_seed=iteration_seed(int(cfg.trainer.seed), iteration, salt=4))
     return batch

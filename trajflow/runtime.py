@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 
 _CONTEXTS: dict[str, "RunContext"] = {}
 
+#: Advantage estimators that need a critic's values (a critic worker is created for them).
+VALUE_ESTIMATORS = frozenset({"gae"})
+#: Advantage estimators that need a per-prompt baseline reward from a greedy rollout (ReMax).
+BASELINE_ESTIMATORS = frozenset({"remax"})
+
 
 def start_ray(cfg: DictConfig) -> bool:
     """Connect to ``resources.ray_address`` or start a local Ray; returns True if this call started it."""
@@ -54,6 +59,8 @@ class RunContext:
     model_path: str
     actor: Any = None            # Ray handle of PolicyWorker
     reference: Any = None        # Ray handle of ReferenceWorker (None without KL)
+    critic: Any = None           # Ray handle of CriticWorker (None unless the estimator needs values)
+    reward_model: Any = None     # Ray handle of RewardModelWorker (None unless reward.reward_model.enable)
     tracker: Any = None          # trajflow.tracking.Tracker
     sampler: Any = None          # trajflow.data.PromptSampler
     datasets: Any = None         # trajflow.data.PromptDatasets
@@ -77,6 +84,12 @@ class RunContext:
 
     def needs_reference(self) -> bool:
         return self.cfg.actor.kl_loss_coef > 0 or bool(self.cfg.algorithm.use_kl_in_reward)
+
+    def needs_critic(self) -> bool:
+        return self.cfg.algorithm.adv_estimator in VALUE_ESTIMATORS
+
+    def needs_reward_model(self) -> bool:
+        return bool(self.cfg.reward.reward_model.enable)
 
 
 def register(ctx: RunContext) -> None:
@@ -151,17 +164,56 @@ def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
         ray.get(ctx.reference.pid.remote())
 
 
+def create_critic_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start the critic (value model: ``critic.path`` or the policy's body + a value head) as a Ray
+    actor (``ctx.critic``), with fresh weights and optimizer."""
+    import ray
+
+    from trajflow.models import resolve_model_path
+    from trajflow.workers.critic import CriticWorker
+
+    cfg = ctx.cfg
+    path = str(resolve_model_path(cfg.critic.path, cfg.model.cache_dir)) if cfg.critic.path else ctx.model_path
+    ctx.critic = ray.remote(max_restarts=0)(CriticWorker).options(num_cpus=0).remote(
+        path, ctx.plain("critic"), ctx.plain("model"), cfg.trainer.device, int(cfg.trainer.num_threads))
+    if wait_loaded:
+        ray.get(ctx.critic.pid.remote())
+
+
+def create_reward_model_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start the reward model (``reward.reward_model.path``) as a Ray actor (``ctx.reward_model``)."""
+    import ray
+
+    from trajflow.models import resolve_model_path
+    from trajflow.workers.reward_model import RewardModelWorker
+
+    cfg = ctx.cfg
+    path = str(resolve_model_path(cfg.reward.reward_model.path, cfg.model.cache_dir))
+    ctx.reward_model = ray.remote(RewardModelWorker).options(num_cpus=0).remote(
+        path, OmegaConf.to_container(cfg.reward.reward_model, resolve=True), ctx.plain("model"), cfg.trainer.device,
+        int(cfg.trainer.num_threads))
+    if wait_loaded:
+        ray.get(ctx.reward_model.pid.remote())
+
+
 def create_workers(ctx: RunContext) -> None:
-    """Start the policy worker (and the reference worker when a KL term is on) as Ray actors; both load
-    in parallel, and load errors (bad model directory, ...) surface here rather than at the first stage."""
+    """Start the policy worker as a Ray actor, plus the reference worker when a KL term is on, the
+    critic when the advantage estimator needs values and the reward model when it is enabled; they
+    load in parallel, and load errors (bad model directory, ...) surface here rather than at the
+    first stage."""
     import ray
 
     create_policy_worker(ctx, wait_loaded=False)
     if ctx.needs_reference():
         create_reference_worker(ctx, wait_loaded=False)
+    if ctx.needs_critic():
+        create_critic_worker(ctx, wait_loaded=False)
+    if ctx.needs_reward_model():
+        create_reward_model_worker(ctx, wait_loaded=False)
     ray.get(ctx.actor.info.remote())
-    if ctx.reference is not None:
-        ray.get(ctx.reference.pid.remote())
+    for handle in (ctx.reference, ctx.critic, ctx.reward_model):
+        if handle is not None:
+            ray.get(handle.pid.remote())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,12 +315,14 @@ def drop_unresponsive_workers(ctx: RunContext, timeout_s: float | None = None) -
     """Kill and forget the run's actors that do not answer a ping within ``timeout_s``.
 
     A dead actor fails the ping at once; a live one stuck in a timed-out call cannot answer (actor
-    calls run one at a time) and is killed too. Returns the dropped roles (``policy``, ``reference``).
+    calls run one at a time) and is killed too. Returns the dropped roles (``policy``, ``reference``,
+    ``critic``, ``reward_model``).
     """
     import ray
 
     dropped = []
-    for attr, method, role in (("actor", "info", "policy"), ("reference", "pid", "reference")):
+    for attr, method, role in (("actor", "info", "policy"), ("reference", "pid", "reference"),
+                               ("critic", "pid", "critic"), ("reward_model", "pid", "reward_model")):
         handle = getattr(ctx, attr)
         if handle is None or _answers(handle, method, PING_TIMEOUT_S if timeout_s is None else timeout_s):
             continue
@@ -308,6 +362,13 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
     if ctx.reference is None and ctx.needs_reference() and not ctx.extra.get("policy_only"):
         create_reference_worker(ctx)
         created.append("reference")
+    if ctx.reward_model is None and ctx.needs_reward_model() and not ctx.extra.get("policy_only"):
+        create_reward_model_worker(ctx)
+        created.append("reward_model")
+    if ctx.critic is None and ctx.needs_critic() and not ctx.extra.get("policy_only"):
+        create_critic_worker(ctx)
+        restore_critic(ctx, through)
+        created.append("critic")
     if ctx.actor is None:
         create_policy_worker(ctx)
         restore_policy(ctx, through)
@@ -341,9 +402,7 @@ def restore_policy(ctx: RunContext, through: int) -> int:
             continue
         joined = join_stages([store.read_stage(it, stage) for stage in STAGES])
         joined = pipeline.with_loss_mask(joined, store.read_iteration_json(it, "gate.json"))
-        batch = pipeline.update_batch(joined, it, seed=int(cfg.trainer.seed), n=int(cfg.rollout.n),
-                                      ppo_mini_batch_size=int(cfg.actor.ppo_mini_batch_size),
-                                      use_ref_logprobs=cfg.actor.kl_loss_coef > 0)
+        batch = pipeline.update_batch(joined, it, **pipeline.update_batch_options(cfg))
         wait(ctx, ctx.actor.update_actor.remote(batch, cfg.rollout.temperature))
         replayed += 1
     version = int(wait(ctx, ctx.actor.info.remote())["policy_version"])
@@ -354,17 +413,52 @@ def restore_policy(ctx: RunContext, through: int) -> int:
     return replayed
 
 
+def restore_critic(ctx: RunContext, through: int) -> int:
+    """Bring a freshly created critic to the state after iteration ``through``, as
+    :func:`restore_policy` does for the policy: the newest checkpoint's ``critic/`` at or before it,
+    then the stored critic updates of the later iterations re-applied in order (their values and
+    returns are in ``advantage.parquet``). Returns the number of updates re-applied.
+
+    Raises:
+        trajflow.store.StoreError: an iteration to re-apply lacks verified stage outputs.
+    """
+    from trajflow import checkpoint as ckpt
+    from trajflow import pipeline
+    from trajflow.batch import join_stages
+    from trajflow.store import STAGES
+
+    store, cfg = ctx.store, ctx.cfg
+    saved = [c for c in ckpt.list_checkpoints(store) if c <= through]
+    base = saved[-1] if saved else None
+    if base is not None:
+        wait(ctx, ctx.critic.load_checkpoint.remote(str(ckpt.checkpoint_dir(store, base) / "critic")))
+    replayed = 0
+    done = ctx.extra.setdefault("critic_updates", {})
+    for it in list(done):
+        if it > through:  # updates of the recreated critic's future: the caller's stage redoes them
+            del done[it]
+    for it in store.iterations():
+        if it <= (base or 0) or it > through or store.read_iteration_json(it, "update.json") is None:
+            continue
+        joined = join_stages([store.read_stage(it, stage) for stage in STAGES])
+        joined = pipeline.with_loss_mask(joined, store.read_iteration_json(it, "gate.json"))
+        if "values" in joined.column_names:
+            wait(ctx, ctx.critic.update_critic.remote(pipeline.critic_batch(joined, it, cfg)))
+            replayed += 1
+    return replayed
+
+
 def close(ctx: RunContext) -> None:
     """Stop the run's actors (and Ray, if this run started it)."""
     import ray
 
-    for handle in (ctx.actor, ctx.reference):
+    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model):
         if handle is not None:
             try:
                 ray.kill(handle)
             except Exception:  # already dead
                 pass
-    ctx.actor = ctx.reference = None
+    ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = None
     unregister(ctx.run_id)
     if ctx.started_ray:
         ray.shutdown()

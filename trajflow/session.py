@@ -149,10 +149,15 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
 
 
 def restore_checkpoint(ctx: RunContext, iteration: int) -> None:
-    """Load the policy, optimizer, RNG, data cursor and controller state saved after ``iteration``."""
+    """Load the policy (and critic), optimizers, RNG, data cursor and controller state saved after ``iteration``."""
     d = ckpt.checkpoint_dir(ctx.store, iteration)
     state = ckpt.read_trainer_state(ctx.store, iteration)
     ray.get(ctx.actor.load_checkpoint.remote(str(d / "actor")))
+    if ctx.critic is not None:
+        if not (d / "critic").exists():
+            raise RuntimeError(f"checkpoint {d} has no critic/ folder, but this run trains a critic "
+                               f"(algorithm.adv_estimator={ctx.cfg.algorithm.adv_estimator!r})")
+        ray.get(ctx.critic.load_checkpoint.remote(str(d / "critic")))
     ctx.sampler.load_state_dict(state["sampler"])
     if ctx.kl_ctrl is not None and state.get("kl_ctrl"):
         ctx.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -243,9 +248,13 @@ def save(ctx: RunContext, iteration: int) -> Path:
     state = {"sampler": ctx.sampler.state_dict(), "policy_version": ctx.policy_version,
              "kl_ctrl": ctx.kl_ctrl.state_dict() if ctx.kl_ctrl is not None else None,
              "score_history": ctx.score_history, "mlflow_run_id": ctx.tracker.run_id, "saved_at": time.time()}
-    return ckpt.save_checkpoint(ctx.store, iteration, state,
-                                lambda d: ray.get(ctx.actor.save_checkpoint.remote(str(d / "actor"))),
-                                ctx.cfg.trainer.max_checkpoints)
+    def save_workers(d: Path) -> None:
+        futures = [ctx.actor.save_checkpoint.remote(str(d / "actor"))]
+        if ctx.critic is not None:
+            futures.append(ctx.critic.save_checkpoint.remote(str(d / "critic")))
+        ray.get(futures)
+
+    return ckpt.save_checkpoint(ctx.store, iteration, state, save_workers, ctx.cfg.trainer.max_checkpoints)
 
 
 def finish_run(ctx: RunContext) -> dict:
