@@ -70,10 +70,15 @@ def hash_bit(text: str) -> float:
     return float(int(hashlib.sha256(text.encode()).hexdigest(), 16) % 2)
 
 
-def test_ppo_gae(env):
+@pytest.fixture(scope="module")
+def ppo_run(env):
     # adaptive KL controller with a short horizon, so its checkpointed state visibly moves
-    d = run(env, "ppo_gae", **{"rollout.n": 1, "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.horizon": 10,
-                               "algorithm.kl_ctrl.target_kl": 0.1})
+    return run(env, "ppo_gae", **{"rollout.n": 1, "algorithm.kl_ctrl.type": "adaptive",
+                                  "algorithm.kl_ctrl.horizon": 10, "algorithm.kl_ctrl.target_kl": 0.1})
+
+
+def test_ppo_gae(env, ppo_run):
+    d = ppo_run
     for it in (1, 2):
         rows = joined(d, it)
         assert [len(v) for v in rows["values"]] == [len(r) for r in rows["response_ids"]]
@@ -106,6 +111,34 @@ def test_ppo_gae(env):
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["kl_ctrl"]["type"] == "adaptive"
     assert state["kl_ctrl"]["value"] == pytest.approx(beta, rel=1e-9) and beta != 0.001
+
+
+def test_lost_critic_is_rebuilt_from_the_stored_updates(env, ppo_run):
+    """A recreated critic (worker died) = the newest checkpoint at or before the iteration + the stored
+    critic updates since, re-applied: bit for bit the critic the run had (here: no checkpoint, one update)."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from trajflow import runtime
+    from trajflow.config import load_config
+    from trajflow.store import RunStore
+
+    d = ppo_run
+    saved = env.root / "critic-after-it1"
+    shutil.move(str(d / "checkpoints" / "000001"), saved)  # no checkpoint at or before iteration 1 now
+    cfg = load_config(base=OmegaConf.load(d / "config.yaml"))
+    ctx = runtime.RunContext(cfg=cfg, store=RunStore(cfg.store.root, d.name), model_path=str(env.model))
+    truth = runtime.RunContext(cfg=cfg, store=ctx.store, model_path=str(env.model))
+    try:
+        runtime.create_critic_worker(ctx)
+        assert runtime.restore_critic(ctx, through=1) == 1
+        runtime.create_critic_worker(truth)
+        ray.get(truth.critic.load_checkpoint.remote(str(saved / "critic")))
+        assert ray.get(ctx.critic.weights_digest.remote()) == ray.get(truth.critic.weights_digest.remote())
+    finally:
+        for c in (ctx, truth):
+            if c.critic is not None:
+                ray.kill(c.critic)
 
 
 def test_grpo(env):
