@@ -78,7 +78,7 @@ def trajectories_page() -> None:
                            score_range=score_range, finish_reasons=tuple(reasons), search=query.strip() or None)
     rows = _find(cfg.store_root, run, flt, limit)
     source = trajectory_source(cfg.store_root, run)
-    st.caption(f"{len(rows)} rows" + (f" (first {limit})" if len(rows) >= limit else "")
+    st.caption(f"{len(rows)} row{'' if len(rows) == 1 else 's'}" + (f" (first {limit})" if len(rows) >= limit else "")
                + f" · source: {'LanceDB audit table' if source == 'audit' else 'Parquet stage outputs'}")
     for row in rows:
         _card(row)

@@ -49,7 +49,7 @@ def _finished(root: Path) -> dict | None:
 
 
 @pytest.fixture(scope="session")
-def two_runs(request, tmp_path_factory, tiny_model_dir) -> TwoRuns:
+def two_runs(request, tmp_path_factory) -> TwoRuns:
     """Train both runs (~1-2 min each on 2 busy cores).
 
     ``TRAJFLOW_TEST_REUSE_STORE=/some/dir`` (developers only) keeps the runs in that folder and reuses
@@ -64,6 +64,7 @@ def two_runs(request, tmp_path_factory, tiny_model_dir) -> TwoRuns:
     if reuse and root.exists():
         shutil.rmtree(root)
     request.getfixturevalue("ray_local")
+    tiny_model_dir = request.getfixturevalue("tiny_model_dir")
     from flows.train import train
 
     reward = tmp_path_factory.mktemp("reward") / "vowel_reward.py"

@@ -106,7 +106,7 @@ def test_compare_two_runs_table_matches_mlflow(two_runs, tmp_path):
     assert [r["name"] for r in data["runs"]] == two_runs.names
     if os.environ.get("TRAJFLOW_WRITE_DOCS_IMG") == "1":
         rc, _, err = cli("compare", *two_runs.names, "--store", two_runs.root, "--out", tmp_path / "docs",
-                         "-m", "critic/score/mean", "-m", "actor/entropy", "-m", "actor/pg_loss",
+                         "-m", "critic/score/mean", "-m", "actor/entropy", "-m", "actor/grad_norm",
                          "-m", "val-core/*")
         assert rc == 0, err
         dst = Path(__file__).resolve().parents[2] / "docs" / "img" / "compare.png"

@@ -180,13 +180,14 @@ def test_trajectory_search_returns_the_stored_response(two_runs, dashboard, page
     run = two_runs.names[0]
     word, expected = _pick_search_word(two_runs.root / run)
     page.goto(f"{dashboard}/trajectories?run={run}")
-    page.get_by_text(re.compile(r"^\d+ rows")).wait_for()
-    total = int(re.match(r"(\d+) rows", page.get_by_text(re.compile(r"^\d+ rows")).inner_text()).group(1))
+    count = page.get_by_text(re.compile(r"^\d+ rows? ·"))
+    count.wait_for()
+    total = int(re.match(r"(\d+) rows?", count.inner_text()).group(1))
     assert total == 12  # 3 iterations x 2 prompts x 2 samples
     box = page.get_by_label("Search prompts and responses")
     box.fill(word)
     box.press("Enter")
-    page.get_by_text(re.compile(r"^1 rows")).wait_for()
+    page.get_by_text(re.compile(r"^1 row ·")).wait_for()
     responses = page.locator('[class*="st-key-response_"]')
     assert responses.count() == 1
     assert responses.first.inner_text().strip() == expected["response_text"].strip()
