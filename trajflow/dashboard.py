@@ -18,7 +18,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -175,7 +174,8 @@ def _audit_query():
 
 
 def prompt_text(prompt: str | None) -> str:
-    """A stored ``prompt`` (chat messages as JSON, or plain text) as readable text: ``[role] content`` lines."""
+    """A stored ``prompt`` (chat messages as JSON, or plain text) as readable text: ``role: content`` lines
+    (the audit table's ``prompt_text`` format)."""
     if prompt is None:
         return ""
     try:
@@ -183,7 +183,7 @@ def prompt_text(prompt: str | None) -> str:
     except (TypeError, ValueError):
         return str(prompt)
     if isinstance(msgs, list) and all(isinstance(m, dict) and "content" in m for m in msgs):
-        return "\n".join(f"[{m.get('role', '?')}] {m['content']}" for m in msgs)
+        return "\n".join(f"{m.get('role', '')}: {m['content']}" for m in msgs)
     return str(prompt)
 
 
