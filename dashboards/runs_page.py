@@ -66,7 +66,8 @@ def runs_page() -> None:
     label = {r["mlflow_run_id"]: (r["run"] if len(by_name[r["run"]]) == 1 else f"{r['run']} ({r['mlflow_run_id'][:8]})")
              for r in rows}
     wanted = query_list("runs")
-    default = list(dict.fromkeys(i for w in wanted for i in options if w in (i, label[i]))) or options[:2]
+    newest_training = [r["mlflow_run_id"] for r in rows if r["kind"] == "train"][:2] or options[:2]
+    default = list(dict.fromkeys(i for w in wanted for i in options if w in (i, label[i]))) or newest_training
     chosen = st.multiselect("Runs", options, default=default, format_func=label.get, key="runs")
     if not chosen:
         st.info("Pick runs to compare.")

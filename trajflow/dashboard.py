@@ -51,7 +51,8 @@ def list_runs(client) -> list[dict]:
     """Every MLflow run of the tracking store, newest first, as plain rows for a table.
 
     Returns:
-        Dicts with ``run`` (run name = trajflow run id), ``mlflow_run_id``, ``experiment``, ``status``,
+        Dicts with ``run`` (run name = trajflow run id), ``mlflow_run_id``, ``experiment``, ``kind``
+        (tag ``trajflow.kind``: ``train`` when absent, ``evaluation`` for ``trajflow evaluate``), ``status``,
         ``started`` (epoch ms), ``wall_s``, ``planned_iterations``, ``score`` (latest
         ``critic/score/mean``), ``commit``, ``parent``.
     """
@@ -65,7 +66,8 @@ def list_runs(client) -> list[dict]:
         end = info.end_time or None
         rows.append({
             "run": info.run_name or info.run_id, "mlflow_run_id": info.run_id,
-            "experiment": exps.get(info.experiment_id, info.experiment_id), "status": info.status,
+            "experiment": exps.get(info.experiment_id, info.experiment_id),
+            "kind": data.tags.get("trajflow.kind", "train"), "status": info.status,
             "started": info.start_time, "wall_s": ((end - info.start_time) / 1000.0) if end and info.start_time else None,
             "planned_iterations": data.params.get("trainer.total_iterations"),
             "score": data.metrics.get("critic/score/mean"),
