@@ -146,8 +146,7 @@ def dashboard(store: str = typer.Option("runs", "--store", help="store root (run
     """Serve the dashboard (Streamlit): runs and their curves, trajectory browser, gate results."""
     from trajflow.dashboard import serve
 
-    rc = _run(serve, store, tracking_uri, port, address)
-    raise typer.Exit(rc or 0)
+    _run(serve, store, tracking_uri, port, address)  # replaces this process with Streamlit
 
 
 def main() -> None:

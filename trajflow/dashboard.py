@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,11 +348,14 @@ def streamlit_command(store_root: str | Path, tracking_uri: str | None = None, p
 
 
 def serve(store_root: str | Path = "runs", tracking_uri: str | None = None, port: int = 8501,
-          address: str = "127.0.0.1") -> int:
-    """Run the dashboard in the foreground until interrupted; returns Streamlit's exit code.
+          address: str = "127.0.0.1") -> None:
+    """Replace this process with the Streamlit server (so signals such as SIGTERM reach it directly).
+
+    Returns only if the checks fail (by raising).
 
     Raises:
-        DashboardError: the store root does not exist and no tracking URI is given.
+        DashboardError: the store root does not exist and no tracking URI is given, or the app file is
+            missing.
     """
     root = Path(store_root).expanduser().resolve()
     if not root.is_dir() and not tracking_uri:
@@ -364,7 +366,5 @@ def serve(store_root: str | Path = "runs", tracking_uri: str | None = None, port
     env = dict(os.environ)
     src = str(APP.parents[1])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    try:
-        return subprocess.call(streamlit_command(root, tracking_uri, port, address), env=env)
-    except KeyboardInterrupt:
-        return 0
+    cmd = streamlit_command(root, tracking_uri, port, address)
+    os.execve(cmd[0], cmd, env)
