@@ -187,9 +187,12 @@ def test_trajectory_search_returns_the_stored_response(two_runs, dashboard, page
     box = page.get_by_label("Search prompts and responses")
     box.fill(word)
     box.press("Enter")
+    from playwright.sync_api import expect
+
     page.get_by_text(re.compile(r"^1 row ·")).wait_for()
     responses = page.locator('[class*="st-key-response_"]')
-    assert responses.count() == 1
+    # cards of the previous script run stay in the DOM until the rerun finishes: wait for them to go
+    expect(responses).to_have_count(1, timeout=TIMEOUT_MS)
     assert responses.first.inner_text().strip() == expected["response_text"].strip()
     card = page.locator(f'.st-key-card_{expected["sample_id"]}').inner_text()
     assert expected["sample_id"] in card
