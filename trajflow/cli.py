@@ -22,13 +22,16 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from trajflow.batch import BatchError
+    from trajflow.compare import CompareError
     from trajflow.config import ConfigError
+    from trajflow.dashboard import DashboardError
     from trajflow.data import DataError
     from trajflow.models import ModelLoadError
     from trajflow.session import RunExistsError
     from trajflow.store import StoreError
 
-    return (ConfigError, DataError, ModelLoadError, RunExistsError, StoreError, BatchError)
+    return (ConfigError, DataError, ModelLoadError, RunExistsError, StoreError, BatchError, CompareError,
+            DashboardError)
 
 
 def _run(fn, *args, **kwargs):
@@ -117,6 +120,33 @@ def show_config(overrides: Optional[List[str]] = typer.Argument(None),
 
     cfg = _run(load_config, config, overrides or [])
     typer.echo(to_yaml(cfg))
+
+
+@app.command()
+def compare(runs: List[str] = typer.Argument(..., help="runs: MLflow run id (or unique prefix), run name or trajflow run id"),
+            metric: Optional[List[str]] = typer.Option(
+                None, "--metric", "-m", help="metric (verl name or glob such as 'actor/*'; repeatable); default: "
+                                             "critic/score/mean, response_length/mean and val-core/*"),
+            out: str = typer.Option(".", "--out", "-o", help="folder for compare.png and compare.json"),
+            store: str = typer.Option("runs", "--store", help="store root whose mlflow.db holds the runs"),
+            tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
+                                                       help="MLflow tracking URI (default: sqlite under --store)")) -> None:
+    """Compare runs side by side: final/best metrics, iterations, wall time, differing config; PNG of the curves."""
+    from trajflow.compare import run_compare
+
+    _run(run_compare, runs, metric or None, out, store, tracking_uri)
+
+
+@app.command()
+def dashboard(store: str = typer.Option("runs", "--store", help="store root (run folders and mlflow.db)"),
+              tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
+                                                         help="MLflow tracking URI (default: sqlite under --store)"),
+              port: int = typer.Option(8501, "--port", help="port to serve on"),
+              address: str = typer.Option("127.0.0.1", "--address", help="address to bind (0.0.0.0: all interfaces)")) -> None:
+    """Serve the dashboard (Streamlit): runs and their curves, trajectory browser, gate results."""
+    from trajflow.dashboard import serve
+
+    _run(serve, store, tracking_uri, port, address)  # replaces this process with Streamlit
 
 
 def main() -> None:

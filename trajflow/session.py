@@ -268,10 +268,23 @@ def finish_run(ctx: RunContext) -> dict:
 
             shutil.rmtree(store.final_dir)
         os.replace(tmp, store.final_dir)
+    _log_end_of_run_plots(ctx)
     meta = store.update_run_meta(status="finished", finished=time.time(), policy_version=ctx.policy_version)
     print(f"trajflow run {ctx.run_id} finished: {store.run_dir}", flush=True)
     return {"run_id": ctx.run_id, "run_dir": str(store.run_dir), "mlflow_run_id": meta.get("mlflow_run_id"),
             "metrics": ctx.extra.get("last_metrics", {}), "policy_version": ctx.policy_version}
+
+
+def _log_end_of_run_plots(ctx: RunContext) -> None:
+    """Reward and response-length PNGs as MLflow artifacts (``plots/``); a plotting error only warns."""
+    if ctx.tracker is None:
+        return
+    try:
+        from trajflow.plots import log_run_plots
+
+        log_run_plots(ctx.tracker, ctx.run_id)
+    except Exception as e:  # a missing plot must never fail a finished run
+        log.warning("could not log the end-of-run plots: %s", e)
 
 
 def close_run(ctx: RunContext, status: str) -> None:

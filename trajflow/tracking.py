@@ -2,6 +2,16 @@
 
 The default tracking store is SQLite under the store root (``sqlite:///<root>/mlflow.db``), with
 artifacts beside it in ``<root>/mlartifacts``, so a run directory tree is self-contained.
+
+What a run records (see docs/compare.md):
+
+- experiment ``trajflow/<recipe>`` (or ``trainer.experiment_name``); run name = the trajflow run id;
+- tags ``trajflow.run_id``, ``trajflow.recipe``, ``mlflow.source.git.commit`` and, for a replay,
+  the lineage tags of :func:`lineage_tags`;
+- params: the flattened resolved config (``actor.lr``, ...); artifact ``config.yaml``: the same config;
+- metrics: verl's names per iteration (step = iteration, 0 = before training), ``@`` as ``_at_``;
+- artifacts ``samples/iteration_NNNNNN.json`` (sample generations), ``gates/iteration_NNNNNN/``
+  (gate reports) and, at the end of a run, ``plots/*.png`` (see :mod:`trajflow.plots`).
 """
 
 from __future__ import annotations
@@ -13,7 +23,32 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig
 
-from trajflow.config import flatten
+from trajflow.config import flatten, to_yaml
+
+# Replay lineage (set by the run that replays a stored stage output of another run).
+TAG_PARENT_RUN = "trajflow.parent_run_id"          # the parent's trajflow run id (= its MLflow run name)
+TAG_PARENT_ITERATION = "trajflow.parent_iteration"  # the parent iteration whose stored output was replayed
+TAG_FROM_STAGE = "trajflow.from_stage"              # the first stage recomputed (rollout, reward, advantage, ...)
+
+
+def lineage_tags(parent_run_id: str, parent_iteration: int, from_stage: str) -> dict[str, str]:
+    """The MLflow tags that record where a replay came from (pass them as ``Tracker(tags=...)``).
+
+    Args:
+        parent_run_id: the trajflow run id of the run whose stored output is replayed.
+        parent_iteration: that run's iteration (>= 0).
+        from_stage: the first stage the replay recomputes.
+
+    Returns:
+        ``{TAG_PARENT_RUN: ..., TAG_PARENT_ITERATION: ..., TAG_FROM_STAGE: ...}`` (all strings).
+    """
+    return {TAG_PARENT_RUN: str(parent_run_id), TAG_PARENT_ITERATION: str(int(parent_iteration)),
+            TAG_FROM_STAGE: str(from_stage)}
+
+
+def store_tracking_uri(store_root: str | Path) -> str:
+    """The default tracking URI of a store root: ``sqlite:///<root>/mlflow.db`` (absolute path)."""
+    return f"sqlite:///{Path(store_root).expanduser().resolve() / 'mlflow.db'}"
 
 
 def tracking_uri(cfg: DictConfig) -> str:
@@ -22,7 +57,7 @@ def tracking_uri(cfg: DictConfig) -> str:
         return str(cfg.tracking.uri)
     root = Path(cfg.store.root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{root / 'mlflow.db'}"
+    return store_tracking_uri(root)
 
 
 def git_commit() -> str | None:
@@ -78,6 +113,7 @@ class Tracker:
             run = self.client.create_run(exp_id, run_name=run_id, tags=all_tags)
             self.run_id = run.info.run_id
             self.log_params(flatten(cfg))
+            self.log_text(to_yaml(cfg), "config.yaml")
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param

@@ -1,0 +1,30 @@
+"""trajflow dashboard (Streamlit): runs and their curves, trajectory browser, gate results.
+
+Start it with ``trajflow dashboard [--store ROOT] [--tracking-uri URI]`` (or
+``streamlit run dashboards/app.py -- --store ROOT``). Pages: ``/`` runs, ``/trajectories``, ``/gates``.
+Query parameters make views linkable: ``/?runs=a,b&metrics=critic/score/mean``,
+``/trajectories?run=a&q=word``, ``/gates?run=a``.
+"""
+
+from __future__ import annotations
+
+from trajflow.env import configure_environment
+
+configure_environment()
+
+import streamlit as st  # noqa: E402
+
+from common import settings  # noqa: E402
+from gates_page import gates_page  # noqa: E402
+from runs_page import runs_page  # noqa: E402
+from trajectories_page import trajectories_page  # noqa: E402
+
+st.set_page_config(page_title="trajflow", layout="wide")
+cfg = settings()
+with st.sidebar:
+    st.caption(f"store: `{cfg.store_root}`  \ntracking: `{cfg.tracking_uri}`")
+st.navigation([
+    st.Page(runs_page, title="Runs", url_path="runs", default=True),
+    st.Page(trajectories_page, title="Trajectories", url_path="trajectories"),
+    st.Page(gates_page, title="Gates", url_path="gates"),
+]).run()

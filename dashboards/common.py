@@ -1,0 +1,65 @@
+"""Settings and cached data access shared by the dashboard pages."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import streamlit as st
+
+from trajflow.tracking import store_tracking_uri
+
+
+@dataclass(frozen=True)
+class Settings:
+    store_root: str
+    tracking_uri: str
+
+
+@st.cache_resource
+def settings() -> Settings:
+    """``--store`` / ``--tracking-uri`` after ``--`` on the streamlit command line, else
+    ``TRAJFLOW_STORE`` / ``TRAJFLOW_TRACKING_URI``, else ``runs`` and its SQLite store."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--store", default=os.environ.get("TRAJFLOW_STORE", "runs"))
+    p.add_argument("--tracking-uri", default=os.environ.get("TRAJFLOW_TRACKING_URI"))
+    args, _ = p.parse_known_args(sys.argv[1:])
+    root = str(Path(args.store).expanduser().resolve())
+    return Settings(root, args.tracking_uri or store_tracking_uri(root))
+
+
+@st.cache_resource
+def client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def mlflow_ready(cfg: Settings) -> bool:
+    """False (and a message) when the default SQLite store does not exist yet; never creates it."""
+    if cfg.tracking_uri.startswith("sqlite:///") and not Path(cfg.tracking_uri[len("sqlite:///"):]).exists():
+        st.info(f"No MLflow store at `{cfg.tracking_uri}` yet: train a run with `store.root={cfg.store_root}` "
+                f"or start the dashboard with `--tracking-uri`.")
+        return False
+    return True
+
+
+def query_list(name: str) -> list[str]:
+    """A comma-separated query parameter (``?runs=a,b``) as a list."""
+    raw = st.query_params.get(name, "")
+    return [x for x in raw.split(",") if x]
+
+
+def run_picker(label: str, runs: list[str], key: str) -> str | None:
+    """A run select box; the ``?run=`` query parameter picks the initial run."""
+    if not runs:
+        st.info("No runs in this store yet.")
+        return None
+    wanted = st.query_params.get("run")
+    index = runs.index(wanted) if wanted in runs else 0
+    choice = st.selectbox(label, runs, index=index, key=key)
+    st.query_params["run"] = choice
+    return choice

@@ -1,0 +1,84 @@
+"""Trajectory browser: a run's stored responses, filtered and searched, one card per response."""
+
+from __future__ import annotations
+
+import json
+
+import streamlit as st
+
+from common import run_picker, settings
+from trajflow.dashboard import TrajectoryFilter, find_trajectories, store_runs, trajectory_facets, trajectory_source
+
+
+@st.cache_data(ttl=15, show_spinner=False)
+def _facets(root: str, run: str) -> dict:
+    return trajectory_facets(root, run)
+
+
+@st.cache_data(ttl=15, show_spinner="searching ...")
+def _find(root: str, run: str, flt: TrajectoryFilter, limit: int) -> list[dict]:
+    return find_trajectories(root, run, flt, limit).to_pylist()
+
+
+def _fmt(v, spec: str = ".4g") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def _card(row: dict) -> None:
+    with st.container(border=True, key=f"card_{row['sample_id']}"):
+        st.markdown(
+            f"**{row['sample_id']}** · iteration {row['iteration']} · `{row['data_source']}` · "
+            f"score **{_fmt(row['score'])}** · advantage {_fmt(row['advantage_mean'])} · "
+            f"policy v{row['policy_version']} · {row['finish_reason']} · {row['response_length']} tokens"
+            + (f" · checkpoint {row['checkpoint_id']}" if row.get("checkpoint_id") else ""))
+        left, right = st.columns(2)
+        with left:
+            st.caption("prompt")
+            text = row["prompt_text"] or ""
+            st.code(text, language=None, wrap_lines=True, height=180 if text.count("\n") > 6 else "content")
+        with right:
+            st.caption("response")
+            with st.container(key=f"response_{row['sample_id']}"):
+                st.code(row["response_text"] or "", language=None, wrap_lines=True)
+        details = {"ground_truth": row["ground_truth"]}
+        try:
+            details["reward_extra"] = json.loads(row["reward_extra"]) if row["reward_extra"] else None
+        except (TypeError, ValueError):
+            details["reward_extra"] = row["reward_extra"]
+        if row.get("reward_error"):
+            details["reward_error"] = row["reward_error"]
+        st.caption("reward details: " + json.dumps(details, default=str))
+
+
+def trajectories_page() -> None:
+    cfg = settings()
+    st.title("Trajectories")
+    run = run_picker("Run", store_runs(cfg.store_root), key="traj_run")
+    if run is None:
+        return
+    f = _facets(cfg.store_root, run)
+    if not f["iterations"]:
+        st.info(f"Run {run} has no stored rollouts yet.")
+        return
+    c1, c2, c3, c4 = st.columns([2, 2, 2, 1])
+    lo, hi = min(f["iterations"]), max(f["iterations"])
+    its = c1.slider("Iterations", lo, hi, (lo, hi), key="traj_its") if lo < hi else (lo, hi)
+    sources = c2.multiselect("Data source", f["data_sources"], key="traj_sources")
+    reasons = c3.multiselect("Finish reason", f["finish_reasons"], key="traj_reasons")
+    limit = int(c4.number_input("Rows", 1, 1000, 50, step=10, key="traj_limit"))
+    score_range = None
+    smin, smax = f["score_min"], f["score_max"]
+    if smin is not None and smax is not None and smin < smax:
+        chosen = st.slider("Score", float(smin), float(smax), (float(smin), float(smax)), key="traj_score")
+        if chosen != (float(smin), float(smax)):
+            score_range = chosen
+    query = st.text_input("Search prompts and responses", value=st.query_params.get("q", ""), key="traj_q",
+                          placeholder="full-text search, e.g. a word from a response")
+    flt = TrajectoryFilter(iterations=None if its == (lo, hi) else tuple(its), data_sources=tuple(sources),
+                           score_range=score_range, finish_reasons=tuple(reasons), search=query.strip() or None)
+    rows = _find(cfg.store_root, run, flt, limit)
+    source = trajectory_source(cfg.store_root, run)
+    st.caption(f"{len(rows)} row{'' if len(rows) == 1 else 's'}" + (f" (first {limit})" if len(rows) >= limit else "")
+               + f" · source: {'LanceDB audit table' if source == 'audit' else 'Parquet stage outputs'}")
+    for row in rows:
+        _card(row)

@@ -1,0 +1,135 @@
+"""The dashboard's data layer and the run's MLflow artifacts, checked against the stored files.
+
+Expected values come from reading the run's Parquet/JSON files (or MLflow) directly here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+TRAJFLOW = str(Path(sys.executable).parent / "trajflow")
+
+
+def stored_rows(run_dir: Path) -> list[dict]:
+    """All responses of a run: rollout + reward + advantage rows joined by sample_id, by hand."""
+    rows = []
+    for d in sorted((run_dir / "iterations").iterdir()):
+        ro = pq.read_table(d / "rollout.parquet").to_pylist()
+        rw = {r["sample_id"]: r for r in pq.read_table(d / "reward.parquet").to_pylist()}
+        ad = {r["sample_id"]: r for r in pq.read_table(d / "advantage.parquet").to_pylist()}
+        rows += [dict(r, score=rw[r["sample_id"]]["score"], advantages=ad[r["sample_id"]]["advantages"]) for r in ro]
+    return rows
+
+
+def test_find_trajectories_filters_and_columns(two_runs):
+    from trajflow.dashboard import TRAJECTORY_COLUMNS, TrajectoryFilter, find_trajectories, trajectory_facets
+
+    run = two_runs.names[0]
+    rows = stored_rows(two_runs.root / run)
+    assert len(rows) == 12
+
+    everything = find_trajectories(two_runs.root, run, limit=1000)
+    assert tuple(everything.column_names) == TRAJECTORY_COLUMNS
+    assert sorted(everything.column("sample_id").to_pylist()) == sorted(r["sample_id"] for r in rows)
+    by_id = {r["sample_id"]: r for r in everything.to_pylist()}
+    for r in rows:
+        got = by_id[r["sample_id"]]
+        assert got["response_text"] == r["response_text"]
+        assert got["response_length"] == len(r["response_ids"])
+        assert got["advantage_mean"] == pytest.approx(float(np.mean(r["advantages"])), rel=1e-6, abs=1e-7)
+        assert got["score"] == pytest.approx(r["score"], rel=1e-6)
+        assert got["policy_version"] == r["policy_version"]
+        assert got["iteration"] == r["iteration"]
+
+    later = find_trajectories(two_runs.root, run, TrajectoryFilter(iterations=(2, 3)), limit=1000)
+    assert sorted(later.column("sample_id").to_pylist()) == sorted(r["sample_id"] for r in rows if r["iteration"] >= 2)
+
+    scores = sorted(r["score"] for r in rows)
+    lo, hi = scores[3], scores[8]  # an inner range, both ends inclusive
+    ranged = find_trajectories(two_runs.root, run, TrajectoryFilter(score_range=(lo, hi)), limit=1000)
+    assert ranged.num_rows == sum(lo <= s <= hi for s in scores)
+
+    length = find_trajectories(two_runs.root, run, TrajectoryFilter(finish_reasons=("length",)), limit=1000)
+    assert length.num_rows == sum(r["finish_reason"] == "length" for r in rows)
+    assert find_trajectories(two_runs.root, run, TrajectoryFilter(data_sources=("nope",))).num_rows == 0
+    assert find_trajectories(two_runs.root, run, limit=5).num_rows == 5
+
+    # a long word (no stop word: the audit table's full-text index drops those) of some response
+    common = {"between", "because", "through", "against", "yourself", "themselves", "ourselves", "yourselves"}
+    hit_row, word = next((r, w) for r in rows for w in re.findall(r"[A-Za-z]{7,}", r["response_text"] or "")
+                         if w.lower() not in common)
+    hits = find_trajectories(two_runs.root, run, TrajectoryFilter(search=word), limit=1000)
+    assert hit_row["sample_id"] in hits.column("sample_id").to_pylist()
+    assert all(word.lower()[:5] in (h["response_text"] + h["prompt_text"]).lower() for h in hits.to_pylist())
+
+    facets = trajectory_facets(two_runs.root, run)
+    assert facets["iterations"] == [1, 2, 3]
+    assert facets["data_sources"] == ["reasoning_gym/basic_arithmetic"]
+    assert facets["score_min"] == pytest.approx(scores[0]) and facets["score_max"] == pytest.approx(scores[-1])
+
+
+def test_where_clause_for_the_audit_table():
+    from trajflow.dashboard import TrajectoryFilter, where_clause
+
+    assert where_clause(TrajectoryFilter()) is None
+    assert where_clause(TrajectoryFilter(iterations=(2, 5), data_sources=("gsm8k", "o'neil"), score_range=(0.0, 1.0),
+                                         finish_reasons=("stop",))) == (
+        "iteration >= 2 AND iteration <= 5 AND data_source IN ('gsm8k', 'o''neil') AND score >= 0.0 AND "
+        "score <= 1.0 AND finish_reason IN ('stop')")
+
+
+def test_gate_reports_match_gate_json(two_runs):
+    from trajflow.dashboard import DashboardError, gate_reports
+
+    run = two_runs.names[1]
+    reports = gate_reports(two_runs.root, run)
+    assert [r["iteration"] for r in reports] == [1, 2, 3]
+    for r in reports:
+        stored = json.loads((two_runs.root / run / "iterations" / f"{r['iteration']:06d}" / "gate.json").read_text())
+        assert r["success"] == stored["success"]
+        assert r["quarantined"] == len(stored["quarantined_sample_ids"])
+        names = {k.split("/")[1] for k in stored["metrics"] if k.startswith("gate/") and k.count("/") == 2}
+        assert {g["gate"] for g in r["gates"]} == names
+        for g in r["gates"]:
+            assert g["success"] == bool(stored["metrics"][f"gate/{g['gate']}/success"])
+    with pytest.raises(DashboardError, match="no-such-run"):
+        gate_reports(two_runs.root, "no-such-run")
+
+
+def test_run_logs_config_and_end_of_run_plots(two_runs, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(two_runs.tracking_uri)
+    for name in two_runs.names:
+        rid = two_runs.mlflow_ids[name]
+        top = {a.path for a in client.list_artifacts(rid)}
+        assert {"config.yaml", "plots", "samples", "gates"} <= top
+        assert {a.path for a in client.list_artifacts(rid, "plots")} == {"plots/reward.png", "plots/response_length.png"}
+        cfg = Path(client.download_artifacts(rid, "config.yaml", str(tmp_path)))
+        assert cfg.read_text() == (two_runs.root / name / "config.yaml").read_text()
+        png = Path(client.download_artifacts(rid, "plots/reward.png", str(tmp_path)))
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        tags = client.get_run(rid).data.tags
+        assert tags["trajflow.run_id"] == name and tags["trajflow.recipe"] == "grpo_default"
+
+
+def test_dashboard_cli_rejects_missing_store(tmp_path):
+    p = subprocess.run([TRAJFLOW, "dashboard", "--store", str(tmp_path / "nope")], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "nope" in p.stderr and "does not exist" in p.stderr
+
+
+def test_lineage_tags():
+    from trajflow.tracking import lineage_tags
+
+    assert lineage_tags("grpo-1", 7, "reward") == {"trajflow.parent_run_id": "grpo-1",
+                                                   "trajflow.parent_iteration": "7", "trajflow.from_stage": "reward"}
