@@ -144,6 +144,7 @@ def run_trl_side(s: dict) -> dict:
         report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
     )
     assert args.generation_batch_size == rows, (args.generation_batch_size, rows)
+    assert not getattr(args, "activation_checkpointing", args.gradient_checkpointing), "checkpointing must be off"
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
