@@ -201,7 +201,7 @@ def main() -> None:
           f"{parts['attn'] / 1e12:.3f} = {F / 1e12:.3f} TFLOP (naive 6*N_all*T + attn: {F_naive / 1e12:.3f})")
     print(f"update: best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {mfu:.1%} of {peak:.1f} "
           f"(naive count: {F_naive / t_upd / 1e9 / peak:.1%})")
-    print(f"old-log-prob forward: {t_old:.2f} s -> {F_fwd / t_old / 1e9:.1f} GFLOP/s = {F_fwd / t_old / 1e9 / peak:.1%} of matmul")
+    print(f"teacher-forced log-prob forward (compute_log_prob): {t_old:.2f} s -> {F_fwd / t_old / 1e9:.1f} GFLOP/s = {F_fwd / t_old / 1e9 / peak:.1%} of matmul")
     # The load of a shared machine drifts: measure the ceiling again and keep the higher one (lower MFU).
     peak2, rates2 = matmul_gflops(args.matmul_n, max(3, args.repeats * 3))
     print(f"matmul again: {', '.join(f'{r:.1f}' for r in rates2)} GFLOP/s", end="")

@@ -10,7 +10,8 @@ store, MLflow on SQLite) for 1 warm-up + K iterations, then accounts for each wa
   excluded and shown separately, amortised over the recipe's ``save_freq``). ``timing_s/step``
   (rollout start to just before logging) is shown too.
 * **model compute** = ``timing_s/gen`` + ``timing_s/old_log_prob`` + ``timing_s/update_actor``
-  (measured inside the policy worker).
+  (measured inside the policy worker; plus ``gen_baseline``/``values``/``update_critic`` for recipes
+  that have them).
 * **outside model compute** = iteration - model compute; target <= 5 % of the iteration.
 
 Its parts are then measured directly, by re-doing each piece in this process on the run's own data
@@ -40,6 +41,10 @@ from pathlib import Path
 from _common import GIB, RssSampler, header, median, run_trajflow, verdict
 
 TARGET_SHARE = 0.05
+# Seconds measured inside model workers; absent ones count 0 (the default recipe has the first three:
+# gen_baseline is ReMax's greedy rollout, values/update_critic belong to PPO with a critic).
+MODEL_COMPUTE = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/gen_baseline",
+                 "timing_s/values", "timing_s/update_critic")
 TARGET_RSS_GIB = 6.0
 
 
@@ -268,7 +273,7 @@ def main() -> None:
 
     cycle = [run.cycle_s[i] for i in warm]
     step = col("timing_s/step")
-    model = [a + b + c for a, b, c in zip(col("timing_s/gen"), col("timing_s/old_log_prob"), col("timing_s/update_actor"))]
+    model = [sum(x) for x in zip(*(col(k) for k in MODEL_COMPUTE))]
     outside = [c - mc for c, mc in zip(cycle, model)]
     share = median([o / c for o, c in zip(outside, cycle)])
 

@@ -21,9 +21,9 @@ What is compared ("s/iter"): the wall time of a whole iteration, steady state.
     completions + 4 micro-batch forward/backward passes + logging of the previous step).
 Ratio = median TRL s/iter / median trajflow s/iter over the K warm iterations (> 1: trajflow faster).
 
-Known asymmetry, printed by the script: with one PPO epoch and one optimizer step per generation TRL
-skips the old-log-prob forward (the ratio is 1 by construction); trajflow computes it
-(``timing_s/old_log_prob``).
+With one PPO epoch and one optimizer step per generation TRL skips the old-log-prob forward (the
+ratio is 1 by construction); the script prints trajflow's ``timing_s/old_log_prob`` (0 when trajflow
+takes the rollout log-probs from generation, as it does on main since the on-policy fast path).
 
     .venv/bin/python benchmarks/vs_trl.py [--iterations K] [--max-new-tokens 64] [--quick] [--only trl|trajflow]
 
@@ -230,8 +230,9 @@ def main() -> None:
     if "trajflow" in results:
         tf = [r for r in results["trajflow"]["per_iteration"] if r["iteration"] > 1]
         old_lp = median([r["timing_s/old_log_prob"] for r in tf])
+        old_lp = 0.0 if math.isnan(old_lp) else old_lp
         print(f"trajflow timing_s/step (rollout -> update, before logging): {median([r['timing_s/step'] for r in tf]):.2f} s; "
-              f"of which old-log-prob forward {old_lp:.2f} s (TRL skips it in this on-policy setting)")
+              f"of which a separate old-log-prob forward {old_lp:.2f} s (TRL skips it in this on-policy setting)")
     if len(summ) == 2:
         ratio = summ["trl"]["s_iter"] / summ["trajflow"]["s_iter"]
         print(f"\ntrajflow iteration throughput / TRL's = TRL s/iter / trajflow s/iter = "
