@@ -1,0 +1,246 @@
+"""Helpers shared by the performance benchmarks (vs_trl.py, limits.py, overhead.py).
+
+Not a library: measurement plumbing only. Importing this module puts the repository root first on
+``sys.path`` and applies :func:`trajflow.env.configure_environment` (before Prefect, Ray or MLflow are
+imported), so every script runs standalone as ``.venv/bin/python benchmarks/<name>.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from trajflow.env import configure_environment  # noqa: E402
+
+configure_environment()
+
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------------------------- output
+
+
+def verdict(name: str, value: float, target: float, *, higher_is_better: bool = True, fmt: str = "{:.3f}") -> bool:
+    """Print one ``PASS``/``MISS`` line for a target and return whether it passed."""
+    ok = value >= target if higher_is_better else value <= target
+    op = ">=" if higher_is_better else "<="
+    print(f"{'PASS' if ok else 'MISS'}  {name}: {fmt.format(value)} (target {op} {fmt.format(target)})", flush=True)
+    return ok
+
+
+def header(title: str) -> None:
+    print(f"\n=== {title} ===", flush=True)
+
+
+def median(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+def _tree_processes() -> list[Any]:
+    """This process and all its descendants (Ray's GCS, raylet and workers, Prefect's server)."""
+    import psutil
+
+    me = psutil.Process()
+    procs = [me]
+    try:
+        procs += me.children(recursive=True)
+    except psutil.Error:
+        pass
+    return procs
+
+
+class RssSampler:
+    """Peak total memory of this process tree, sampled in a background thread.
+
+    ``peak_rss`` is the largest sum of RSS over all processes of the tree at one sampling instant
+    (shared pages, e.g. Ray's object store or the torch libraries, are counted once per process,
+    so this overstates the machine's use a little). Every ``pss_every``-th sample also sums PSS
+    (proportional set size, shared pages split between their users; reading it costs more).
+
+    Args:
+        interval_s: seconds between samples.
+        pss_every: take a PSS sample every this many samples (0 = never).
+    """
+
+    def __init__(self, interval_s: float = 0.25, pss_every: int = 8) -> None:
+        self.interval_s = interval_s
+        self.pss_every = pss_every
+        self.peak_rss = 0
+        self.peak_pss = 0
+        self.peak_procs: list[tuple[str, int]] = []
+        self.samples = 0
+        self._names: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        total, rows = 0, []
+        pss_total = 0
+        want_pss = self.pss_every and self.samples % self.pss_every == 0
+        for p in _tree_processes():
+            try:
+                rss = p.memory_info().rss
+                total += rss
+                if p.pid not in self._names:
+                    self._names[p.pid] = f"{p.pid} " + (" ".join(p.cmdline()[:3])[:70] or p.name())
+                rows.append((self._names[p.pid], rss))
+                if want_pss:
+                    pss_total += p.memory_full_info().pss
+            except psutil.Error:  # exited between listing and reading
+                continue
+        self.samples += 1
+        if total > self.peak_rss:
+            self.peak_rss = total
+            self.peak_procs = sorted(rows, key=lambda r: -r[1])
+        if want_pss:
+            self.peak_pss = max(self.peak_pss, pss_total)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, top: int = 6) -> None:
+        print(f"peak RSS, all processes (sum at one instant, {self.samples} samples): {self.peak_rss / GIB:.2f} GiB"
+              + (f"; peak PSS {self.peak_pss / GIB:.2f} GiB" if self.peak_pss else ""))
+        for name, rss in self.peak_procs[:top]:
+            print(f"    {rss / GIB:6.2f} GiB  {name}")
+
+
+# --------------------------------------------------------------------------------------------- trajflow runs
+
+
+@dataclass
+class TrajflowRun:
+    """What :func:`run_trajflow` measured.
+
+    Attributes:
+        summary: ``train()``'s return value.
+        metrics: MLflow metric histories, ``name -> [value of iteration 1, 2, ...]``.
+        cycle_s: wall seconds of each complete iteration cycle, iteration ``i`` at index ``i - 1``
+            (``nan`` for the first): from the end of iteration ``i - 1``'s bookkeeping to the end of
+            iteration ``i``'s, i.e. everything the driver does per iteration, including MLflow
+            logging and sample tables, but excluding checkpoint saves (timed separately).
+        save_s: seconds spent in checkpoint saves, per iteration that saved.
+        wall_s: the whole ``train()`` call, start-up included.
+        root: the store root (MLflow SQLite lives in it).
+        cfg: the resolved config.
+    """
+
+    summary: dict
+    metrics: dict[str, list[float]]
+    cycle_s: list[float]
+    save_s: dict[int, float]
+    wall_s: float
+    root: Path
+    cfg: Any
+    extra: dict = field(default_factory=dict)
+
+    def warm(self, name: str, skip: int = 1) -> list[float]:
+        return self.metrics.get(name, [])[skip:]
+
+
+def run_trajflow(overrides: Sequence[str], root: Path) -> TrajflowRun:
+    """Run the real ``train`` flow in this process and collect per-iteration timings.
+
+    The flow is not changed: ``trajflow.session.finish_iteration`` and ``trajflow.session.save``
+    are wrapped (module attributes, looked up by the flow at call time) to record when each
+    iteration's bookkeeping ends and how long checkpoint saves take.
+
+    Args:
+        overrides: ``key=value`` config overrides (``store.root`` is added).
+        root: empty directory for the run store and MLflow's SQLite file.
+
+    Returns:
+        :class:`TrajflowRun`.
+    """
+    from mlflow.tracking import MlflowClient
+
+    import flows.train as ftrain
+    from trajflow import session
+    from trajflow.config import load_config
+
+    overrides = [f"store.root={root}", *overrides]
+    cfg = load_config(None, overrides)
+    ends: dict[int, float] = {}
+    saves: dict[int, float] = {}
+    orig_finish, orig_save = session.finish_iteration, session.save
+
+    def timed_save(ctx, iteration):
+        t = time.perf_counter()
+        try:
+            return orig_save(ctx, iteration)
+        finally:
+            saves[iteration] = saves.get(iteration, 0.0) + time.perf_counter() - t
+
+    def timed_finish(ctx, iteration, metrics):
+        out = orig_finish(ctx, iteration, metrics)
+        ends[iteration] = time.perf_counter()
+        return out
+
+    session.finish_iteration, session.save = timed_finish, timed_save
+    t0 = time.perf_counter()
+    try:
+        summary = ftrain.train(None, overrides)
+    finally:
+        session.finish_iteration, session.save = orig_finish, orig_save
+    wall = time.perf_counter() - t0
+    n = int(cfg.trainer.total_iterations)
+    cycle = [float("nan")]
+    for it in range(2, n + 1):
+        if it in ends and it - 1 in ends:
+            cycle.append(ends[it] - ends[it - 1] - saves.get(it, 0.0))
+        else:
+            cycle.append(float("nan"))
+    client = MlflowClient(tracking_uri=f"sqlite:///{Path(root).resolve() / 'mlflow.db'}")
+    rid = summary["mlflow_run_id"]
+    metrics: dict[str, list[float]] = {}
+    for key in client.get_run(rid).data.metrics:
+        hist = sorted(client.get_metric_history(rid, key), key=lambda m: m.step)
+        by_step = {m.step: m.value for m in hist}
+        metrics[key] = [by_step.get(i, float("nan")) for i in range(1, n + 1)]
+    return TrajflowRun(summary, metrics, cycle, saves, wall, Path(root), cfg)
+
+
+def load_default_model(dtype: str = "float32"):
+    """(model, tokenizer, path) of the default recipe's model, loaded the way the policy worker loads it."""
+    from trajflow.config import load_config
+    from trajflow.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+    cfg = load_config(None, [])
+    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    model = load_causal_lm(path, dtype, "cpu", cfg.model.attn_implementation)
+    return model, load_tokenizer(path), path
+
+
+def set_all_threads() -> int:
+    """Use every CPU for torch (what the policy worker does with ``trainer.num_threads=0``)."""
+    import torch
+
+    n = os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n

@@ -1,0 +1,224 @@
+"""How close trajflow's training step and generation come to this machine's limits.
+
+Measures, in one process and one run (so that the fractions are not skewed by load changes between
+runs):
+
+1. **Matmul ceiling**: float32 ``torch.mm`` of two ``n x n`` matrices (default n = 2048), torch threads
+   = all CPUs, best of R runs: ``2 n^3 / seconds`` GFLOP/s.
+2. **Plain forward token rate** of the default model (SmolLM2-135M-Instruct, fp32, sdpa):
+   ``model(input_ids, attention_mask)`` under ``torch.no_grad``, no KV cache, full logits, on random
+   token ids of shape batch 8 x 256 and batch 32 x 64, best of R: tokens / second.
+3. **trajflow's training step** (``PolicyWorker.update_actor``, the method the flow's update task calls,
+   here in-process without Ray): 8 prompts x 4 samples of the default dataset, sampled by the worker
+   itself, with GRPO advantages of their real reasoning-gym scores; best of R updates after one
+   warm-up update (the first one also allocates AdamW's state). Model FLOPs of one update::
+
+       F = 6 * N_body * T_all                 # decoder layers, forward + backward (Kaplan et al. 2020)
+         + 6 * d * V * T_resp                 # LM head, only on response positions (all trajflow computes)
+         + 12 * L * d * sum_rows(S_row ** 2)  # attention scores and values, PaLM (Chowdhery et al. 2022, App. B)
+
+   with N_body the non-embedding parameters, d the hidden size, V the vocabulary, L the layers,
+   T_all the real (non-pad) prompt + response tokens, T_resp the response tokens, S_row a row's real
+   length. Padding, softmax/entropy and the optimizer are not counted (they are not model FLOPs).
+   MFU = F / update seconds / matmul ceiling (the higher of a measurement before and after). The brief's naive count (6 * all params * T_all, i.e.
+   LM head on prompt tokens too) is printed for reference.
+4. **trajflow's generation rate at batch 32** (``PolicyWorker.generate_sequences``: the HF engine, 32
+   rows in one ``generate`` call): real generated tokens (EOS included, nothing after it) / seconds,
+   best of R, as a fraction of the plain forward token rate at batch 32 x 64. The "slot" rate
+   (rows x longest response / seconds, what the forward passes actually processed) is shown too.
+
+    .venv/bin/python benchmarks/limits.py [--quick] [--repeats R] [--max-new-tokens 64] [--matmul-n 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from _common import header, set_all_threads, verdict
+
+TARGET_MFU = 0.60
+TARGET_GEN = 0.50
+
+
+def matmul_gflops(n: int, repeats: int) -> tuple[float, list[float]]:
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.float32)
+    b = torch.randn(n, n, dtype=torch.float32)
+    c = torch.empty(n, n, dtype=torch.float32)
+    torch.mm(a, b, out=c)  # warm-up
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b, out=c)
+        rates.append(2 * n**3 / (time.perf_counter() - t) / 1e9)
+    return max(rates), rates
+
+
+def forward_rate(model, batch: int, seq: int, repeats: int, vocab: int) -> tuple[float, list[float]]:
+    import torch
+
+    g = torch.Generator().manual_seed(batch * 1000 + seq)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    attn = torch.ones_like(ids)
+    rates = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for _ in range(repeats):
+            t = time.perf_counter()
+            out = model(input_ids=ids, attention_mask=attn, use_cache=False)
+            dt = time.perf_counter() - t
+            del out
+            rates.append(batch * seq / dt)
+    model.train(was_training)
+    return max(rates), rates
+
+
+def model_dims(model) -> dict:
+    c = model.config
+    n_total = sum(p.numel() for p in model.parameters())
+    n_emb = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight
+    tied = head.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    n_body = n_total - n_emb - (0 if tied else head.numel())
+    return dict(L=c.num_hidden_layers, d=c.hidden_size, V=c.vocab_size, n_total=n_total, n_body=n_body, tied=tied)
+
+
+def update_flops(dims: dict, prompt_lens: list[int], resp_lens: list[int]) -> tuple[float, float, dict]:
+    """(F, naive F, parts) for one update over the rows; see the module doc for the formula."""
+    S = np.asarray(prompt_lens, dtype=np.float64) + np.asarray(resp_lens, dtype=np.float64)
+    t_all, t_resp = float(S.sum()), float(np.sum(resp_lens))
+    body = 6 * dims["n_body"] * t_all
+    head = 6 * dims["d"] * dims["V"] * t_resp
+    attn = 12 * dims["L"] * dims["d"] * float((S**2).sum())
+    naive = 6 * dims["n_total"] * t_all + attn
+    return body + head + attn, naive, dict(body=body, head=head, attn=attn, t_all=t_all, t_resp=t_resp)
+
+
+def grpo_advantages(scores: np.ndarray, n: int, eps: float = 1e-6) -> np.ndarray:
+    """Group-normalised outcome advantages (Shao et al. 2024, DeepSeekMath, GRPO outcome supervision)."""
+    g = scores.reshape(-1, n)
+    return ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + eps)).reshape(-1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--matmul-n", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 16 new tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.max_new_tokens = 1, 16
+    import resource
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from stages.reward import reasoning_gym_scorer
+    from stages.rollout import SamplingParams
+    from trajflow.config import load_config
+    from trajflow.data import PromptSampler, load_prompt_dataset
+    from trajflow.models import resolve_model_path
+    from trajflow.workers.policy import PolicyWorker
+
+    threads = set_all_threads()
+    cfg = load_config(None, [f"rollout.max_new_tokens={args.max_new_tokens}"])
+    print(f"torch {torch.__version__}, {threads} threads; default recipe, {cfg.data.train_batch_size} prompts x "
+          f"{cfg.rollout.n} samples, {args.max_new_tokens} new tokens; best of {args.repeats}")
+
+    header(f"1. float32 matmul {args.matmul_n}^3")
+    peak, rates = matmul_gflops(args.matmul_n, max(3, args.repeats * 3))
+    print(f"runs: {', '.join(f'{r:.1f}' for r in rates)} GFLOP/s; ceiling (best) {peak:.1f} GFLOP/s")
+
+    header("2. plain forward token rate (no grad, no cache, full logits)")
+    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    plain = lambda sec: OmegaConf.to_container(cfg[sec], resolve=True)  # noqa: E731
+    t = time.perf_counter()
+    worker = PolicyWorker(str(path), plain("actor"), plain("model"), plain("rollout"), int(cfg.trainer.seed), "cpu",
+                          int(cfg.trainer.num_threads))
+    print(f"policy worker (in-process) ready in {time.perf_counter() - t:.1f} s; torch threads {worker.threads}")
+    model = worker.model
+    dims = model_dims(model)
+    print(f"model: {dims['n_total'] / 1e6:.1f} M parameters ({dims['n_body'] / 1e6:.1f} M non-embedding), "
+          f"L={dims['L']} d={dims['d']} V={dims['V']}, tied head={dims['tied']}")
+    forward_rate(model, 2, 32, 1, dims["V"])  # warm-up
+    fwd = {}
+    for b, s in ((8, 256), (32, 64)):
+        best, rs = forward_rate(model, b, s, args.repeats, dims["V"])
+        fwd[(b, s)] = best
+        gf = 2 * (dims["n_body"] + dims["d"] * dims["V"]) * best / 1e9
+        print(f"batch {b:2d} x {s:3d}: {', '.join(f'{r:.0f}' for r in rs)} tok/s; best {best:.0f} tok/s "
+              f"(~{gf:.1f} GFLOP/s, {gf / peak:.0%} of matmul)")
+
+    header("3./4. trajflow policy worker: generation at batch 32, old log-probs, update")
+    ds = load_prompt_dataset(cfg.data.dataset)
+    prompts = PromptSampler(ds.train, cfg.data.train_batch_size, cfg.trainer.seed).next_batch()
+    prompt_ids = worker.tokenize_prompts([p.messages for p in prompts], cfg.data.max_prompt_length)
+    n = cfg.rollout.n
+    rows_prompt = [p for p in prompt_ids for _ in range(n)]
+    gen_rates, slot_rates, gen = [], [], None
+    for r in range(args.repeats):
+        params = SamplingParams(n=n, temperature=cfg.rollout.temperature, top_p=1.0, top_k=0,
+                                max_new_tokens=args.max_new_tokens, seed=1000 + r)
+        gen = worker.generate_sequences(prompt_ids, params, False)
+        lens = [len(x) for x in gen["response_ids"]]
+        gen_rates.append(sum(lens) / gen["timing_s/gen"])
+        slot_rates.append(len(lens) * max(lens) / gen["timing_s/gen"])
+        print(f"generate {len(lens)} rows: {gen['timing_s/gen']:.2f} s, {sum(lens)} tokens (mean {np.mean(lens):.1f}, "
+              f"max {max(lens)}): {gen_rates[-1]:.1f} tok/s real, {slot_rates[-1]:.1f} tok/s slots")
+    gen_rate = max(gen_rates)
+    resp = gen["response_ids"]
+    t = time.perf_counter()
+    old = worker.compute_log_prob(rows_prompt, resp, cfg.rollout.temperature)
+    t_old = time.perf_counter() - t
+    prefix = ds.train[0].data_source
+    scores = np.array([reasoning_gym_scorer(p.data_source, text, str(p.ground_truth), p.extra_info)["score"]
+                       for p, text in zip([p for p in prompts for _ in range(n)], gen["response_text"])])
+    adv = grpo_advantages(scores, n)
+    batch = {"prompt_ids": rows_prompt, "response_ids": resp, "old_logprobs": [o.tolist() for o in old],
+             "advantages": [[float(a)] * len(r) for a, r in zip(adv, resp)],
+             "mini_batch_rows": cfg.actor.ppo_mini_batch_size * n, "shuffle_seed": 0}
+    upd_times = []
+    for r in range(1 + args.repeats):
+        t = time.perf_counter()
+        m = worker.update_actor(batch, cfg.rollout.temperature)
+        wall = time.perf_counter() - t
+        upd_times.append(m.get("timing_s/update_actor", wall))
+        print(f"update_actor {'(warm-up) ' if r == 0 else ''}{upd_times[-1]:.2f} s, grad_norm {m.get('actor/grad_norm', float('nan')):.3f}")
+    t_upd = min(upd_times[1:])
+    p_lens, r_lens = [len(p) for p in rows_prompt], [len(x) for x in resp]
+    F, F_naive, parts = update_flops(dims, p_lens, r_lens)
+    mfu = F / t_upd / 1e9 / peak
+    F_fwd = (parts["body"] + parts["head"] + parts["attn"]) / 3
+    print(f"rows {len(resp)} ({prefix}, scores mean {scores.mean():.2f}); tokens {parts['t_all']:.0f} "
+          f"(responses {parts['t_resp']:.0f}, mean prompt {np.mean(p_lens):.0f})")
+    print(f"update FLOPs: body {parts['body'] / 1e12:.3f} + head {parts['head'] / 1e12:.3f} + attention "
+          f"{parts['attn'] / 1e12:.3f} = {F / 1e12:.3f} TFLOP (naive 6*N_all*T + attn: {F_naive / 1e12:.3f})")
+    print(f"update: best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {mfu:.1%} of {peak:.1f} "
+          f"(naive count: {F_naive / t_upd / 1e9 / peak:.1%})")
+    print(f"teacher-forced log-prob forward (compute_log_prob): {t_old:.2f} s -> {F_fwd / t_old / 1e9:.1f} GFLOP/s = {F_fwd / t_old / 1e9 / peak:.1%} of matmul")
+    # The load of a shared machine drifts: measure the ceiling again and keep the higher one (lower MFU).
+    peak2, rates2 = matmul_gflops(args.matmul_n, max(3, args.repeats * 3))
+    print(f"matmul again: {', '.join(f'{r:.1f}' for r in rates2)} GFLOP/s", end="")
+    if peak2 > peak:
+        peak = peak2
+        mfu = F / t_upd / 1e9 / peak
+        print(f"; ceiling now {peak:.1f} GFLOP/s -> MFU {mfu:.1%}", end="")
+    print()
+    gen_frac = gen_rate / fwd[(32, 64)]
+    print(f"generation at batch 32: best {gen_rate:.1f} real tok/s ({max(slot_rates):.1f} slot tok/s) vs plain forward "
+          f"32 x 64 {fwd[(32, 64)]:.0f} tok/s -> {gen_frac:.1%} ({max(slot_rates) / fwd[(32, 64)]:.1%} counting slots)")
+    print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+    header("targets")
+    verdict("training step MFU (fraction of measured matmul GFLOP/s)", mfu, TARGET_MFU, fmt="{:.1%}")
+    verdict("generation rate at batch 32 / plain forward tok/s (32 x 64)", gen_frac, TARGET_GEN, fmt="{:.1%}")
+
+
+if __name__ == "__main__":
+    main()
