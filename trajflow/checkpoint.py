@@ -11,7 +11,9 @@
 
 A checkpoint is written into a hidden temp folder and renamed into place only when complete, so a
 crash mid-write leaves no folder that looks like a checkpoint. Rotation keeps the newest
-``max_checkpoints`` and never deletes the newest one.
+``max_checkpoints`` (by iteration) and never deletes the newest one; a folder is renamed to a
+hidden name before it is deleted, so a crash mid-deletion leaves no half-deleted checkpoint that
+still looks complete. :func:`cleanup` removes the hidden leftovers of killed writers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from trajflow.faults import fault_point
 from trajflow.store import RunStore, _fsync_dir, atomic_write_json
 
 STATE_FILE = "trainer_state.json"
@@ -65,11 +68,17 @@ def save_checkpoint(store: RunStore, iteration: int, trainer_state: dict[str, An
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_workers(tmp)
+    fault_point("checkpoint", iteration)
     atomic_write_json(tmp / STATE_FILE, {**trainer_state, "iteration": iteration})
-    if final.exists():  # an earlier attempt of the same iteration completed: replace it whole
-        shutil.rmtree(final)
+    old = None
+    if final.exists():  # an earlier attempt of the same iteration completed: swap it out whole
+        old = final.with_name(f".old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     rotate(store, max_checkpoints)
     return final
 
@@ -81,8 +90,39 @@ def rotate(store: RunStore, max_checkpoints: int) -> list[int]:
         return []
     doomed = done[:-max_checkpoints]  # never includes done[-1], the newest
     for it in doomed:
-        shutil.rmtree(checkpoint_dir(store, it), ignore_errors=True)
+        d = checkpoint_dir(store, it)
+        trash = d.with_name(f".del-{d.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(d, trash)  # atomic: the checkpoint is either complete or gone
+        shutil.rmtree(trash, ignore_errors=True)
     return doomed
+
+
+def cleanup(store: RunStore) -> list[Path]:
+    """Delete hidden leftovers (``.tmp-*``, ``.old-*``, ``.del-*``) of killed checkpoint writers.
+
+    Returns:
+        The folders removed.
+    """
+    d = store.checkpoints_dir()
+    if not d.exists():
+        return []
+    removed = []
+    for p in sorted(d.iterdir()):
+        if not (p.is_dir() and p.name.startswith((".tmp-", ".old-", ".del-"))):
+            continue
+        final = d / p.name[5:]
+        if p.name.startswith(".old-") and not final.exists() and (p / STATE_FILE).exists():
+            os.replace(p, final)  # killed between swapping a checkpoint out and the new one in
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def checkpoint_id(iteration: int | None) -> str:
+    """How audit rows and manifests name a checkpoint: ``checkpoints/000004``, or ``initial``."""
+    return "initial" if iteration is None else f"checkpoints/{iteration:06d}"
 
 
 def read_trainer_state(store: RunStore, iteration: int) -> dict[str, Any]:

@@ -13,6 +13,12 @@ Writes are atomic: a temp file in the same folder, ``fsync``, ``rename``, ``fsyn
 only then is the file recorded (sha256, rows, columns) in the iteration's ``manifest.json``, which is
 itself replaced atomically. A reader therefore never sees a half-written file, and a file that is
 on disk but not in the manifest (a crash between rename and manifest) is simply recomputed.
+
+A stage output is reused (resume, retry) only if it *verifies*: the file's sha256 matches the
+manifest, it opens as Parquet, and the sha256 of the inputs it was computed from (recorded as
+``inputs`` in its manifest entry) equal those of the inputs at hand. So when an upstream file is
+recomputed with different bytes, everything computed from it is recomputed too; when it comes back
+identical, nothing downstream is rewritten.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajflow.batch import SCHEMA_VERSION
+from trajflow.faults import fault_point
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        fault_point("store_write")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -101,6 +109,7 @@ def atomic_write_parquet(path: Path, table: pa.Table) -> None:
         pq.write_table(table, tmp, compression="zstd")
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        fault_point("store_write")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -197,7 +206,8 @@ class RunStore:
     def stage_path(self, iteration: int, stage: str) -> Path:
         return self.iteration_dir(iteration) / f"{stage}.parquet"
 
-    def write_stage(self, iteration: int, stage: str, table: pa.Table, policy_version: int) -> StageRef:
+    def write_stage(self, iteration: int, stage: str, table: pa.Table, policy_version: int,
+                    inputs: dict[str, str] | None = None, meta: dict[str, Any] | None = None) -> StageRef:
         """Write a stage's table atomically, then record it in the manifest.
 
         Args:
@@ -205,6 +215,10 @@ class RunStore:
             stage: ``rollout``, ``reward`` or ``advantage``.
             table: the columns this stage produces, keyed by ``sample_id``.
             policy_version: the policy version that produced the iteration's rollouts.
+            inputs: ``{name: sha256}`` of what the table was computed from (upstream stage files, the
+                gate's quarantine list); :meth:`verified_stage` reuses the file only for equal inputs.
+            meta: small JSON-serialisable facts kept in the manifest entry (e.g. the stage's metrics,
+                the checkpoint the rollout policy came from), returned by :meth:`stage_entry`.
 
         Raises:
             StoreError: ``table`` has no ``sample_id`` column or repeats an id.
@@ -216,20 +230,32 @@ class RunStore:
         path = self.stage_path(iteration, stage)
         atomic_write_parquet(path, table)
         digest = sha256_file(path)
+        entry = {"file": path.name, "sha256": digest, "rows": table.num_rows, "columns": table.column_names,
+                 "inputs": dict(inputs or {}), "meta": dict(meta or {}), "written_at": time.time()}
         self._update_manifest(iteration, policy_version=policy_version, schema_version=SCHEMA_VERSION,
-                              files={stage: {"file": path.name, "sha256": digest, "rows": table.num_rows,
-                                             "columns": table.column_names, "written_at": time.time()}})
+                              files={stage: entry})
         return StageRef(iteration, stage, str(path), digest, table.num_rows)
 
-    def verified_stage(self, iteration: int, stage: str, *, warn: bool = True) -> StageRef | None:
+    def stage_entry(self, iteration: int, stage: str) -> dict | None:
+        """The manifest entry of a stored stage output (``sha256``, ``rows``, ``inputs``, ``meta``...)."""
+        return self.read_manifest(iteration).get("files", {}).get(stage)
+
+    def verified_stage(self, iteration: int, stage: str, *, warn: bool = True,
+                       inputs: dict[str, str] | None = None) -> StageRef | None:
         """The stage's reference if its file exists, is readable and matches the manifest's sha256.
 
         A file that is recorded but does not verify (hash mismatch, truncation) is reported with a
-        warning naming it and ``None`` is returned, so the caller recomputes it.
+        warning naming it and ``None`` is returned, so the caller recomputes it. With ``inputs``, a
+        file computed from other inputs (``inputs`` differ from the recorded ones) is stale: ``None``
+        too, with an info line.
         """
         entry = self.read_manifest(iteration).get("files", {}).get(stage)
         path = self.stage_path(iteration, stage)
         if entry is None or not path.exists():
+            return None
+        if inputs is not None and entry.get("inputs", {}) != inputs:
+            log.info("stored %s was computed from other inputs than the current ones: it will be recomputed",
+                     path)
             return None
         digest = sha256_file(path)
         if digest != entry["sha256"]:
@@ -266,6 +292,62 @@ class RunStore:
         if sha256_file(ref.path) != ref.sha256:
             raise StoreError(f"{ref.path}: changed since it was written (sha256 mismatch)")
         return pq.read_table(ref.path)
+
+    def copy_stage_from(self, source: "RunStore", iteration: int, stage: str) -> StageRef:
+        """Copy a verified stage output of another run (a replay's parent) into this run, byte for byte.
+
+        The manifest entry (sha256, inputs, meta) is carried over, so the copy verifies exactly like
+        the original; a ``meta.checkpoint_id`` of the source run (``checkpoints/...``) is prefixed
+        with its run id, so it keeps naming the same weights.
+
+        Raises:
+            StoreError: the source file is missing or does not verify.
+        """
+        ref = source.verified_stage(iteration, stage)
+        if ref is None:
+            raise StoreError(f"{source.stage_path(iteration, stage)}: missing or does not match "
+                             f"{source.manifest_path(iteration)}; cannot copy it")
+        entry = dict(source.stage_entry(iteration, stage) or {})
+        src_manifest = source.read_manifest(iteration)
+        path = self.stage_path(iteration, stage)
+        atomic_write_bytes(path, Path(ref.path).read_bytes())
+        digest = sha256_file(path)
+        if digest != ref.sha256:  # pragma: no cover - the source changed while we copied it
+            raise StoreError(f"{ref.path}: changed while it was copied to {path}")
+        entry["copied_from"] = f"{source.run_id}/{Path(ref.path).relative_to(source.run_dir)}"
+        meta = dict(entry.get("meta") or {})
+        if str(meta.get("checkpoint_id", "")).startswith("checkpoints/"):
+            meta["checkpoint_id"] = f"{source.run_id}/{meta['checkpoint_id']}"
+        entry["meta"] = meta
+        self._update_manifest(iteration, policy_version=src_manifest.get("policy_version"),
+                              schema_version=src_manifest.get("schema_version", SCHEMA_VERSION),
+                              files={stage: entry})
+        return StageRef(iteration, stage, str(path), digest, ref.rows)
+
+    def cleanup_temp(self) -> list[Path]:
+        """Delete temp files a killed writer left behind (``.<name>.*.tmp``, ``.final-tmp``).
+
+        No reader ever opens them, so this is housekeeping, safe whenever no writer of this run is alive.
+
+        Returns:
+            The paths removed.
+        """
+        import shutil
+
+        removed: list[Path] = []
+        dirs = [self.run_dir] + [self.iteration_dir(i) for i in self.iterations()]
+        for d in dirs:
+            if not d.exists():
+                continue
+            for p in d.iterdir():
+                if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file():
+                    p.unlink(missing_ok=True)
+                    removed.append(p)
+        final_tmp = self.run_dir / ".final-tmp"
+        if final_tmp.exists():
+            shutil.rmtree(final_tmp, ignore_errors=True)
+            removed.append(final_tmp)
+        return removed
 
     def write_iteration_json(self, iteration: int, name: str, obj: Any) -> Path:
         """Atomically write ``<iteration>/<name>`` (e.g. ``update.json``) and record its hash."""
