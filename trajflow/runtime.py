@@ -29,6 +29,7 @@ from trajflow.store import RunStore
 log = logging.getLogger(__name__)
 
 _CONTEXTS: dict[str, "RunContext"] = {}
+_RAY_WATCH: dict[str, Any] = {}  # the watcher of the local Ray this process started (trajflow.raywatch)
 
 #: Advantage estimators that need a critic's values (a critic worker is created for them).
 VALUE_ESTIMATORS = frozenset({"gae"})
@@ -37,7 +38,11 @@ BASELINE_ESTIMATORS = frozenset({"remax"})
 
 
 def start_ray(cfg: DictConfig) -> bool:
-    """Connect to ``resources.ray_address`` or start a local Ray; returns True if this call started it."""
+    """Connect to ``resources.ray_address`` or start a local Ray; returns True if this call started it.
+
+    A local Ray started here is watched by :mod:`trajflow.raywatch`: if this process dies without
+    shutting it down (SIGKILL, OOM), the watcher stops what is left of that cluster.
+    """
     import ray
 
     if ray.is_initialized():
@@ -46,8 +51,42 @@ def start_ray(cfg: DictConfig) -> bool:
     if cfg.resources.ray_address:
         ray.init(address=cfg.resources.ray_address, **kwargs)
     else:
+        from trajflow import raywatch
+
+        before = raywatch.descendants()
         ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
+        try:
+            _RAY_WATCH["known"] = before
+            watch_new_ray_processes()
+        except Exception as e:  # the watcher is a safety net; never fail a run over it
+            log.warning("could not start the Ray watcher: %s", e)
     return True
+
+
+def watch_new_ray_processes() -> None:
+    """Hand Ray processes started since the last call (agents, workers) to the watcher."""
+    if "known" not in _RAY_WATCH:
+        return
+    from trajflow import raywatch
+
+    now = raywatch.descendants()
+    new = raywatch.ray_processes(now - _RAY_WATCH["known"])
+    _RAY_WATCH["known"] = now
+    if "watcher" not in _RAY_WATCH:
+        _RAY_WATCH["watcher"] = raywatch.start(new)
+    else:
+        _RAY_WATCH["watcher"].add(new)
+
+
+def stop_ray() -> None:
+    """Shut down the local Ray this process started and let its watcher reap leftovers."""
+    import ray
+
+    ray.shutdown()
+    watcher = _RAY_WATCH.pop("watcher", None)
+    _RAY_WATCH.pop("known", None)
+    if watcher is not None:
+        watcher.close()
 
 
 @dataclass
@@ -214,6 +253,10 @@ def create_workers(ctx: RunContext) -> None:
     for handle in (ctx.reference, ctx.critic, ctx.reward_model):
         if handle is not None:
             ray.get(handle.pid.remote())
+    try:
+        watch_new_ray_processes()
+    except Exception as e:  # pragma: no cover - best effort
+        log.warning("could not update the Ray watcher: %s", e)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -461,7 +504,8 @@ def close(ctx: RunContext) -> None:
     ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = None
     unregister(ctx.run_id)
     if ctx.started_ray:
-        ray.shutdown()
+        stop_ray()
+        ctx.started_ray = False
 
 
 def run_dir_for(cfg: DictConfig, run_id: str) -> Path:

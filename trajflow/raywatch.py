@@ -1,0 +1,174 @@
+"""Reap a local Ray cluster whose driver died without shutting it down.
+
+``ray.init()`` without an address starts a local cluster (GCS, raylet, agents, workers) as children
+of the driver. When the driver is SIGKILLed, the raylet and GCS go with it and Ray kills the
+driver's actors, but Ray's dashboard and runtime-env agents linger for a minute or more (measured
+with Ray 2.60: 60-90 s, ~100 MB each), and a crashed run that is resumed at once starts a second
+cluster beside them.
+
+:func:`start` launches this module as a small watcher process in its own session. The driver sends
+it the ``(pid, create_time)`` of the processes its ``ray.init`` started, one JSON list per line, and
+keeps the pipe open. When the pipe closes (the driver exited, however it exited), the watcher waits
+``GRACE_S`` for Ray's own teardown, then terminates the listed processes that are still alive *and*
+still have the recorded create time (so a reused pid is never touched), plus the worker processes
+the cluster's raylet started later (their environment names the raylet: ``RAY_RAYLET_PID``; only
+those created after that raylet and before the driver died), and kills those that ignore
+``SIGTERM``. It imports nothing but the standard library and psutil.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable
+
+GRACE_S = 1.0
+TERM_WAIT_S = 3.0
+
+
+def descendants() -> set[tuple[int, float]]:
+    """``(pid, create_time)`` of every live descendant of this process."""
+    import psutil
+
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            out.add((p.pid, p.create_time()))
+        except psutil.Error:
+            pass
+    return out
+
+
+def ray_processes(candidates: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The candidates that are Ray's (their command line names Ray: ``gcs_server``, ``raylet``, ``ray::...``)."""
+    import psutil
+
+    out = []
+    for pid, ctime in candidates:
+        try:
+            cmd = " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            continue
+        if "ray" in cmd:
+            out.append((pid, ctime))
+    return sorted(out)
+
+
+class Watcher:
+    """Handle on a running watcher process; :meth:`add` more processes, :meth:`close` to reap now."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def add(self, procs: Iterable[tuple[int, float]]) -> None:
+        procs = list(procs)
+        if not procs or self.proc.stdin is None or self.proc.stdin.closed:
+            return
+        try:
+            self.proc.stdin.write((json.dumps(procs) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def close(self) -> None:
+        """Close the pipe: the watcher reaps whatever of the listed processes is still alive, then exits."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+
+def start(procs: Iterable[tuple[int, float]]) -> Watcher:
+    """Start a watcher for ``procs`` (it outlives this process by design; see the module docstring)."""
+    pkg_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.Popen([sys.executable, "-m", "trajflow.raywatch", str(os.getpid())], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+                            close_fds=True)
+    w = Watcher(proc)
+    w.add(procs)
+    return w
+
+
+def raylet_workers(raylets: Iterable[tuple[int, float]], before: float) -> list[tuple[int, float]]:
+    """``(pid, create_time)`` of processes started by one of ``raylets`` (``RAY_RAYLET_PID`` in their
+    environment) that were created after that raylet and before ``before`` (a time.time())."""
+    import psutil
+
+    started = dict(raylets)
+    out = []
+    if not started:
+        return out
+    for p in psutil.process_iter():
+        try:
+            owner = int(p.environ().get("RAY_RAYLET_PID", "0"))
+            ct = p.create_time()
+        except (psutil.Error, ValueError):
+            continue
+        if owner in started and started[owner] <= ct < before:
+            out.append((p.pid, ct))
+    return out
+
+
+def reap(procs: Iterable[tuple[int, float]], grace_s: float = GRACE_S, term_wait_s: float = TERM_WAIT_S,
+         raylets: Iterable[tuple[int, float]] = ()) -> list[int]:
+    """Terminate (then kill) the listed processes that still run with their recorded create time, and
+    the workers of ``raylets`` (see :func:`raylet_workers`).
+
+    Returns:
+        The pids signalled.
+    """
+    import psutil
+
+    died_at = time.time()
+    time.sleep(grace_s)
+    alive = []
+    for pid, ctime in set(procs) | set(raylet_workers(raylets, died_at)):
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - ctime) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            pass
+    for p in alive:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, still = psutil.wait_procs(alive, timeout=term_wait_s)
+    for p in still:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return [p.pid for p in alive]
+
+
+def main() -> None:
+    import psutil
+
+    procs: set[tuple[int, float]] = set()
+    raylets: set[tuple[int, float]] = set()
+    for line in sys.stdin.buffer:  # ends at EOF: the driver closed the pipe or died
+        try:
+            new = {(int(pid), float(ct)) for pid, ct in json.loads(line)}
+        except (ValueError, TypeError):
+            continue
+        procs |= new
+        for pid, ct in new:
+            try:
+                if psutil.Process(pid).name() == "raylet":
+                    raylets.add((pid, ct))
+            except psutil.Error:
+                pass
+    reap(sorted(procs), raylets=sorted(raylets))
+
+
+if __name__ == "__main__":
+    main()
