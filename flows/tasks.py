@@ -14,6 +14,8 @@ timeouts to the tasks.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import time
 from types import SimpleNamespace
@@ -21,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 import ray
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from prefect import task
 from prefect.cache_policies import NONE
 
@@ -30,6 +32,7 @@ from trajflow import pipeline
 from trajflow.batch import join_stages
 from trajflow.config import TrainerConfig
 from trajflow.data import DataError
+from trajflow.faults import fault_point
 from trajflow.pipeline import iteration_seed
 from trajflow.runtime import (RunContext, ensure_workers, get_context, retry_on_transient, stage_guard, stage_timeout,
                               wait)
@@ -92,11 +95,45 @@ def _score_table(ctx, table: pa.Table, text_column: str = "response_text"):
     return _score_rows(ctx, *cols, table.column("prompt").to_pylist())
 
 
-def _generate(ctx, prompts, params: SamplingParams) -> tuple[list, dict]:
+def _generate(ctx, prompts, params: SamplingParams, iteration: int | None = None) -> tuple[list, dict]:
     """Tokenize the prompts and sample responses with the engine's log-probs (``old_logprobs``)."""
     cfg = ctx.cfg
     prompt_ids = wait(ctx, ctx.actor.tokenize_prompts.remote([p.messages for p in prompts], cfg.data.max_prompt_length))
-    return prompt_ids, wait(ctx, ctx.actor.generate_sequences.remote(prompt_ids, params))
+    pending = ctx.actor.generate_sequences.remote(prompt_ids, params)
+    fault_point("rollout", iteration)
+    return prompt_ids, wait(ctx, pending)
+
+
+def digest(obj) -> str:
+    """Short sha256 of a JSON-serialisable value: how a stage records the settings it was computed with."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def rollout_inputs(ctx: RunContext, iteration: int, prompts: list) -> dict[str, str]:
+    """What a rollout depends on besides the weights: prompts, sampling (incl. dynamic sampling and
+    ReMax's greedy baseline), policy version, model."""
+    cfg = ctx.cfg
+    sampling = [dataclasses.asdict(_sampling_params(cfg, iteration)),
+                OmegaConf.to_container(cfg.algorithm.filter_groups, resolve=True), cfg.algorithm.adv_estimator]
+    return {"prompts": digest([str(p.prompt_id) for p in prompts]), "sampling": digest(sampling),
+            "policy_version": str(ctx.policy_version), "model": digest([ctx.model_path, ctx.plain("model")])}
+
+
+def reward_inputs(ctx: RunContext, rollout: StageRef) -> dict[str, str]:
+    """What a reward output depends on: the rollout file and every setting that changes scores or KL shaping."""
+    cfg = ctx.cfg
+    settings = {"reward": ctx.plain("reward"), "max_new_tokens": cfg.rollout.max_new_tokens,
+                "temperature": cfg.rollout.temperature,
+                "kl": [bool(cfg.algorithm.use_kl_in_reward), cfg.algorithm.kl_penalty,
+                       float(ctx.kl_ctrl.value) if ctx.kl_ctrl is not None else None],
+                "reference": [ctx.needs_reference(), cfg.reference.path]}
+    return {"rollout": rollout.sha256, "settings": digest(settings)}
+
+
+def advantage_inputs(ctx: RunContext, rollout: StageRef, reward: StageRef, gate: dict) -> dict[str, str]:
+    """What an advantage output depends on: rollout and reward files, the gate's quarantine, ``algorithm``."""
+    return {"rollout": rollout.sha256, "reward": reward.sha256,
+            "gate": digest(sorted(gate.get("quarantined_sample_ids") or ())), "settings": digest(ctx.plain("algorithm"))}
 
 
 def _dynamic_sampling(ctx, iteration: int, first_prompts: list) -> tuple[pa.Table, dict]:
@@ -132,7 +169,7 @@ def _dynamic_sampling(ctx, iteration: int, first_prompts: list) -> tuple[pa.Tabl
     budget = fg.max_num_gen_batches or max(1, ctx.sampler.iterations_per_epoch)
     prompts = first_prompts
     while True:
-        prompt_ids, gen = _generate(ctx, prompts, _sampling_params(cfg, iteration, gen_batches))
+        prompt_ids, gen = _generate(ctx, prompts, _sampling_params(cfg, iteration, gen_batches), iteration)
         gen_s += gen["timing_s/gen"]
         t = pipeline.rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n, offset=gen_batches * target)
         rule, extras, _, rm = _score_table(ctx, t)
@@ -207,16 +244,17 @@ def rollout_stage(run_id: str, iteration: int) -> StageRef:
     # the prompt batches dynamic sampling draws are the same whichever attempt produced the stored rollout.
     cursor = ctx.extra.setdefault("sampler_before_rollout", {}).setdefault(iteration, ctx.sampler.state_dict())
     ctx.sampler.load_state_dict(cursor)
-    ref = ctx.store.verified_stage(iteration, "rollout")
+    inputs = rollout_inputs(ctx, iteration, prompts)
+    ref = ctx.store.verified_stage(iteration, "rollout", inputs=inputs)
     if ref is not None:
         _replay_stored_rollout(ctx, iteration)
         return ref
     with stage_guard(ctx, "rollout"):
         ensure_workers(ctx, through=iteration - 1)
-        return _rollout(ctx, iteration, prompts)
+        return _rollout(ctx, iteration, prompts, inputs)
 
 
-def _rollout(ctx: RunContext, iteration: int, prompts: list) -> StageRef:
+def _rollout(ctx: RunContext, iteration: int, prompts: list, inputs: dict[str, str]) -> StageRef:
     from trajflow.runtime import BASELINE_ESTIMATORS
 
     cfg = ctx.cfg
@@ -232,7 +270,7 @@ def _rollout(ctx: RunContext, iteration: int, prompts: list) -> StageRef:
         ctx.store.write_iteration_json(iteration, "dynamic_sampling.json", record)
         ctx.extra.setdefault("rollout_metrics", {})[iteration] = _sampling_metrics(record)
     else:
-        prompt_ids, gen = _generate(ctx, prompts, _sampling_params(cfg, iteration))
+        prompt_ids, gen = _generate(ctx, prompts, _sampling_params(cfg, iteration), iteration)
         table = pipeline.rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n)
         timing["timing_s/gen"] = gen["timing_s/gen"]
         timing["timing_s/old_log_prob"] = gen.get("timing_s/old_log_prob", 0.0)
@@ -250,7 +288,8 @@ def _rollout(ctx: RunContext, iteration: int, prompts: list) -> StageRef:
         for name, col in pipeline.baseline_columns([index[g] for g in gids], greedy).items():
             table = table.append_column(name, col)
         timing["timing_s/gen_baseline"] = time.perf_counter() - t0
-    return ctx.store.write_stage(iteration, "rollout", table, policy_version)
+    return ctx.store.write_stage(iteration, "rollout", table, policy_version, inputs=inputs,
+                                 meta={"checkpoint_id": ctx.extra.get("policy_source", "initial")})
 
 
 @task(name="reward", task_run_name="reward-{run_id}-it{iteration}", **TASK_OPTS)
@@ -258,15 +297,18 @@ def reward_stage(run_id: str, iteration: int, rollout: StageRef) -> StageRef:
     """Score responses on Ray workers (rules, plus the reward model when enabled); add reference
     log-probs and KL shaping when configured, and ReMax's baseline score."""
     ctx = get_context(run_id)
-    ref = ctx.store.verified_stage(iteration, "reward")
-    if ref is not None:
+    inputs = reward_inputs(ctx, rollout)
+    ref = ctx.store.verified_stage(iteration, "reward", inputs=inputs)
+    if ref is not None:  # its metrics (KL for the controller) were stored with it
+        stored = (ctx.store.stage_entry(iteration, "reward") or {}).get("meta", {}).get("metrics", {})
+        ctx.extra.setdefault("reward_metrics", {})[iteration] = dict(stored)
         return ref
     with stage_guard(ctx, "reward"):
         ensure_workers(ctx, through=iteration - 1)
-        return _reward(ctx, iteration, rollout)
+        return _reward(ctx, iteration, rollout, inputs)
 
 
-def _reward(ctx: RunContext, iteration: int, rollout: StageRef) -> StageRef:
+def _reward(ctx: RunContext, iteration: int, rollout: StageRef, inputs: dict[str, str]) -> StageRef:
     t0 = time.perf_counter()
     cfg = ctx.cfg
     table = ctx.store.read_ref(rollout)
@@ -298,7 +340,7 @@ def _reward(ctx: RunContext, iteration: int, rollout: StageRef) -> StageRef:
     metrics["reward/scorer_errors"] = float(num_errors)
     ctx.extra.setdefault("reward_metrics", {})[iteration] = metrics
     ctx.extra.setdefault("timing", {}).setdefault(iteration, {})["timing_s/reward"] = time.perf_counter() - t0
-    ref = ctx.store.write_stage(iteration, "reward", out, ctx.policy_version)
+    ref = ctx.store.write_stage(iteration, "reward", out, ctx.policy_version, inputs=inputs, meta={"metrics": metrics})
     ctx.extra.get("prescored", {}).pop(iteration, None)
     return ref
 
@@ -320,16 +362,19 @@ def advantage_stage(run_id: str, iteration: int, rollout: StageRef, reward: Stag
     Rows quarantined by the gate take no part: the estimator sees only the kept rows (so they
     cannot shift a group's baseline), and their advantages are stored as zeros.
     """
+    fault_point("after_reward", iteration)
     ctx = get_context(run_id)
-    ref = ctx.store.verified_stage(iteration, "advantage")
+    inputs = advantage_inputs(ctx, rollout, reward, gate)
+    ref = ctx.store.verified_stage(iteration, "advantage", inputs=inputs)
     if ref is not None:
         return ref
     with stage_guard(ctx, "advantage"):
         ensure_workers(ctx, through=iteration - 1)  # the critic, for estimators that need values
-        return _advantage(ctx, iteration, rollout, reward, gate)
+        return _advantage(ctx, iteration, rollout, reward, gate, inputs)
 
 
-def _advantage(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef, gate: dict) -> StageRef:
+def _advantage(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef, gate: dict,
+               inputs: dict[str, str]) -> StageRef:
     t0 = time.perf_counter()
     joined = join_stages([ctx.store.read_ref(rollout), ctx.store.read_ref(reward)])
     dropped = set(gate.get("quarantined_sample_ids") or ())
@@ -349,7 +394,7 @@ def _advantage(ctx: RunContext, iteration: int, rollout: StageRef, reward: Stage
         out = wait(ctx, compute.remote(kept, ctx.plain("algorithm"), values, baselines))
     out = pipeline.fill_dropped_rows(joined, out)
     ctx.extra.setdefault("timing", {}).setdefault(iteration, {})["timing_s/adv"] = time.perf_counter() - t0
-    return ctx.store.write_stage(iteration, "advantage", out, ctx.policy_version)
+    return ctx.store.write_stage(iteration, "advantage", out, ctx.policy_version, inputs=inputs)
 
 
 @task(name="update_actor", task_run_name="update-{run_id}-it{iteration}", **TASK_OPTS)
@@ -375,7 +420,9 @@ def _update(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef
             done[iteration] = wait(ctx, ctx.critic.update_critic.remote(pipeline.critic_batch(joined, iteration, cfg)))
         metrics.update(done[iteration])
     batch = pipeline.update_batch(joined, iteration, **pipeline.update_batch_options(cfg))
-    metrics.update(wait(ctx, ctx.actor.update_actor.remote(batch, cfg.rollout.temperature)))
+    pending = ctx.actor.update_actor.remote(batch, cfg.rollout.temperature)
+    fault_point("update", iteration)
+    metrics.update(wait(ctx, pending))
     ctx.policy_version = int(metrics["policy_version"])
     metrics.update(pipeline.batch_metrics(joined))
     if cfg.algorithm.mask_truncated_samples:

@@ -20,6 +20,7 @@ from flows import tasks  # noqa: E402
 from flows.reporting import iteration_artifact, rename_flow_run  # noqa: E402
 from trajflow import session  # noqa: E402
 from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402
+from trajflow.store import RunStore  # noqa: E402
 
 
 @flow(name="train", flow_run_name="train-{run_id}", validate_parameters=False)
@@ -54,12 +55,26 @@ def train_flow(config_yaml: str, run_id: str, resume: bool = False) -> dict:
 def train(recipe: str | None = None, overrides: Sequence[str] = (), run_id: str | None = None) -> dict:
     """Build the config, check data and model, then run :func:`train_flow` (honours ``trainer.resume=auto``).
 
+    With ``trainer.resume=auto`` and the id of an existing run, the run is resumed with this config
+    (differences from its stored config are reported); a run with nothing left to do returns at once.
+
     Raises:
         ConfigError, DataError, ModelLoadError, RunExistsError: bad input, before anything is written.
     """
     cfg = load_config(recipe, overrides)
     session.preflight(cfg)
     run_id, resume = session.choose_run_id(cfg, run_id)
+    return _train_unless_done(cfg, run_id, resume)
+
+
+def _train_unless_done(cfg, run_id: str, resume: bool) -> dict:
+    """Run :func:`train_flow`, except for a resumed run with nothing left to do (its summary, with
+    ``nothing_to_do=True``, without starting Ray)."""
+    if resume:
+        session.check_resumable(RunStore(cfg.store.root, run_id))
+        done = session.finished_summary(cfg, run_id)
+        if done is not None:
+            return done
     return train_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, resume=resume)
 
 
@@ -86,4 +101,21 @@ def train_recipe(recipe: str = DEFAULT_RECIPE, overrides: Optional[list[str]] = 
     session.preflight(cfg)
     run_id, resume = session.choose_run_id(cfg, run_id)
     rename_flow_run(f"train-recipe-{run_id}")
-    return train_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, resume=resume)
+    return _train_unless_done(cfg, run_id, resume)
+
+
+def resume(run_id: str, overrides: Sequence[str] = ()) -> dict:
+    """Continue run ``run_id`` from its newest complete checkpoint with its stored config plus ``overrides``.
+
+    A run with nothing left to do (every iteration checkpointed, final model exported) returns its
+    summary with ``nothing_to_do=True`` without starting Ray or Prefect; raising
+    ``trainer.total_iterations`` makes it train the extra iterations.
+
+    Raises:
+        trajflow.store.StoreError: no such run under the store root, or the run is a replay.
+        trajflow.config.ConfigError: a bad override.
+        trajflow.data.DataError, trajflow.models.ModelLoadError: the dataset or model is gone or bad.
+    """
+    cfg = session.resume_config(run_id, overrides)
+    session.preflight(cfg)
+    return _train_unless_done(cfg, run_id, True)

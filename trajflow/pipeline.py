@@ -345,7 +345,7 @@ def iteration_seed(seed: int, iteration: int, salt: int = 0) -> int:
     Args:
         seed: ``trainer.seed``.
         iteration: the iteration (or validation step).
-        salt: separates streams of one iteration (0 rollout, 1 update shuffle, 2 validation).
+        salt: separates streams of one iteration (0 rollout, 1 update shuffle, 2 validation, 3 update RNG).
 
     Returns:
         An int in ``[0, 2**31 - 1)``.
@@ -395,8 +395,9 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
 
     Returns:
         Per-row lists ``prompt_ids``, ``response_ids``, ``old_logprobs``, ``advantages`` (ragged), optional
-        ``loss_mask`` and ``ref_logprobs``, plus ``mini_batch_rows``, ``shuffle_seed`` and, with rollout
-        IS, ``rollout_is`` and ``rollout_is_threshold``.
+        ``loss_mask`` and ``ref_logprobs``, plus ``mini_batch_rows``, ``shuffle_seed``, ``rng_seed`` (the
+        worker seeds torch with it before updating, so no draw depends on what ran before) and, with
+        rollout IS, ``rollout_is`` and ``rollout_is_threshold``.
     """
     batch: dict[str, Any] = {c: joined.column(c).to_pylist()
                              for c in ("prompt_ids", "response_ids", "old_logprobs", "advantages")}
@@ -410,6 +411,7 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         batch["rollout_is_threshold"] = float(rollout_is_threshold)
     batch["mini_batch_rows"] = ppo_mini_batch_size * n
     batch["shuffle_seed"] = iteration_seed(seed, iteration, salt=1)
+    batch["rng_seed"] = iteration_seed(seed, iteration, salt=3)
     return batch
 
 

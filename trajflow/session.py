@@ -10,7 +10,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import ray
 from omegaconf import DictConfig
@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from trajflow import checkpoint as ckpt
 from trajflow.config import to_yaml
 from trajflow.runtime import RunContext, close, create_workers, register, start_ray
-from trajflow.store import RunStore
+from trajflow.store import STAGES, RunStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +101,23 @@ def progress_stage(ctx: RunContext, iteration: int, name: str) -> None:
 def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     """Create (or reopen) the run folder, start Ray and the workers, restore a checkpoint on resume.
 
+    On resume: leftovers of killed writers are deleted, the newest complete checkpoint is restored
+    (weights, optimizer, RNG, data cursor, KL controller, score history) and training continues at
+    the iteration after it; stored stage outputs of the iterations to come are checked now (a file
+    that does not verify is named on stderr and recomputed by its task), config changes against the
+    stored config are reported and recorded in ``run.json``'s ``sessions``.
+
     Raises:
         RunExistsError: a new run's folder exists already.
+        StoreError: resuming a run that does not exist or is a replay.
         trajflow.data.DataError, trajflow.models.ModelLoadError: bad dataset or model.
     """
-    from trajflow.data import PromptSampler, load_prompt_dataset
-    from trajflow.models import resolve_model_path
     from trajflow.tracking import Tracker
 
     store = RunStore(cfg.store.root, run_id)
+    changes: dict = {}
     # Load inputs first: a bad dataset or model must not leave a half-created run behind.
-    datasets = load_prompt_dataset(cfg.data.dataset)
-    model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    ctx = build_context(cfg, store)
     if not resume:
         if store.exists():
             raise RunExistsError(f"run {run_id!r} already exists in {store.run_dir}")
@@ -120,8 +125,63 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         store.write_config(to_yaml(cfg))
         store.update_run_meta(run_id=run_id, recipe=str(cfg.recipe), status="running", created=time.time())
     else:
+        check_resumable(store)
+        removed = store.cleanup_temp() + ckpt.cleanup(store)
+        for p in removed:
+            log.info("removed %s, left behind by a killed writer", p)
+        changes = config_changes(store, cfg)
+        if changes:
+            print(f"run {run_id}: config changed since the last session: "
+                  + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()), flush=True)
+            store.write_config(to_yaml(cfg))
         store.update_run_meta(status="running")
     print(f"trajflow run {run_id}: {store.run_dir}", flush=True)
+
+    _preload_audit()
+    try:
+        start_workers(ctx)
+        start = 1
+        mlflow_run = store.read_run_meta().get("mlflow_run_id") if resume else None
+        latest = ckpt.latest_checkpoint(store) if resume else None
+        if latest is not None:
+            restore_checkpoint(ctx, latest)
+            start = latest + 1
+        ctx.extra["policy_source"] = ckpt.checkpoint_id(latest)
+        ctx.extra["start_iteration"] = start
+        if resume:
+            _report_resume(ctx, latest, start)
+        ctx.tracker = Tracker(cfg, run_id, mlflow_run_id=mlflow_run)
+        sessions = store.read_run_meta().get("sessions", [])
+        sessions.append({"started": time.time(), "resumed_from_checkpoint": latest if resume else None,
+                         "first_iteration": start, "config_changes": {k: list(v) for k, v in changes.items()}})
+        store.update_run_meta(mlflow_run_id=ctx.tracker.run_id, tracking_uri=ctx.tracker.uri, sessions=sessions)
+    except BaseException:
+        close(ctx)
+        raise
+    return ctx
+
+
+def _preload_audit() -> None:
+    """Import LanceDB in the background: it takes seconds (its generated REST client), and the driver
+    is only waiting for Ray and the workers meanwhile; the audit table is written after iteration 1."""
+    import threading
+
+    def load() -> None:
+        try:
+            import lancedb  # noqa: F401
+        except Exception:  # reported when the audit table is written
+            pass
+
+    threading.Thread(target=load, name="preload-lancedb", daemon=True).start()
+
+
+def build_context(cfg: DictConfig, store: RunStore) -> RunContext:
+    """The run's context without workers: datasets, model path, data cursor, KL controller."""
+    from trajflow.data import PromptSampler, load_prompt_dataset
+    from trajflow.models import resolve_model_path
+
+    datasets = load_prompt_dataset(cfg.data.dataset)
+    model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     ctx = RunContext(cfg=cfg, store=store, model_path=model_path, datasets=datasets)
     ctx.sampler = PromptSampler(datasets.train, cfg.data.train_batch_size, cfg.trainer.seed)
     if cfg.algorithm.use_kl_in_reward:
@@ -129,47 +189,144 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
 
         k = cfg.algorithm.kl_ctrl
         ctx.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
-    ctx.started_ray = start_ray(cfg)
-    register(ctx)
-    try:
-        create_workers(ctx)
-        start = 1
-        mlflow_run = store.read_run_meta().get("mlflow_run_id") if resume else None
-        latest = ckpt.latest_checkpoint(store) if resume else None
-        if latest is not None:
-            restore_checkpoint(ctx, latest)
-            start = latest + 1
-        ctx.extra["start_iteration"] = start
-        ctx.tracker = Tracker(cfg, run_id, mlflow_run_id=mlflow_run)
-        store.update_run_meta(mlflow_run_id=ctx.tracker.run_id, tracking_uri=ctx.tracker.uri)
-    except BaseException:
-        close(ctx)
-        raise
     return ctx
 
 
-def restore_checkpoint(ctx: RunContext, iteration: int) -> None:
-    """Load the policy (and critic), optimizers, RNG, data cursor and controller state saved after ``iteration``."""
-    d = ckpt.checkpoint_dir(ctx.store, iteration)
-    state = ckpt.read_trainer_state(ctx.store, iteration)
+def start_workers(ctx: RunContext) -> None:
+    """Start (or join) Ray, register the context for the tasks and start the workers.
+
+    On failure the context is closed (workers, and Ray if this call started it) before re-raising.
+    """
+    ctx.started_ray = start_ray(ctx.cfg)
+    register(ctx)
+    try:
+        create_workers(ctx)
+    except BaseException:
+        close(ctx)
+        raise
+
+
+def store_root_from(overrides: Sequence[str]) -> str:
+    """The ``store.root=...`` among ``overrides``, else the config default."""
+    from trajflow.config import StoreConfig
+
+    for o in overrides:
+        if o.startswith("store.root="):
+            return o.split("=", 1)[1]
+    return StoreConfig().root
+
+
+def resume_config(run_id: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """The stored config of run ``run_id`` (under ``store.root`` from ``overrides``) plus ``overrides``.
+
+    Raises:
+        StoreError: no such run, or a replay run (see :func:`check_resumable`).
+        trajflow.config.ConfigError: a bad override.
+    """
+    from omegaconf import OmegaConf
+
+    from trajflow.config import load_config
+
+    store = RunStore(store_root_from(overrides), run_id)
+    check_resumable(store)
+    return load_config(base=OmegaConf.load(store.config_path), overrides=list(overrides))
+
+
+def check_resumable(store: RunStore) -> None:
+    """Raise :class:`StoreError` unless ``store`` holds a run that ``resume`` can continue.
+
+    Raises:
+        StoreError: no such run under the store root (names the root and the runs there), or the
+            run is a replay (replays are re-run, not resumed).
+    """
+    if not store.exists():
+        runs = sorted(p.name for p in store.root.iterdir() if (p / "config.yaml").exists()) \
+            if store.root.exists() else []
+        shown = ", ".join(runs[-10:]) if runs else "none"
+        raise StoreError(f"no run {store.run_id!r} in store root {store.root} (runs there: {shown}); "
+                         f"pass store.root=<dir> to look elsewhere")
+    meta = store.read_run_meta()
+    if meta.get("kind") == "replay":
+        raise StoreError(f"run {store.run_id!r} is a replay of run {meta.get('parent_run_id')!r}; replays are "
+                         f"not resumed: run 'trajflow replay' again")
+
+
+def config_changes(store: RunStore, cfg: DictConfig) -> dict[str, tuple]:
+    """``{key: (stored, new)}`` for config keys whose value differs from the run's stored config.
+
+    ``trainer.resume``, ``trainer.run_id`` and ``trainer.progress`` are not reported (they say how
+    to start, not what to train).
+    """
+    from omegaconf import OmegaConf
+
+    from trajflow.config import flatten
+
+    if not store.config_path.exists():
+        return {}
+    old = flatten(OmegaConf.load(store.config_path))
+    new = flatten(cfg)
+    ignore = {"trainer.resume", "trainer.run_id", "trainer.progress"}
+    if old.get("store.root") and new.get("store.root") and \
+            Path(old["store.root"]).expanduser().resolve() == Path(new["store.root"]).expanduser().resolve():
+        ignore.add("store.root")  # the same folder, spelled differently
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if k not in ignore and old.get(k) != new.get(k)}
+
+
+def _report_resume(ctx: RunContext, latest: int | None, start: int) -> None:
+    """Say where the run continues and name every stored file of the iterations to come that fails to verify."""
+    store, total = ctx.store, ctx.cfg.trainer.total_iterations
+    where = f"checkpoint {latest:06d}" if latest is not None else "the start (no complete checkpoint)"
+    todo = f"iterations {start}..{total}" if start <= total else "no iterations left"
+    print(f"resuming run {ctx.run_id} from {where}: {todo}", flush=True)
+    for it in (i for i in store.iterations() if i >= start):
+        status = store.read_manifest(it).get("status")
+        for stage in STAGES:
+            path = store.stage_path(it, stage)
+            if store.stage_entry(it, stage) is None and path.exists():
+                print(f"warning: {path} is not recorded in its manifest (a write was interrupted): "
+                      f"it will be recomputed", file=sys.stderr, flush=True)
+            elif store.stage_entry(it, stage) is not None and store.verified_stage(it, stage, warn=False) is None:
+                print(f"warning: stored {path} is truncated or does not match its manifest's sha256: "
+                      f"it will be recomputed", file=sys.stderr, flush=True)
+        if status == "gated":
+            print(f"iteration {it} was stopped by its gate: it will be skipped", flush=True)
+
+
+def restore_checkpoint(ctx: RunContext, iteration: int, source: RunStore | None = None) -> None:
+    """Load the policy (and critic), optimizers, RNG, data cursor and controller state saved after ``iteration``.
+
+    Args:
+        ctx: the run's context (workers started).
+        iteration: the checkpoint's iteration.
+        source: restore from this run's checkpoint instead of the context's own (a replay starts
+            from its parent's); the data cursor is then left alone.
+    """
+    store = source or ctx.store
+    d = ckpt.checkpoint_dir(store, iteration)
+    state = ckpt.read_trainer_state(store, iteration)
     ray.get(ctx.actor.load_checkpoint.remote(str(d / "actor")))
     if ctx.critic is not None:
         if not (d / "critic").exists():
             raise RuntimeError(f"checkpoint {d} has no critic/ folder, but this run trains a critic "
                                f"(algorithm.adv_estimator={ctx.cfg.algorithm.adv_estimator!r})")
         ray.get(ctx.critic.load_checkpoint.remote(str(d / "critic")))
-    ctx.sampler.load_state_dict(state["sampler"])
+    if source is None and ctx.sampler is not None and state.get("sampler"):
+        ctx.sampler.load_state_dict(state["sampler"])
     if ctx.kl_ctrl is not None and state.get("kl_ctrl"):
         ctx.kl_ctrl.load_state_dict(state["kl_ctrl"])
     ctx.score_history = list(state.get("score_history", []))
     ctx.policy_version = int(state["policy_version"])
-    log.info("resumed %s from checkpoint %06d", ctx.run_id, iteration)
+    log.info("%s: restored checkpoint %06d of %s", ctx.run_id, iteration, store.run_id)
 
 
 def pending_iterations(ctx: RunContext) -> Iterator[int]:
     """Iterations still to train, drawing each one's prompts from the data cursor just before it.
 
-    Validation runs first when due (before training, on a fresh run).
+    Validation runs first when due (before training, on a fresh run). An iteration whose manifest
+    says ``gated`` (its reward gate stopped it) is not trained again: its prompts are drawn, so the
+    data cursor moves past it, and it is skipped. An iteration re-entered after a crash is marked
+    ``in_progress`` again (its manifest may still say ``complete`` from the crashed session).
     """
     from flows.tasks import validate_stage
 
@@ -183,8 +340,17 @@ def pending_iterations(ctx: RunContext) -> Iterator[int]:
     if start == 1 and cfg.trainer.test_freq > 0 and cfg.trainer.val_before_train:
         ctx.tracker.log_metrics(validate_stage(ctx.run_id, 0), step=0)
     ctx.extra["progress"] = Progress(total, start, cfg.trainer.progress)
+    stored = set(ctx.store.iterations())
     for it in range(start, total + 1):
-        ctx.extra.setdefault("batches", {})[it] = ctx.sampler.next_batch()
+        batch = ctx.sampler.next_batch()
+        status = ctx.store.read_manifest(it).get("status") if it in stored else None
+        if status == "gated":
+            print(f"iteration {it} of run {ctx.run_id} was stopped by its gate; skipped", flush=True)
+            ctx.extra.setdefault("skipped_iterations", []).append(it)
+            continue
+        if status is not None and status != "in_progress":
+            ctx.store.mark(it, "in_progress")
+        ctx.extra.setdefault("batches", {})[it] = batch
         ctx.extra["iteration_start"] = time.perf_counter()
         yield it
 
@@ -218,16 +384,38 @@ def finish_iteration(ctx: RunContext, iteration: int, metrics: dict) -> dict:
     if gate_mean is not None or "critic/score/mean" in metrics:
         ctx.score_history.append(gate_mean if gate_mean is not None else metrics["critic/score/mean"])
     ctx.store.mark(iteration, "complete", policy_version_after=ctx.policy_version)
-    last = iteration == cfg.trainer.total_iterations
+    last = iteration == ctx.extra.get("last_iteration", cfg.trainer.total_iterations)
     if cfg.trainer.test_freq > 0 and (iteration % cfg.trainer.test_freq == 0 or last):
         metrics.update(validate_stage(ctx.run_id, iteration))
     ctx.tracker.log_metrics(metrics, step=iteration)
     _log_samples(ctx, iteration)
+    _append_audit(ctx, iteration)
     if (cfg.trainer.save_freq and iteration % cfg.trainer.save_freq == 0) or last:
         save(ctx, iteration)
     ctx.extra["last_metrics"] = metrics
-    ctx.extra["progress"].done(iteration, metrics)
+    ctx.extra.setdefault("trained_iterations", []).append(iteration)
+    bar = ctx.extra.get("progress")
+    if bar is not None:
+        bar.done(iteration, metrics)
     return metrics
+
+
+def rollout_checkpoint_id(ctx: RunContext, iteration: int) -> str:
+    """The checkpoint the iteration's rollout policy came from (recorded when the rollout was stored)."""
+    entry = ctx.store.stage_entry(iteration, "rollout") or {}
+    return entry.get("meta", {}).get("checkpoint_id") or ctx.extra.get("policy_source") or "initial"
+
+
+def _append_audit(ctx: RunContext, iteration: int) -> None:
+    """Add the iteration's trajectories to the run's LanceDB audit table (a failure only warns:
+    the table is derived data, ``trajflow audit RUN --rebuild`` recreates it from the Parquet files)."""
+    from trajflow.audit import append_iteration
+
+    try:
+        append_iteration(ctx.store, iteration, rollout_checkpoint_id(ctx, iteration))
+    except Exception as e:
+        log.warning("could not append iteration %d to the audit table of %s: %s", iteration, ctx.run_id, e)
+        print(f"warning: audit table not updated for iteration {iteration}: {e}", file=sys.stderr, flush=True)
 
 
 def _log_samples(ctx: RunContext, iteration: int) -> None:
@@ -245,7 +433,8 @@ def _log_samples(ctx: RunContext, iteration: int) -> None:
 
 def save(ctx: RunContext, iteration: int) -> Path:
     """Checkpoint the state after ``iteration``."""
-    state = {"sampler": ctx.sampler.state_dict(), "policy_version": ctx.policy_version,
+    state = {"sampler": ctx.sampler.state_dict() if ctx.sampler is not None else None,
+             "policy_version": ctx.policy_version,
              "kl_ctrl": ctx.kl_ctrl.state_dict() if ctx.kl_ctrl is not None else None,
              "score_history": ctx.score_history, "mlflow_run_id": ctx.tracker.run_id, "saved_at": time.time()}
     def save_workers(d: Path) -> None:
@@ -254,7 +443,9 @@ def save(ctx: RunContext, iteration: int) -> Path:
             futures.append(ctx.critic.save_checkpoint.remote(str(d / "critic")))
         ray.get(futures)
 
-    return ckpt.save_checkpoint(ctx.store, iteration, state, save_workers, ctx.cfg.trainer.max_checkpoints)
+    path = ckpt.save_checkpoint(ctx.store, iteration, state, save_workers, ctx.cfg.trainer.max_checkpoints)
+    ctx.extra["policy_source"] = ckpt.checkpoint_id(iteration)
+    return path
 
 
 def finish_run(ctx: RunContext) -> dict:
@@ -272,7 +463,22 @@ def finish_run(ctx: RunContext) -> dict:
     meta = store.update_run_meta(status="finished", finished=time.time(), policy_version=ctx.policy_version)
     print(f"trajflow run {ctx.run_id} finished: {store.run_dir}", flush=True)
     return {"run_id": ctx.run_id, "run_dir": str(store.run_dir), "mlflow_run_id": meta.get("mlflow_run_id"),
-            "metrics": ctx.extra.get("last_metrics", {}), "policy_version": ctx.policy_version}
+            "metrics": ctx.extra.get("last_metrics", {}), "policy_version": ctx.policy_version,
+            "trained_iterations": list(ctx.extra.get("trained_iterations", [])),
+            "nothing_to_do": bool(ctx.extra.get("nothing_to_do"))}
+
+
+def finished_summary(cfg: DictConfig, run_id: str) -> dict | None:
+    """The summary of a run with nothing left to do (all iterations checkpointed, final model
+    exported), or ``None`` when there is something to train. Starts nothing."""
+    store = RunStore(cfg.store.root, run_id)
+    latest = ckpt.latest_checkpoint(store)
+    if latest is None or latest < cfg.trainer.total_iterations or not store.final_dir.exists():
+        return None
+    meta = store.read_run_meta()
+    return {"run_id": run_id, "run_dir": str(store.run_dir), "mlflow_run_id": meta.get("mlflow_run_id"),
+            "metrics": {}, "policy_version": meta.get("policy_version"), "trained_iterations": [],
+            "nothing_to_do": True, "last_checkpoint": latest}
 
 
 def _log_end_of_run_plots(ctx: RunContext) -> None:
@@ -297,6 +503,13 @@ def close_run(ctx: RunContext, status: str) -> None:
             ctx.tracker.finish(status)
         except Exception as e:  # never hide the original error behind a tracking one
             log.warning("could not close the MLflow run: %s", e)
+    meta = ctx.store.read_run_meta()
+    sessions = meta.get("sessions") or []
+    if sessions:
+        sessions[-1].update(ended=time.time(), status=status,
+                            trained_iterations=list(ctx.extra.get("trained_iterations", [])),
+                            skipped_iterations=list(ctx.extra.get("skipped_iterations", [])))
+        ctx.store.update_run_meta(sessions=sessions)
     if status != "FINISHED":
         ctx.store.update_run_meta(status="failed")
         print(f"trajflow run {ctx.run_id} stopped ({status.lower()}): {ctx.store.run_dir}", flush=True)

@@ -158,7 +158,8 @@ class PolicyWorker:
         engine's log-probs are compared with them (``actor/rollout_logprob_diff``) and, with
         ``batch["rollout_is"]`` (``"token"``/``"sequence"``, threshold ``batch["rollout_is_threshold"]``),
         weight the policy-gradient loss by min(pi_old / pi_rollout, threshold)
-        (:mod:`stages.rollout_correction`; metrics ``rollout_corr/*``). The batch is cut into
+        (:mod:`stages.rollout_correction`; metrics ``rollout_corr/*``). ``shuffle_seed`` sets the
+        mini-batch order and ``rng_seed`` (optional) seeds torch's global RNG first. The batch is cut into
         mini-batches of ``ppo_mini_batch_size * n`` rows (one optimizer step each) and those into
         micro-batches of ``ppo_micro_batch_size`` rows (gradient accumulation, exact thanks to the
         mini-batch-wide denominators of :func:`stages.policy_update.agg_loss`), for ``ppo_epochs``
@@ -179,6 +180,10 @@ class PolicyWorker:
                                     loss_agg_mode=a["loss_agg_mode"])
         use_kl = a["kl_loss_coef"] > 0 and batch.get("ref_logprobs") is not None
         rng = np.random.default_rng(int(batch.get("shuffle_seed", 0)))
+        if batch.get("rng_seed") is not None:
+            # Any draw inside the update (dropout, ...) depends on (seed, iteration) only, not on
+            # whatever ran in this process before: a resumed run updates exactly as an uninterrupted one.
+            torch.manual_seed(int(batch["rng_seed"]))
         single_step = a["ppo_epochs"] == 1 and mini_rows >= n_rows
         trainer_old = None
         if not single_step:
