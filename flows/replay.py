@@ -1,0 +1,246 @@
+"""The ``replay`` flow: run the later stages of stored iterations again, with a (possibly changed) config.
+
+``trajflow replay RUN --iteration N --from-stage reward|advantage|update [key=value ...]`` reads the
+stored outputs of iteration N of RUN (the *parent*) and writes a new run:
+
+- the stages before ``--from-stage`` are copied from the parent byte for byte (their sha256 is
+  checked on both sides); the stages from it on are computed with the new config (e.g. another
+  ``reward.custom_function``, ``algorithm.adv_estimator`` or ``actor.policy_loss``) by the same
+  Prefect tasks as training (:mod:`flows.tasks`);
+- the policy update starts from the policy that generated iteration N's rollouts: the parent's
+  checkpoint N-1 (weights, optimizer, RNG, KL controller, score history), or the initial model for
+  N = 1. Without that checkpoint (rotated away, or not saved at N-1) a replay from ``reward`` or
+  ``advantage`` stops after the advantages (``run.json`` says why); one from ``update`` is refused;
+- ``run.json`` and the MLflow tags record ``parent_run_id``, ``parent_iteration`` and ``from_stage``.
+
+With the parent's config unchanged, the replay reproduces the stored ``reward.parquet`` and
+``advantage.parquet`` byte for byte (same sha256), and the update reproduces the parent's
+``update.json`` metrics (timings aside) and the weights of its checkpoint N.
+
+``--iterations A:B`` replays a whole stretch: the policy starts from the parent's checkpoint A-1
+and is trained again on the *stored* rollouts of iterations A..B. From iteration A+1 on those
+rollouts were sampled by the parent's policy, not by the re-trained one, so unless the config is
+unchanged this is off-policy training by design (the PPO ratio is taken against the stored
+``old_logprobs`` of the parent's policy, whose clipping bounds the step); it answers "what would
+these samples have taught another loss/estimator/reward", not "what would on-policy training have
+done".
+"""
+
+from __future__ import annotations
+
+from trajflow.env import configure_environment
+
+configure_environment()
+
+import secrets  # noqa: E402
+import time  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from prefect import flow  # noqa: E402
+
+from flows.tasks import advantage_stage, gate_stage, reward_stage, update_stage  # noqa: E402
+from trajflow import checkpoint as ckpt  # noqa: E402
+from trajflow import pipeline, session  # noqa: E402
+from trajflow.batch import join_stages  # noqa: E402
+from trajflow.config import load_config, to_yaml  # noqa: E402
+from trajflow.runtime import RunContext, close  # noqa: E402
+from trajflow.store import StageRef, RunStore, StoreError  # noqa: E402
+
+FROM_STAGES = ("reward", "advantage", "update")
+_KEPT = {"reward": ("rollout",), "advantage": ("rollout", "reward"), "update": ("rollout", "reward", "advantage")}
+
+
+class ReplayError(StoreError):
+    """A replay that cannot run: unknown run or stage, an iteration or checkpoint that is not stored."""
+
+
+def parse_iterations(iteration: int | None, iterations: str | None) -> tuple[int, int]:
+    """``--iteration N`` or ``--iterations A:B`` as ``(first, last)``.
+
+    Raises:
+        ReplayError: neither or both given, not integers, ``A > B`` or ``A < 1``.
+    """
+    if (iteration is None) == (iterations is None):
+        raise ReplayError("give exactly one of --iteration N and --iterations A:B")
+    if iteration is not None:
+        first = last = int(iteration)
+    else:
+        a, sep, b = str(iterations).partition(":")
+        try:
+            first, last = int(a), int(b)
+        except ValueError:
+            raise ReplayError(f"--iterations {iterations!r}: expected A:B with integers A <= B (e.g. 2:5)") from None
+        if not sep:
+            raise ReplayError(f"--iterations {iterations!r}: expected A:B (e.g. 2:5)")
+    if first < 1 or first > last:
+        raise ReplayError(f"iterations {first}..{last}: need 1 <= A <= B")
+    return first, last
+
+
+def plan(parent: RunStore, first: int, last: int, from_stage: str) -> dict:
+    """Check that the parent holds what the replay needs; returns ``{"start_checkpoint", "run_update", "note"}``.
+
+    Raises:
+        ReplayError: unknown parent run (names the store root) or stage; an iteration of
+            ``first..last`` not stored, or a kept stage output that does not verify (names the file);
+            the starting checkpoint missing where the update needs it.
+    """
+    if from_stage not in FROM_STAGES:
+        raise ReplayError(f"--from-stage {from_stage!r}: choose one of {', '.join(FROM_STAGES)}")
+    if not parent.exists():
+        try:
+            session.check_resumable(parent)
+        except StoreError as e:
+            raise ReplayError(str(e)) from None
+    stored = parent.iterations()
+    shown = f"{stored[0]}..{stored[-1]}" if stored else "none"
+    for it in range(first, last + 1):
+        if it not in stored:
+            raise ReplayError(f"iteration {it} of run {parent.run_id!r} is not stored (stored iterations: {shown})")
+        for stage in _KEPT[from_stage]:
+            if parent.verified_stage(it, stage) is None:
+                raise ReplayError(f"{parent.stage_path(it, stage)} is missing or does not match its manifest: "
+                                  f"iteration {it} cannot be replayed from stage {from_stage!r}")
+    start = first - 1 if first > 1 else None
+    have = start is None or start in ckpt.list_checkpoints(parent)
+    note = ""
+    if not have:
+        kept = ", ".join(f"{i:06d}" for i in ckpt.list_checkpoints(parent)) or "none"
+        why = (f"checkpoint {start:06d} of run {parent.run_id!r} is not stored (kept: {kept}), so the policy that "
+               f"generated iteration {first} cannot be restored")
+        if from_stage == "update" or last > first:
+            raise ReplayError(f"{why}; replaying {'the update' if from_stage == 'update' else 'iterations'} needs it")
+        note = f"policy update skipped: {why}"
+    return {"start_checkpoint": start, "run_update": have, "note": note}
+
+
+def _restore_reward_metrics(ctx: RunContext, iteration: int) -> None:
+    entry = ctx.store.stage_entry(iteration, "reward") or {}
+    ctx.extra.setdefault("reward_metrics", {})[iteration] = dict(entry.get("meta", {}).get("metrics", {}))
+
+
+def _parent_gate(parent: RunStore, iteration: int) -> dict:
+    """The parent's gate result (its quarantine shaped the stored advantages); empty when gates were off."""
+    g = parent.read_iteration_json(iteration, "gate.json") or {}
+    return {"success": g.get("success", True), "quarantined_sample_ids": g.get("quarantined_sample_ids", []),
+            "metrics": {}}
+
+
+def open_replay(cfg: DictConfig, run_id: str, parent: RunStore, first: int, last: int, from_stage: str,
+                plan_: dict, overrides: Sequence[str]) -> RunContext:
+    """Create the replay run, start its workers and restore the parent's starting checkpoint.
+
+    Raises:
+        trajflow.session.RunExistsError: ``run_id`` exists.
+    """
+    from trajflow.tracking import Tracker
+
+    store = RunStore(cfg.store.root, run_id)
+    if store.exists():
+        raise session.RunExistsError(f"run {run_id!r} already exists in {store.run_dir}")
+    store.run_dir.mkdir(parents=True, exist_ok=True)
+    store.write_config(to_yaml(cfg))
+    start = plan_["start_checkpoint"]
+    start_id = f"{parent.run_id}/{ckpt.checkpoint_id(start)}" if start is not None else "initial"
+    lineage = {"parent_run_id": parent.run_id, "parent_iteration": first, "parent_iterations": [first, last],
+               "from_stage": from_stage}
+    store.update_run_meta(run_id=run_id, recipe=str(cfg.recipe), kind="replay", status="running", created=time.time(),
+                          overrides=list(overrides), start_checkpoint=start_id, note=plan_["note"], **lineage)
+    print(f"trajflow replay {run_id}: {store.run_dir} (run {parent.run_id}, iterations {first}..{last}, "
+          f"from stage {from_stage}, policy from {start_id})", flush=True)
+    if plan_["note"]:
+        print(f"note: {plan_['note']}", flush=True)
+    session._preload_audit()
+    ctx = session.build_context(cfg, store)
+    session.start_workers(ctx)
+    try:
+        if start is not None:
+            session.restore_checkpoint(ctx, start, source=parent)
+        ctx.extra.update(policy_source=start_id, last_iteration=last, start_iteration=first)
+        tags = {f"trajflow.{k}": (f"{first}:{last}" if k == "parent_iterations" else str(v)) for k, v in lineage.items()}
+        tags["trajflow.kind"] = "replay"
+        parent_mlflow = parent.read_run_meta().get("mlflow_run_id")
+        if parent_mlflow:
+            tags["trajflow.parent_mlflow_run_id"] = parent_mlflow
+        ctx.tracker = Tracker(cfg, run_id, tags=tags)
+        store.update_run_meta(mlflow_run_id=ctx.tracker.run_id, tracking_uri=ctx.tracker.uri)
+    except BaseException:
+        close(ctx)
+        raise
+    return ctx
+
+
+@flow(name="replay", flow_run_name="replay-{run_id}", validate_parameters=False)
+def replay_flow(config_yaml: str, run_id: str, parent_run_id: str, parent_root: str, first: int, last: int,
+                from_stage: str, overrides: list[str]) -> dict:
+    """Replay iterations ``first..last`` of ``parent_run_id`` from ``from_stage`` into run ``run_id``."""
+    cfg = load_config(base=OmegaConf.create(config_yaml))
+    parent = RunStore(parent_root, parent_run_id)
+    plan_ = plan(parent, first, last, from_stage)
+    ctx = open_replay(cfg, run_id, parent, first, last, from_stage, plan_, overrides)
+    status = "FAILED"
+    try:
+        for it in range(first, last + 1):
+            ctx.extra["iteration_start"] = time.perf_counter()
+            kept = {s: ctx.store.copy_stage_from(parent, it, s) for s in _KEPT[from_stage]}
+            rollout = kept["rollout"]
+            if "reward" in kept:
+                _restore_reward_metrics(ctx, it)
+            reward = kept.get("reward") or reward_stage(run_id, it, rollout)
+            gate = _parent_gate(parent, it) if from_stage == "update" else gate_stage(run_id, it, rollout, reward)
+            advantage = kept.get("advantage") or advantage_stage(run_id, it, rollout, reward, gate)
+            if plan_["run_update"]:
+                metrics = update_stage(run_id, it, rollout, reward, advantage, gate)
+            else:
+                metrics = _data_metrics(ctx, it, rollout, reward, advantage)
+            session.finish_iteration(ctx, it, metrics)
+        if plan_["run_update"]:
+            summary = session.finish_run(ctx)
+        else:
+            ctx.store.update_run_meta(status="finished", finished=time.time())
+            summary = {"run_id": run_id, "run_dir": str(ctx.store.run_dir), "metrics": ctx.extra.get("last_metrics", {}),
+                       "mlflow_run_id": ctx.tracker.run_id}
+        summary.update(parent_run_id=parent_run_id, parent_iterations=[first, last], from_stage=from_stage,
+                       note=plan_["note"])
+        status = "FINISHED"
+        return summary
+    finally:
+        session.close_run(ctx, status)
+
+
+def _data_metrics(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef, advantage: StageRef) -> dict:
+    """verl's data metrics of an iteration whose update is not replayed."""
+    joined = join_stages([ctx.store.read_ref(r) for r in (rollout, reward, advantage)])
+    metrics = pipeline.batch_metrics(joined)
+    metrics.update(ctx.extra.get("reward_metrics", {}).get(iteration, {}))
+    return metrics
+
+
+def replay_run_id(parent_run_id: str, first: int, last: int, from_stage: str) -> str:
+    span = f"it{first}" if first == last else f"it{first}-{last}"
+    return f"{parent_run_id}-replay-{from_stage}-{span}-{secrets.token_hex(2)}"
+
+
+def replay(parent_run_id: str, from_stage: str, iteration: int | None = None, iterations: str | None = None,
+           overrides: Sequence[str] = (), run_id: str | None = None) -> dict:
+    """Check the request, build the config (the parent's stored config plus ``overrides``), run the flow.
+
+    Returns:
+        The summary (``run_id``, ``run_dir``, ``metrics`` of the last iteration, lineage, ``note``).
+
+    Raises:
+        ReplayError: see :func:`parse_iterations` and :func:`plan`.
+        trajflow.config.ConfigError: a bad override.
+        trajflow.session.RunExistsError: ``run_id`` exists.
+    """
+    first, last = parse_iterations(iteration, iterations)
+    parent = RunStore(session.store_root_from(overrides), parent_run_id)
+    plan(parent, first, last, from_stage)  # fail fast, before Prefect and Ray start
+    cfg = load_config(base=OmegaConf.load(parent.config_path), overrides=list(overrides))
+    run_id = run_id or replay_run_id(parent_run_id, first, last, from_stage)
+    if RunStore(cfg.store.root, run_id).exists():
+        raise session.RunExistsError(f"run {run_id!r} already exists in {RunStore(cfg.store.root, run_id).run_dir}")
+    return replay_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, parent_run_id=parent_run_id,
+                       parent_root=str(parent.root), first=first, last=last, from_stage=from_stage,
+                       overrides=list(overrides))
