@@ -10,7 +10,9 @@ from trajflow.env import configure_environment
 
 configure_environment()
 
+import json  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import List, Optional  # noqa: E402
 
 import typer  # noqa: E402
@@ -21,6 +23,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from trajflow.audit import AuditError
     from trajflow.batch import BatchError
     from trajflow.compare import CompareError
     from trajflow.config import ConfigError
@@ -31,7 +34,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from trajflow.store import StoreError
 
     return (ConfigError, DataError, ModelLoadError, RunExistsError, StoreError, BatchError, CompareError,
-            DashboardError)
+            DashboardError, AuditError)
 
 
 def _run(fn, *args, **kwargs):
@@ -63,9 +66,149 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help="config ove
         return train_entry(config, overrides or [], run_id)
 
     summary = _run(go)
+    if summary.get("nothing_to_do"):
+        typer.echo(f"run {summary['run_id']} already finished all its iterations: nothing to do")
+        return
+    typer.echo(_done_line(summary))
+
+
+def _done_line(summary: dict) -> str:
     m = summary.get("metrics", {})
     shown = {k: round(v, 4) for k, v in m.items() if k.startswith(("val-core", "critic/score/mean"))}
-    typer.echo(f"run {summary['run_id']} done: {summary['run_dir']} {shown}")
+    trained = summary.get("trained_iterations")
+    span = f" (trained iterations {trained[0]}..{trained[-1]})" if trained else ""
+    return f"run {summary['run_id']} done: {summary['run_dir']} {shown}{span}"
+
+
+@app.command()
+def resume(run_id: str = typer.Argument(..., help="the run to continue"),
+           overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value (e.g. "
+                                                           "trainer.total_iterations=40, store.root=DIR)")) -> None:
+    """Continue a run from its newest complete checkpoint (weights, optimizer, RNG, data cursor).
+
+    Stage outputs of the interrupted iteration that verify (sha256) are reused, the rest re-run; the
+    policy update always re-runs. A finished run says so and exits 0.
+    """
+
+    def go():
+        from flows.train import resume as resume_entry
+
+        return resume_entry(run_id, overrides or [])
+
+    summary = _run(go)
+    if summary.get("nothing_to_do"):
+        last = summary.get("last_checkpoint")
+        at = f" (last checkpoint {last:06d})" if isinstance(last, int) else ""
+        typer.echo(f"run {run_id} already finished all its iterations{at}: nothing to do; raise "
+                   f"trainer.total_iterations to train more")
+        return
+    typer.echo(_done_line(summary))
+
+
+@app.command()
+def replay(run_id: str = typer.Argument(..., help="the run whose stored iterations are replayed (the parent)"),
+           overrides: Optional[List[str]] = typer.Argument(None, help="config overrides for the replay, key=value"),
+           iteration: Optional[int] = typer.Option(None, "--iteration", "-i", help="replay this iteration"),
+           iterations: Optional[str] = typer.Option(None, "--iterations",
+                                                    help="A:B, re-train from checkpoint A-1 on the stored rollouts "
+                                                         "of A..B (off-policy by design)"),
+           from_stage: str = typer.Option(..., "--from-stage", help="first stage to recompute: reward, advantage "
+                                                                    "or update"),
+           new_run_id: Optional[str] = typer.Option(None, "--run-id", help="id of the new run (default: generated)")) -> None:
+    """Recompute the stages from --from-stage of stored iterations with a (changed) config, into a new run."""
+
+    def go():
+        from flows.replay import replay as replay_entry
+
+        return replay_entry(run_id, from_stage, iteration=iteration, iterations=iterations,
+                            overrides=overrides or [], run_id=new_run_id)
+
+    summary = _run(go)
+    note = f" ({summary['note']})" if summary.get("note") else ""
+    typer.echo(f"replay {summary['run_id']} of run {run_id} done: {summary['run_dir']}{note}")
+
+
+AUDIT_FORMATS = ("table", "json", "parquet")
+
+
+@app.command()
+def audit(run_id: str = typer.Argument(..., help="the run"),
+          where: Optional[str] = typer.Option(None, "--where", help="SQL filter, e.g. \"iteration >= 2 AND score > 0\""),
+          search: Optional[str] = typer.Option(None, "--search", help="full-text search over prompt and response"),
+          limit: int = typer.Option(50, "--limit", "-k", help="at most this many rows"),
+          fmt: str = typer.Option("table", "--format", "-f", help="table, json or parquet"),
+          output: Optional[Path] = typer.Option(None, "--output", "-o", help="write here (needed for parquet)"),
+          store_root: Optional[str] = typer.Option(None, "--store-root", help="store root (default: store.root's "
+                                                                             "default, ./runs)"),
+          rebuild: bool = typer.Option(False, "--rebuild", help="recreate the audit table from the Parquet files "
+                                                               "first")) -> None:
+    """Print or export a run's stored trajectories: filter, full-text search, trace to policy and checkpoint."""
+    from trajflow.config import StoreConfig
+
+    root = store_root or StoreConfig().root
+    if fmt not in AUDIT_FORMATS:
+        typer.echo(f"error: --format {fmt!r}: choose one of {', '.join(AUDIT_FORMATS)}", err=True)
+        raise typer.Exit(2)
+    if fmt == "parquet" and output is None:
+        typer.echo("error: --format parquet needs --output PATH", err=True)
+        raise typer.Exit(2)
+
+    def go():
+        from trajflow.audit import AuditError, query_audit, rebuild_audit
+        from trajflow.store import RunStore
+
+        if rebuild:
+            store = RunStore(root, run_id)
+            if not store.exists():
+                raise AuditError(f"no run {run_id!r} in store root {store.root}")
+            rebuild_audit(store)
+        return query_audit(root, run_id, where=where, search=search, limit=limit)
+
+    table = _run(go)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, output)
+        typer.echo(f"{table.num_rows} rows written to {output}")
+    elif fmt == "json":
+        text = json.dumps(table.to_pylist(), indent=1, default=str)
+        if output is not None:
+            Path(output).write_text(text + "\n")
+            typer.echo(f"{table.num_rows} rows written to {output}")
+        else:
+            typer.echo(text)
+    else:
+        _print_audit_table(table, output)
+
+
+def _print_audit_table(table, output: Optional[Path]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(show_lines=False)
+    cols = ("iteration", "sample_id", "score", "advantage_mean", "policy_version", "checkpoint_id", "finish_reason",
+            "response_text")
+    for c in cols:
+        t.add_column(c, no_wrap=c != "response_text", overflow="fold" if c == "response_text" else "ellipsis")
+    for row in table.to_pylist():
+        cells = []
+        for c in cols:
+            v = row[c]
+            if isinstance(v, float):
+                v = f"{v:.4g}"
+            elif c == "response_text" and v is not None:
+                v = v.replace("\n", "\\n")
+                v = v if len(v) <= 80 else v[:77] + "..."
+            cells.append("" if v is None else str(v))
+        t.add_row(*cells)
+    out = open(output, "w") if output is not None else None
+    try:
+        console = Console(file=out, width=None if out is None and sys.stdout.isatty() else 200)
+        console.print(t)
+        console.print(f"{table.num_rows} rows")
+    finally:
+        if out is not None:
+            out.close()
 
 
 @app.command()
