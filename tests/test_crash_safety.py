@@ -1,0 +1,292 @@
+"""Crash safety of the run store and checkpoints, the fault hook, the Ray watcher and the audit table.
+
+Fast tests (no Ray, no Prefect): real files, real subprocesses killed with SIGKILL where a crash is
+the point. The end-to-end kill/resume/replay tests are in ``test_resume_replay_audit.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import REPO
+from trajflow import checkpoint as ckpt
+from trajflow.faults import parse
+from trajflow.store import RunStore, StoreError, atomic_write_parquet
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("TRAJFLOW_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def _table(n: int = 4, seed: int = 0) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    return pa.table({"sample_id": [f"s{i}" for i in range(n)],
+                     "score": pa.array(rng.random(n), pa.float32()),
+                     "tokens": pa.array([list(range(i + 1)) for i in range(n)], pa.list_(pa.int32()))})
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------ fault hook
+
+
+def test_fault_spec_parses_points_and_iterations():
+    assert parse(None) is None and parse("  ") is None
+    assert parse("rollout:1,update:3") == {("rollout", 1), ("update", 3)}
+    assert parse("store_write:*") == {("store_write", None)}
+    with pytest.raises(ValueError, match="rollout, after_reward, update, checkpoint, store_write"):
+        parse("rolout:1")
+    with pytest.raises(ValueError, match="not an integer"):
+        parse("update:x")
+    with pytest.raises(ValueError, match="<point>:<iteration>"):
+        parse("update")
+
+
+def test_fault_point_sigkills_only_at_the_named_iteration():
+    code = ("from trajflow.faults import fault_point\n"
+            "fault_point('update', 2); print('passed 2', flush=True)\n"
+            "fault_point('update', 3); print('passed 3', flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(TRAJFLOW_FAULT="update:3"), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL
+    assert r.stdout == "passed 2\n"
+    assert "SIGKILL at update:3" in r.stderr
+    r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "passed 2\npassed 3\n"
+
+
+# ------------------------------------------------------------------ atomic writes
+
+
+def test_parquet_bytes_are_a_function_of_the_table(tmp_path):
+    """Equal tables give equal files (pyarrow writes only 'created_by', no time or host)."""
+    t = _table()
+    atomic_write_parquet(tmp_path / "a.parquet", t)
+    atomic_write_parquet(tmp_path / "b.parquet", pa.table(t.to_pydict(), schema=t.schema))
+    assert _sha(tmp_path / "a.parquet") == _sha(tmp_path / "b.parquet")
+
+
+def test_killed_write_leaves_old_file_intact_and_only_a_temp_file(tmp_path):
+    store = RunStore(tmp_path, "run")
+    store.run_dir.mkdir()
+    store.write_stage(1, "reward", _table(seed=1), policy_version=0)
+    before = _sha(store.stage_path(1, "reward"))
+    code = ("import sys, numpy as np, pyarrow as pa\n"
+            "from trajflow.store import RunStore\n"
+            "n = 200_000\n"
+            "t = pa.table({'sample_id': [f'x{i}' for i in range(n)], 'score': pa.array(np.ones(n), pa.float32())})\n"
+            f"RunStore({str(tmp_path)!r}, 'run').write_stage(1, 'reward', t, policy_version=0)\n"
+            "print('written')\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(TRAJFLOW_FAULT="store_write:*"), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL and "written" not in r.stdout
+    # Readers see the old file, whole and verified; the half-done write is a hidden temp file.
+    assert _sha(store.stage_path(1, "reward")) == before
+    assert store.verified_stage(1, "reward") is not None
+    leftovers = [p for p in store.iteration_dir(1).iterdir() if p.name.endswith(".tmp")]
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".reward.parquet.")
+    assert pq.read_table(leftovers[0]).num_rows == 200_000  # complete but never renamed into place
+    assert store.cleanup_temp() == leftovers
+    assert not leftovers[0].exists()
+
+
+def test_truncated_or_altered_parquet_is_named_and_not_reused(tmp_path, caplog):
+    store = RunStore(tmp_path, "run")
+    store.run_dir.mkdir()
+    ref = store.write_stage(2, "rollout", _table(50), policy_version=1)
+    path = Path(ref.path)
+    assert store.verified_stage(2, "rollout") == ref
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated
+    with caplog.at_level(logging.WARNING, logger="trajflow.store"):
+        assert store.verified_stage(2, "rollout") is None
+    assert str(path) in caplog.text and "recomputed" in caplog.text
+    with pytest.raises(StoreError, match="rollout.parquet"):
+        store.read_stage(2, "rollout")
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF  # same size, one byte changed
+    path.write_bytes(bytes(flipped))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trajflow.store"):
+        assert store.verified_stage(2, "rollout") is None
+    assert str(path) in caplog.text
+
+
+def test_stage_output_is_reused_only_for_the_inputs_it_was_computed_from(tmp_path):
+    store = RunStore(tmp_path, "run")
+    store.run_dir.mkdir()
+    ref = store.write_stage(1, "advantage", _table(), 0, inputs={"reward": "aa", "settings": "s1"},
+                            meta={"metrics": {"critic/kl": 0.5}})
+    assert store.verified_stage(1, "advantage", inputs={"reward": "aa", "settings": "s1"}) == ref
+    assert store.verified_stage(1, "advantage", inputs={"reward": "bb", "settings": "s1"}) is None
+    assert store.verified_stage(1, "advantage", inputs={"reward": "aa", "settings": "s2"}) is None
+    assert store.stage_entry(1, "advantage")["meta"] == {"metrics": {"critic/kl": 0.5}}
+
+
+def test_copy_stage_from_keeps_bytes_hash_and_traces_checkpoint(tmp_path):
+    parent, child = RunStore(tmp_path, "p"), RunStore(tmp_path, "c")
+    parent.run_dir.mkdir()
+    child.run_dir.mkdir()
+    ref = parent.write_stage(3, "rollout", _table(), 2, inputs={"prompts": "x"},
+                             meta={"checkpoint_id": "checkpoints/000002"})
+    copy = child.copy_stage_from(parent, 3, "rollout")
+    assert copy.sha256 == ref.sha256 == _sha(Path(copy.path))
+    entry = child.stage_entry(3, "rollout")
+    assert entry["inputs"] == {"prompts": "x"}
+    assert entry["meta"]["checkpoint_id"] == "p/checkpoints/000002"
+    assert entry["copied_from"] == "p/iterations/000003/rollout.parquet"
+    with pytest.raises(StoreError, match="reward.parquet"):
+        child.copy_stage_from(parent, 3, "reward")
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _save(store: RunStore, it: int, keep: int) -> Path:
+    def workers(d: Path) -> None:
+        (d / "actor").mkdir()
+        (d / "actor" / "w.bin").write_bytes(bytes([it]) * 16)
+
+    return ckpt.save_checkpoint(store, it, {"policy_version": it}, workers, keep)
+
+
+def test_rotation_keeps_the_newest_checkpoints(tmp_path):
+    store = RunStore(tmp_path, "run")
+    for it in range(1, 6):
+        _save(store, it, keep=2)
+    assert ckpt.list_checkpoints(store) == [4, 5]
+    assert (ckpt.checkpoint_dir(store, 5) / "actor" / "w.bin").read_bytes() == bytes([5]) * 16
+    _save(store, 6, keep=1)
+    assert ckpt.list_checkpoints(store) == [6]
+    # Saving an iteration again (a resumed run re-saves it) replaces it whole and keeps it newest.
+    _save(store, 6, keep=1)
+    assert ckpt.list_checkpoints(store) == [6] and ckpt.latest_checkpoint(store) == 6
+    assert sorted(p.name for p in store.checkpoints_dir().iterdir()) == ["000006"]
+
+
+def test_killed_checkpoint_write_is_not_a_checkpoint_and_is_cleaned_up(tmp_path):
+    store = RunStore(tmp_path, "run")
+    _save(store, 1, keep=0)
+    code = ("from pathlib import Path\n"
+            "from trajflow import checkpoint as ckpt\nfrom trajflow.store import RunStore\n"
+            f"s = RunStore({str(tmp_path)!r}, 'run')\n"
+            "def w(d):\n    (d / 'actor').mkdir(); (d / 'actor' / 'w.bin').write_bytes(b'2' * 16)\n"
+            "ckpt.save_checkpoint(s, 2, {'policy_version': 2}, w, 2)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(TRAJFLOW_FAULT="checkpoint:2"), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL
+    assert ckpt.latest_checkpoint(store) == 1
+    assert (store.checkpoints_dir() / ".tmp-000002" / "actor" / "w.bin").exists()
+    # Killed between swapping an old copy of checkpoint 1 out and the new one in: the old one comes back.
+    os.replace(ckpt.checkpoint_dir(store, 1), store.checkpoints_dir() / ".old-000001")
+    assert ckpt.latest_checkpoint(store) is None
+    removed = ckpt.cleanup(store)
+    assert [p.name for p in removed] == [".tmp-000002"]
+    assert ckpt.list_checkpoints(store) == [1]
+    assert sorted(p.name for p in store.checkpoints_dir().iterdir()) == ["000001"]
+
+
+# ------------------------------------------------------------------ Ray watcher
+
+
+def test_watcher_reaps_listed_processes_when_the_pipe_closes():
+    import psutil
+
+    from trajflow import raywatch
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        ct = psutil.Process(victim.pid).create_time()
+        w = raywatch.start([(victim.pid, ct), (bystander.pid, ct - 100.0)])  # wrong create time: not reaped
+        time.sleep(0.5)
+        assert victim.poll() is None
+        w.close()
+        victim.wait(timeout=30)
+        w.proc.wait(timeout=30)
+        assert bystander.poll() is None
+    finally:
+        for p in (victim, bystander):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+# ------------------------------------------------------------------ audit table
+
+
+def _fake_iteration(store: RunStore, it: int, scores: list[float], texts: list[str]) -> None:
+    n = len(scores)
+    sids = [f"it{it:06d}-p{j // 2:04d}-s{j % 2}" for j in range(n)]
+    resp = [list(range(3 + j)) for j in range(n)]
+    store.write_stage(it, "rollout", pa.table({
+        "sample_id": sids, "prompt_id": [f"p{j // 2}" for j in range(n)], "group_id": [s[:-3] for s in sids],
+        "iteration": pa.array([it] * n, pa.int64()), "policy_version": pa.array([it - 1] * n, pa.int64()),
+        "prompt": [json.dumps([{"role": "user", "content": f"question {j // 2}"}]) for j in range(n)],
+        "prompt_ids": pa.array([[1, 2]] * n, pa.list_(pa.int32())),
+        "response_ids": pa.array(resp, pa.list_(pa.int32())), "response_text": texts,
+        "old_logprobs": pa.array([[0.0] * len(r) for r in resp], pa.list_(pa.float32())),
+        "finish_reason": ["stop"] * n, "ground_truth": ["7"] * n, "data_source": ["toy"] * n,
+        "extra_info": ["{}"] * n}), it - 1)
+    store.write_stage(it, "reward", pa.table({
+        "sample_id": sids, "score": pa.array(scores, pa.float32()), "reward_extra": ["{}"] * n,
+        "reward_error": pa.nulls(n, pa.string()),
+        "token_rewards": pa.array([[0.0] * len(r) for r in resp], pa.list_(pa.float32()))}), it - 1)
+    store.write_stage(it, "advantage", pa.table({
+        "sample_id": sids,
+        "advantages": pa.array([[float(j)] * (len(r) - 1) + [float(j) + 1.0] for j, r in enumerate(resp)],
+                               pa.list_(pa.float32())),
+        "returns": pa.array([[0.0] * len(r) for r in resp], pa.list_(pa.float32()))}), it - 1)
+
+
+def test_audit_append_query_and_idempotent_reappend(tmp_path):
+    from trajflow.audit import AUDIT_COLUMNS, AuditError, append_iteration, query_audit, rebuild_audit
+
+    store = RunStore(tmp_path, "run")
+    store.run_dir.mkdir()
+    store.write_config("recipe: x\n")
+    _fake_iteration(store, 1, [0.0, 1.0, 0.5, 0.25], ["the cat sat", "a dog ran", "cat and dog", "nothing here"])
+    _fake_iteration(store, 2, [1.0, 0.0, 0.75, 0.5], ["dog again", "cat again", "bird", "cat cat"])
+    assert append_iteration(store, 1, "initial") == 4
+    assert append_iteration(store, 2, "checkpoints/000001") == 4
+    assert append_iteration(store, 2, "checkpoints/000001") == 4  # a re-run iteration replaces its rows
+    t = query_audit(tmp_path, "run", limit=100)
+    assert t.column_names == list(AUDIT_COLUMNS) and t.num_rows == 8
+    rows = {r["sample_id"]: r for r in t.to_pylist()}
+    r = rows["it000002-p0001-s1"]  # 4th row of iteration 2: response of 6 tokens, advantages [3]*5 + [4]
+    assert r["response_text"] == "cat cat" and r["score"] == 0.5 and r["response_length"] == 6
+    assert r["advantage_mean"] == pytest.approx((3 * 5 + 4) / 6)
+    assert r["policy_version"] == 1 and r["checkpoint_id"] == "checkpoints/000001"
+    assert r["prompt_text"] == "user: question 1"
+    hits = query_audit(tmp_path, "run", where="iteration = 2 AND score >= 0.5", search="cat", limit=10)
+    assert sorted(hits.column("sample_id").to_pylist()) == ["it000002-p0001-s1"]
+    hits = query_audit(tmp_path, "run", search="dog", limit=10)
+    assert sorted(hits.column("sample_id").to_pylist()) == ["it000001-p0000-s1", "it000001-p0001-s0",
+                                                            "it000002-p0000-s0"]
+    assert query_audit(tmp_path, "run", limit=3).column("sample_id").to_pylist() == [
+        "it000001-p0000-s0", "it000001-p0000-s1", "it000001-p0001-s0"]
+    with pytest.raises(AuditError, match="not valid SQL"):
+        query_audit(tmp_path, "run", where="scor > 1")
+    with pytest.raises(AuditError, match=f"no run 'nope' in store root {tmp_path}"):
+        query_audit(tmp_path, "nope")
+    assert rebuild_audit(store) == 8
+    assert query_audit(tmp_path, "run", limit=100).num_rows == 8

@@ -1,0 +1,548 @@
+"""End to end: crash `trajflow train` with SIGKILL and resume it bit for bit; epoch-boundary resume and
+checkpoint rotation; replay of stored iterations into new runs; the audit table against the Parquet files.
+
+Every run is a real ``python -m trajflow.cli`` subprocess (real Prefect, real Ray, MLflow on SQLite)
+with the tiny random model, 2 prompts x 2 samples, 8 new tokens. To keep the module within a few
+minutes on 2 cores:
+
+- one real Prefect server is started for the module (``prefect server start``, SQLite, temp
+  ``PREFECT_HOME``) and handed to every subprocess through ``PREFECT_API_URL``, instead of each
+  subprocess starting a temporary server (11-25 s each);
+- the MLflow SQLite schema is created once and copied into each store root;
+- the three independent scenarios (reference run + replays, the kill chain, the epoch run) run in
+  three threads at once. The kill chain's subprocesses each start their own local Ray (what is
+  under test is what a killed driver leaves behind); the other two join the test session's Ray
+  (``resources.ray_address``), so that at most one local cluster starts at a time: Ray gives a
+  starting node 30 s, which an overloaded 2-core machine can miss.
+
+The kill chain crashes one run at each fault point of :mod:`trajflow.faults`, resuming it in between:
+
+====  =======================================================  ==============================
+step  command (``TRAJFLOW_FAULT``)                             dies
+====  =======================================================  ==============================
+1     ``train`` (``rollout:1``)                                generating iteration 1
+2     ``resume`` (``after_reward:2``)                          rewards of it. 2 stored, no advantages
+3     ``resume`` (``checkpoint:2``)                            writing checkpoint 2 (it. 2 complete)
+4     ``resume`` (``update:3``)                                updating the policy in iteration 3
+--    truncate iteration 3's ``reward.parquet``
+5     ``resume``                                               finishes
+====  =======================================================  ==============================
+
+and then compares every stored Parquet file and the final weights with an uninterrupted run of the
+same config and seed (``ref``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(1800)
+
+WORDS = ["alpha", "bravo", "zyzzyva", "delta"]  # the 4 training prompts: 2 iterations per epoch
+STAGE_FILES = ("rollout.parquet", "reward.parquet", "advantage.parquet")
+MARK = "TRAJFLOW_TEST_MARK"
+
+REWARD_PY = '''
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    """Share of the response's letters that occur in the ground-truth word: deterministic and varied."""
+    letters = [c for c in solution_str.lower() if c.isalpha()]
+    return sum(c in ground_truth for c in letters) / len(letters) if letters else 0.0
+'''
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Step:
+    """One CLI subprocess: what ran, how it ended, and Ray processes it left behind."""
+
+    name: str
+    args: list[str]
+    fault: str | None
+    rc: int = 0
+    stdout: str = ""
+    stderr: str = ""
+    seconds: float = 0.0
+    leftovers: list = field(default_factory=list)
+
+
+def _marked_processes(mark: str) -> list[tuple[int, str]]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(MARK) == mark and p.status() != psutil.STATUS_ZOMBIE:
+                out.append((p.pid, p.name()))
+        except psutil.Error:
+            continue
+    return out
+
+
+class Lab:
+    """Shared set-up: dataset, reward function, tiny model, Prefect server, MLflow schema template."""
+
+    def __init__(self, root: Path, model_dir: Path, api_url: str, mlflow_template: Path) -> None:
+        self.ray_address: str | None = None  # the test session's Ray, for the scenarios that share it
+        self.root = root
+        self.model_dir = model_dir
+        self.api_url = api_url
+        self.mlflow_template = mlflow_template
+        self.spec = root / "data" / "words.yaml"
+        self.reward = root / "data" / "reward.py"
+        self.lock = threading.Lock()
+
+    def store(self, name: str) -> Path:
+        d = self.root / name
+        d.mkdir(exist_ok=True)
+        if not (d / "mlflow.db").exists():
+            shutil.copyfile(self.mlflow_template, d / "mlflow.db")
+        return d
+
+    def overrides(self, store: Path, shared_ray: bool = True, **extra) -> list[str]:
+        base = {"model.path": self.model_dir, "store.root": store, "data.dataset": self.spec,
+                "reward.custom_function": f"{self.reward}:score", "data.train_batch_size": 2, "rollout.n": 2,
+                "rollout.max_new_tokens": 8, "actor.ppo_mini_batch_size": 2, "actor.ppo_micro_batch_size": 2,
+                "actor.lr": 1e-3, "trainer.total_iterations": 3, "trainer.save_freq": 1, "trainer.test_freq": 0,
+                "trainer.max_checkpoints": 0, "trainer.log_samples": 0, "trainer.progress": False,
+                "gates.enabled": False, "trainer.seed": 7}
+        if shared_ray and self.ray_address:
+            base["resources.ray_address"] = self.ray_address
+        base.update(extra)
+        return [f"{k}={v}" for k, v in base.items()]
+
+    def cli(self, name: str, *args: str, fault: str | None = None, timeout: float = 900) -> Step:
+        """Run ``python -m trajflow.cli ARGS``; after a SIGKILL, wait for its Ray processes to go."""
+        mark = f"{name}-{uuid.uuid4().hex[:8]}"
+        env = dict(os.environ)
+        env.pop("TRAJFLOW_FAULT", None)
+        env.update({"PYTHONPATH": str(REPO), "PREFECT_API_URL": self.api_url,
+                    "PREFECT_HOME": str(self.root / "prefect-client"), MARK: mark})
+        if fault:
+            env["TRAJFLOW_FAULT"] = fault
+        step = Step(name, list(args), fault)
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "trajflow.cli", *args], env=env, cwd=self.root, capture_output=True,
+                           text=True, timeout=timeout)
+        step.seconds = time.perf_counter() - t0
+        step.rc, step.stdout, step.stderr = r.returncode, r.stdout, r.stderr
+        (self.root / "logs").mkdir(exist_ok=True)
+        (self.root / "logs" / f"{name}.log").write_text(f"$ {' '.join(args)}\nrc={r.returncode}\n{r.stdout}\n{r.stderr}")
+        if r.returncode == -signal.SIGKILL:
+            deadline = time.time() + 25
+            while (left := _marked_processes(mark)) and time.time() < deadline:
+                time.sleep(0.5)
+            step.leftovers = left
+            for pid, _ in left:  # keep the machine clean whatever the assertion says later
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        return step
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("rra")
+    (root / "data").mkdir()
+    with open(root / "data" / "prompts.jsonl", "w") as f:
+        for i, w in enumerate(WORDS):
+            f.write(json.dumps({"data_source": "test/words", "prompt": [{"role": "user", "content": f"Say the word {w}."}],
+                                "reward_model": {"style": "rule", "ground_truth": w}, "extra_info": {"index": i}}) + "\n")
+    (root / "data" / "words.yaml").write_text("name: words\nsource: file\npath: prompts.jsonl\nseed: 0\n"
+                                             "split:\n  validation_size: 0\n")
+    (root / "data" / "reward.py").write_text(REWARD_PY)
+    port = free_port()
+    env = dict(os.environ, PREFECT_HOME=str(root / "prefect-server"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_UI_ENABLED="false", DO_NOT_TRACK="1")
+    env.pop("PREFECT_API_URL", None)
+    prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
+    log = open(root / "prefect-server.log", "w")
+    server = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        template = root / "mlflow-template.db"  # schema migrations once, while the server starts
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
+        url = f"http://127.0.0.1:{port}/api"
+        deadline = time.time() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"prefect server did not start: {(root / 'prefect-server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield Lab(root, Path(tiny_model_dir), url, template)
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+# ---------------------------------------------------------------------------- scenarios
+
+
+def scenario_reference(lab: Lab) -> dict:
+    """The uninterrupted run, then replays of it, then a replay request that must be refused."""
+    store = lab.store("ref")
+    root = f"store.root={store}"
+    out = {"store": store}
+    out["train"] = lab.cli("ref-train", "train", *lab.overrides(store), "--run-id", "ref")
+    out["replay_same"] = lab.cli("ref-replay-same", "replay", "ref", "--iteration", "2", "--from-stage", "reward",
+                                 root, "--run-id", "ref-same")
+    out["replay_rloo"] = lab.cli("ref-replay-rloo", "replay", "ref", "--iteration", "2", "--from-stage", "advantage",
+                                 root, "algorithm.adv_estimator=rloo", "--run-id", "ref-rloo")
+    out["replay_all"] = lab.cli("ref-replay-all", "replay", "ref", "--iterations", "1:3", "--from-stage", "reward",
+                                root, "--run-id", "ref-all")
+    out["replay_bad"] = lab.cli("ref-replay-bad", "replay", "ref", "--iteration", "9", "--from-stage", "reward", root)
+    return out
+
+
+def scenario_chain(lab: Lab) -> dict:
+    """Kill the run at every fault point in turn, resuming in between (see the module docstring)."""
+    store = lab.store("chain")
+    root = f"store.root={store}"
+    run = store / "k"
+    out: dict = {"store": store, "steps": []}
+    steps = out["steps"]
+    steps.append(lab.cli("k1", "train", *lab.overrides(store, shared_ray=False, **{"trainer.max_checkpoints": 2}),
+                         "--run-id", "k",
+                         fault="rollout:1"))
+    steps.append(lab.cli("k2", "resume", "k", root, fault="after_reward:2"))
+    steps.append(lab.cli("k3", "resume", "k", root, fault="checkpoint:2"))
+    out["tmp_after_k3"] = sorted(p.name for p in (run / "checkpoints").iterdir())
+    steps.append(lab.cli("k4", "resume", "k", root, fault="update:3"))
+    out["tmp_after_k4"] = sorted(p.name for p in (run / "checkpoints").iterdir())
+    it3 = run / "iterations" / "000003"
+    out["it3_files_before"] = sorted(p.name for p in it3.iterdir())
+    reward = it3 / "reward.parquet"
+    data = reward.read_bytes()
+    reward.write_bytes(data[: len(data) // 2])  # a truncated Parquet file in a stored iteration
+    out["corrupted"] = reward
+    out["stat_before"] = {n: (os.stat(it3 / n).st_ino, os.stat(it3 / n).st_mtime_ns)
+                          for n in ("rollout.parquet", "advantage.parquet")}
+    steps.append(lab.cli("k5", "resume", "k", root))
+    out["stat_after"] = {n: (os.stat(it3 / n).st_ino, os.stat(it3 / n).st_mtime_ns)
+                         for n in ("rollout.parquet", "advantage.parquet")}
+    return out
+
+
+def scenario_epoch(lab: Lab) -> dict:
+    """One epoch (2 iterations) to the end, then ``trainer.resume=auto`` with 4 iterations, then a
+    ``resume`` of the finished run, then a ``resume`` of an unknown run."""
+    store = lab.store("epoch")
+    ov = {"trainer.max_checkpoints": 2}
+    out = {"store": store}
+    out["first"] = lab.cli("ep1", "train", *lab.overrides(store, **ov, **{"trainer.total_iterations": 2}),
+                           "--run-id", "ep")
+    out["auto"] = lab.cli("ep2", "train", *lab.overrides(store, **ov, **{"trainer.total_iterations": 4}),
+                          "trainer.run_id=ep", "trainer.resume=auto")
+    out["again"] = lab.cli("ep3", "resume", "ep", f"store.root={store}")
+    out["unknown"] = lab.cli("ep4", "resume", "nope", f"store.root={store}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios(lab, ray_local):
+    lab.ray_address = ray_local.get_runtime_context().gcs_address
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(3) as pool:
+        futures = {name: pool.submit(fn, lab) for name, fn in
+                   (("ref", scenario_reference), ("chain", scenario_chain), ("epoch", scenario_epoch))}
+        results = {}
+        for name, f in futures.items():
+            try:
+                results[name] = f.result()
+            except Exception as e:  # reported by the tests that need this scenario
+                results[name] = e
+    results["wall_s"] = time.perf_counter() - t0
+    print(f"\nscenarios: {results['wall_s']:.0f} s wall; steps: "
+          + ", ".join(f"{s.name} {s.seconds:.0f}s" for r in results.values() if isinstance(r, dict)
+                      for s in ([v for v in r.values() if isinstance(v, Step)] + r.get("steps", []))))
+    return results
+
+
+def get(scenarios, name: str) -> dict:
+    r = scenarios[name]
+    if isinstance(r, Exception):
+        raise r
+    return r
+
+
+def ok(step: Step) -> Step:
+    assert step.rc == 0, f"{step.name} exited {step.rc}:\n{step.stdout[-3000:]}\n{step.stderr[-5000:]}"
+    return step
+
+
+def stage_hashes(run_dir: Path, iterations=(1, 2, 3)) -> dict:
+    return {(it, f): sha(run_dir / "iterations" / f"{it:06d}" / f) for it in iterations for f in STAGE_FILES}
+
+
+def weights(path: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        assert wa[k].dtype == wb[k].dtype and wa[k].tobytes() == wb[k].tobytes(), f"tensor {k} differs"
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+def test_sigkill_at_each_point_then_resume_is_bit_identical(scenarios):
+    ref = get(scenarios, "ref")
+    chain = get(scenarios, "chain")
+    ok(ref["train"])
+    k1, k2, k3, k4, k5 = chain["steps"]
+    for step, point in ((k1, "rollout:1"), (k2, "after_reward:2"), (k3, "checkpoint:2"), (k4, "update:3")):
+        assert step.rc == -signal.SIGKILL, f"{step.name} exited {step.rc}:\n{step.stderr[-3000:]}"
+        assert f"SIGKILL at {point}" in step.stderr
+    ok(k5)
+    run, ref_run = chain["store"] / "k", ref["store"] / "ref"
+    # Every stored trajectory file and the final weights equal the uninterrupted run's, bit for bit.
+    assert stage_hashes(run) == stage_hashes(ref_run)
+    assert sha(run / "final" / "model.safetensors") == sha(ref_run / "final" / "model.safetensors")
+    assert_same_weights(run / "final" / "model.safetensors", ref_run / "final" / "model.safetensors")
+    # Where each session restarted: nothing, nothing (killed in iteration 1), checkpoint 1, checkpoint 1
+    # again (checkpoint 2 was killed half-written), checkpoint 2.
+    sessions = json.loads((run / "run.json").read_text())["sessions"]
+    assert [s["resumed_from_checkpoint"] for s in sessions] == [None, None, 1, 1, 2]
+    assert [s["first_iteration"] for s in sessions] == [1, 1, 2, 2, 3]
+    assert sessions[-1]["trained_iterations"] == [3] and sessions[-1]["status"] == "FINISHED"
+    assert "resuming run k from checkpoint 000001: iterations 2..3" in k3.stdout
+    # The half-written checkpoint was no checkpoint, and the next session removed it.
+    assert chain["tmp_after_k3"] == [".tmp-000002", "000001"]
+    assert chain["tmp_after_k4"] == ["000001", "000002"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000002", "000003"]
+    for it in (1, 2, 3):
+        assert json.loads((run / "iterations" / f"{it:06d}" / "manifest.json").read_text())["status"] == "complete"
+    # Re-run iterations replaced their audit rows instead of adding them again.
+    from trajflow.audit import query_audit
+
+    rows = query_audit(chain["store"], "k", limit=1000)
+    assert rows.num_rows == 12 and len(set(rows.column("sample_id").to_pylist())) == 12
+
+
+def test_killed_driver_leaves_no_ray_processes(scenarios):
+    chain = get(scenarios, "chain")
+    for step in chain["steps"][:4]:
+        assert step.rc == -signal.SIGKILL
+        assert step.leftovers == [], f"{step.name} left {step.leftovers} running 25 s after SIGKILL"
+
+
+def test_corrupted_parquet_is_named_on_resume_and_recomputed(scenarios):
+    ref = get(scenarios, "ref")
+    chain = get(scenarios, "chain")
+    k5 = ok(chain["steps"][4])
+    bad = chain["corrupted"]
+    assert f"warning: stored {bad} is truncated or does not match its manifest's sha256" in k5.stderr
+    assert chain["it3_files_before"] == ["advantage.parquet", "manifest.json", "reward.parquet", "rollout.parquet"]
+    assert sha(bad) == sha(ref["store"] / "ref" / "iterations" / "000003" / "reward.parquet")
+    # Verified files were not rewritten: the rollout, and the advantages (their inputs came back identical).
+    assert chain["stat_after"] == chain["stat_before"]
+
+
+def test_resume_at_epoch_boundary_trains_the_remaining_iterations(scenarios):
+    ep = get(scenarios, "epoch")
+    ok(ep["first"])
+    auto = ok(ep["auto"])
+    run = ep["store"] / "ep"
+    assert "config changed since the last session: trainer.total_iterations 2 -> 4" in auto.stdout
+    sessions = json.loads((run / "run.json").read_text())["sessions"]
+    assert len(sessions) == 2
+    assert sessions[0]["trained_iterations"] == [1, 2]
+    assert sessions[1]["resumed_from_checkpoint"] == 2 and sessions[1]["trained_iterations"] == [3, 4]
+    # Each epoch (2 iterations x 2 prompts) shows each of the 4 prompts exactly once (each with rollout.n=2 samples).
+    words = {}
+    for it in (1, 2, 3, 4):
+        t = pq.read_table(run / "iterations" / f"{it:06d}" / "rollout.parquet")
+        words[it] = t.column("ground_truth").to_pylist()
+        assert len(words[it]) == 4 and words[it][0::2] == words[it][1::2]
+    for epoch in ((1, 2), (3, 4)):
+        seen = [w for it in epoch for w in words[it][0::2]]
+        assert sorted(seen) == sorted(WORDS), f"epoch {epoch}: {seen}"
+    # max_checkpoints=2 keeps the two newest.
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000003", "000004"]
+    # Resuming the finished run says so, exits 0 and starts no new session.
+    again = ok(ep["again"])
+    assert "already finished all its iterations" in again.stdout
+    assert len(json.loads((run / "run.json").read_text())["sessions"]) == 2
+    unknown = ep["unknown"]
+    assert unknown.rc == 2 and f"error: no run 'nope' in store root {ep['store']}" in unknown.stderr
+    assert len(unknown.stderr.strip().splitlines()) == 1
+
+
+def _mlflow_tags(store: Path, run_dir: Path) -> dict:
+    from mlflow.tracking import MlflowClient
+
+    mlflow_id = json.loads((run_dir / "run.json").read_text())["mlflow_run_id"]
+    return MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}").get_run(mlflow_id).data.tags
+
+
+def test_replay_with_unchanged_config_reproduces_stored_outputs(scenarios):
+    ref = get(scenarios, "ref")
+    ok(ref["train"])
+    ok(ref["replay_same"])
+    store = ref["store"]
+    parent, child = store / "ref", store / "ref-same"
+    assert stage_hashes(child, (2,)) == stage_hashes(parent, (2,))
+    # The update from the parent's checkpoint 1 reproduces its metrics and the weights of its checkpoint 2.
+    pm = json.loads((parent / "iterations" / "000002" / "update.json").read_text())
+    cm = json.loads((child / "iterations" / "000002" / "update.json").read_text())
+    compared = [k for k in pm if k.startswith(("actor/", "critic/", "response_length/")) or k == "policy_version"]
+    assert "actor/pg_loss" in compared and "actor/grad_norm" in compared
+    assert {k: cm[k] for k in compared} == {k: pm[k] for k in compared}
+    assert_same_weights(child / "checkpoints" / "000002" / "actor" / "model.safetensors",
+                        parent / "checkpoints" / "000002" / "actor" / "model.safetensors")
+    meta = json.loads((child / "run.json").read_text())
+    assert (meta["kind"], meta["parent_run_id"], meta["parent_iteration"], meta["from_stage"]) == \
+        ("replay", "ref", 2, "reward")
+    assert meta["start_checkpoint"] == "ref/checkpoints/000001"
+    assert [p.name for p in (child / "iterations").iterdir()] == ["000002"]
+
+
+def test_replay_with_another_estimator_writes_new_advantages_with_lineage(scenarios):
+    ref = get(scenarios, "ref")
+    step = ok(ref["replay_rloo"])
+    store = ref["store"]
+    parent, child = store / "ref", store / "ref-rloo"
+    it = Path("iterations") / "000002"
+    assert sha(child / it / "rollout.parquet") == sha(parent / it / "rollout.parquet")
+    assert sha(child / it / "reward.parquet") == sha(parent / it / "reward.parquet")
+    assert sha(child / it / "advantage.parquet") != sha(parent / it / "advantage.parquet")
+    rollout = pq.read_table(child / it / "rollout.parquet")
+    scores = pq.read_table(child / it / "reward.parquet").column("score").to_numpy().astype(np.float64)
+    groups = rollout.column("group_id").to_pylist()
+    lens = [len(r) for r in rollout.column("response_ids").to_pylist()]
+    new = pq.read_table(child / it / "advantage.parquet").column("advantages").to_pylist()
+    old = pq.read_table(parent / it / "advantage.parquet").column("advantages").to_pylist()
+    for i in range(len(scores)):
+        mates = [j for j in range(len(scores)) if groups[j] == groups[i] and j != i]
+        # RLOO (Ahmadian et al. 2024, eq. 6): r_i minus the mean of the other samples of its prompt.
+        rloo = scores[i] - np.mean(scores[mates])
+        assert np.allclose(new[i], [rloo] * lens[i], atol=1e-6)
+        # GRPO in the parent (Shao et al. 2024): (r_i - mean) / (std + 1e-6), unbiased std over the group.
+        g = scores[[i] + mates]
+        grpo = (scores[i] - g.mean()) / (g.std(ddof=1) + 1e-6) if g.std() > 0 else 0.0
+        assert np.allclose(old[i], [grpo] * lens[i], atol=1e-5)
+    tags = _mlflow_tags(store, child)
+    assert tags["trajflow.parent_run_id"] == "ref"
+    assert tags["trajflow.parent_iteration"] == "2"
+    assert tags["trajflow.from_stage"] == "advantage"
+    params = json.loads((child / "run.json").read_text())
+    assert params["overrides"][-1] == "algorithm.adv_estimator=rloo"
+    assert "adv_estimator: rloo" in (child / "config.yaml").read_text()
+    assert "replay ref-rloo of run ref done" in step.stdout
+
+
+def test_whole_run_replay_retrains_from_checkpoint_on_stored_rollouts(scenarios):
+    ref = get(scenarios, "ref")
+    ok(ref["replay_all"])
+    store = ref["store"]
+    parent, child = store / "ref", store / "ref-all"
+    # Unchanged config: re-training on the stored rollouts of 1..3 from the initial model gives the
+    # parent's data and weights again (the stored rollouts are exactly what it would have sampled).
+    assert stage_hashes(child) == stage_hashes(parent)
+    assert_same_weights(child / "final" / "model.safetensors", parent / "final" / "model.safetensors")
+    meta = json.loads((child / "run.json").read_text())
+    assert meta["parent_iterations"] == [1, 3] and meta["start_checkpoint"] == "initial"
+    bad = ref["replay_bad"]
+    assert bad.rc == 2
+    assert "error: iteration 9 of run 'ref' is not stored (stored iterations: 1..3)" in bad.stderr
+
+
+def test_audit_filter_and_search_match_the_parquet_files(scenarios):
+    from typer.testing import CliRunner
+
+    from trajflow.audit import AUDIT_COLUMNS, query_audit
+    from trajflow.cli import app
+
+    ref = get(scenarios, "ref")
+    ok(ref["train"])
+    store, run = ref["store"], ref["store"] / "ref"
+    # Independent expectation straight from the Parquet files.
+    rows = {}
+    for it in (1, 2, 3):
+        d = run / "iterations" / f"{it:06d}"
+        ro, rw, ad = (pq.read_table(d / f).to_pylist() for f in STAGE_FILES)
+        for a, b, c in zip(ro, rw, ad):
+            assert a["sample_id"] == b["sample_id"] == c["sample_id"]
+            rows[a["sample_id"]] = {**a, "score": b["score"], "advantage_mean": float(np.mean(c["advantages"]))}
+    candidates = [r for r in rows.values() if r["iteration"] >= 2 and "zyzzyva" in r["prompt"]]
+    assert len(candidates) >= 2
+    threshold = float(f"{np.median([r['score'] for r in candidates]):.6f}")
+    expected = {r["sample_id"] for r in candidates if np.float32(r["score"]) > threshold}
+    assert 0 < len(expected) < len(candidates)
+    where = f"iteration >= 2 AND score > {threshold}"
+    result = CliRunner().invoke(app, ["audit", "ref", "--store-root", str(store), "--where", where, "--search",
+                                      "zyzzyva", "--limit", "100", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    assert {r["sample_id"] for r in got} == expected
+    checkpoint_of = {1: "initial", 2: "checkpoints/000001", 3: "checkpoints/000002"}
+    for r in got:
+        src = rows[r["sample_id"]]
+        assert list(r) == list(AUDIT_COLUMNS)
+        assert r["response_text"] == src["response_text"] and r["prompt_id"] == src["prompt_id"]
+        assert r["prompt_text"] == "user: " + json.loads(src["prompt"])[0]["content"]
+        assert r["score"] == src["score"] and r["iteration"] == src["iteration"]
+        assert r["advantage_mean"] == pytest.approx(src["advantage_mean"], rel=1e-6, abs=1e-7)
+        assert r["response_length"] == len(src["response_ids"])
+        assert r["policy_version"] == src["iteration"] - 1 == src["policy_version"]
+        assert r["checkpoint_id"] == checkpoint_of[src["iteration"]]
+    # The Python API returns the same rows as a pyarrow Table; parquet export writes them.
+    table = query_audit(store, "ref", where=where, search="zyzzyva", limit=100)
+    assert table.column_names == list(AUDIT_COLUMNS)
+    assert set(table.column("sample_id").to_pylist()) == expected
+    out = store / "audit-export.parquet"
+    result = CliRunner().invoke(app, ["audit", "ref", "--store-root", str(store), "--where", "iteration = 1",
+                                      "--format", "parquet", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    exported = pq.read_table(out)
+    assert exported.num_rows == 4 and set(exported.column("checkpoint_id").to_pylist()) == {"initial"}
+    result = CliRunner().invoke(app, ["audit", "ref", "--store-root", str(store), "--where", "iteration >>= 2"])
+    assert result.exit_code == 2 and "is not valid SQL" in result.output
+    result = CliRunner().invoke(app, ["audit", "nope", "--store-root", str(store)])
+    assert result.exit_code == 2 and f"no run 'nope' in store root {store}" in result.output
