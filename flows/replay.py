@@ -20,10 +20,16 @@ With the parent's config unchanged, the replay reproduces the stored ``reward.pa
 ``--iterations A:B`` replays a whole stretch: the policy starts from the parent's checkpoint A-1
 and is trained again on the *stored* rollouts of iterations A..B. From iteration A+1 on those
 rollouts were sampled by the parent's policy, not by the re-trained one, so unless the config is
-unchanged this is off-policy training by design (the PPO ratio is taken against the stored
-``old_logprobs`` of the parent's policy, whose clipping bounds the step); it answers "what would
-these samples have taught another loss/estimator/reward", not "what would on-policy training have
-done".
+unchanged this is off-policy training by design: the update takes the behaviour log-probs of its
+PPO ratio from the policy being trained (``trajflow.workers.policy.PolicyWorker.update_actor``), so
+the samples are used as if that policy had drawn them, with no importance correction;
+``actor/rollout_logprob_diff`` (stored log-probs of the parent's policy vs the trained policy's)
+shows how far apart the two have drifted. It answers "what would these samples have taught another
+loss/estimator/reward", not "what would on-policy training with it have done". With an unchanged
+config it reproduces the parent's data and final weights exactly.
+
+Deployments run :func:`replay_flow` (``infra/prefect/prefect.yaml``); ``trajflow replay`` checks the
+request first (:func:`prepare`), so bad input fails before Prefect or Ray start.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ configure_environment()
 
 import secrets  # noqa: E402
 import time  # noqa: E402
-from typing import Sequence  # noqa: E402
+from typing import Optional, Sequence  # noqa: E402
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from prefect import flow  # noqa: E402
 
-from flows.tasks import advantage_stage, gate_stage, reward_stage, update_stage  # noqa: E402
+from flows import tasks  # noqa: E402
+from flows.reporting import iteration_artifact, rename_flow_run  # noqa: E402
 from trajflow import checkpoint as ckpt  # noqa: E402
 from trajflow import pipeline, session  # noqa: E402
 from trajflow.batch import join_stages  # noqa: E402
@@ -157,6 +164,8 @@ def open_replay(cfg: DictConfig, run_id: str, parent: RunStore, first: int, last
     try:
         if start is not None:
             session.restore_checkpoint(ctx, start, source=parent)
+            # A worker lost mid-replay is rebuilt from here plus this run's stored updates.
+            ctx.extra["initial_checkpoint"] = str(ckpt.checkpoint_dir(parent, start) / "actor")
         ctx.extra.update(policy_source=start_id, last_iteration=last, start_iteration=first)
         tags = {f"trajflow.{k}": (f"{first}:{last}" if k == "parent_iterations" else str(v)) for k, v in lineage.items()}
         tags["trajflow.kind"] = "replay"
@@ -172,13 +181,33 @@ def open_replay(cfg: DictConfig, run_id: str, parent: RunStore, first: int, last
 
 
 @flow(name="replay", flow_run_name="replay-{run_id}", validate_parameters=False)
-def replay_flow(config_yaml: str, run_id: str, parent_run_id: str, parent_root: str, first: int, last: int,
-                from_stage: str, overrides: list[str]) -> dict:
-    """Replay iterations ``first..last`` of ``parent_run_id`` from ``from_stage`` into run ``run_id``."""
-    cfg = load_config(base=OmegaConf.create(config_yaml))
-    parent = RunStore(parent_root, parent_run_id)
-    plan_ = plan(parent, first, last, from_stage)
-    ctx = open_replay(cfg, run_id, parent, first, last, from_stage, plan_, overrides)
+def replay_flow(run_id: str, from_stage: str, iteration: Optional[int] = None, iterations: Optional[str] = None,
+                overrides: Optional[list[str]] = None, new_run_id: Optional[str] = None) -> dict:
+    """Replay stored iterations of run ``run_id`` from ``from_stage`` into a new run (the ``replay`` deployment).
+
+    Args:
+        run_id: the parent run (found under ``store.root`` from ``overrides``, default ``runs``).
+        from_stage: ``reward``, ``advantage`` or ``update``: the first stage computed again.
+        iteration: replay this iteration (or give ``iterations``).
+        iterations: ``"A:B"``: re-train from the parent's checkpoint A-1 on the stored rollouts of A..B.
+        overrides: ``key=value`` changes to the parent's config (e.g. ``algorithm.adv_estimator=rloo``).
+        new_run_id: the new run's id (default: ``<parent>-replay-<stage>-it<N>-<hex>``).
+
+    Returns:
+        The summary: ``run_id``, ``run_dir``, ``mlflow_run_id``, last ``metrics``, ``parent_run_id``,
+        ``parent_iterations``, ``from_stage``, ``note`` (why the update was skipped, if it was).
+
+    Raises:
+        ReplayError: see :func:`parse_iterations` and :func:`plan`.
+        trajflow.config.ConfigError: a bad override.
+        trajflow.session.RunExistsError: ``new_run_id`` exists.
+    """
+    job = prepare(run_id, from_stage, iteration, iterations, overrides or [], new_run_id)
+    cfg, parent, first, last, plan_ = job["cfg"], job["parent"], job["first"], job["last"], job["plan"]
+    new_id = job["run_id"]
+    rename_flow_run(f"replay-{new_id}")
+    stage = tasks.stages_for(cfg)  # the stage tasks with this run's retries and timeouts
+    ctx = open_replay(cfg, new_id, parent, first, last, from_stage, plan_, overrides or [])
     status = "FAILED"
     try:
         for it in range(first, last + 1):
@@ -187,22 +216,22 @@ def replay_flow(config_yaml: str, run_id: str, parent_run_id: str, parent_root: 
             rollout = kept["rollout"]
             if "reward" in kept:
                 _restore_reward_metrics(ctx, it)
-            reward = kept.get("reward") or reward_stage(run_id, it, rollout)
-            gate = _parent_gate(parent, it) if from_stage == "update" else gate_stage(run_id, it, rollout, reward)
-            advantage = kept.get("advantage") or advantage_stage(run_id, it, rollout, reward, gate)
+            reward = kept.get("reward") or stage.reward(new_id, it, rollout)
+            gate = _parent_gate(parent, it) if from_stage == "update" else stage.gate(new_id, it, rollout, reward)
+            advantage = kept.get("advantage") or stage.advantage(new_id, it, rollout, reward, gate)
             if plan_["run_update"]:
-                metrics = update_stage(run_id, it, rollout, reward, advantage, gate)
+                metrics = stage.update(new_id, it, rollout, reward, advantage, gate)
             else:
                 metrics = _data_metrics(ctx, it, rollout, reward, advantage)
-            session.finish_iteration(ctx, it, metrics)
+            metrics = session.finish_iteration(ctx, it, metrics)
+            iteration_artifact(ctx, it, metrics)
         if plan_["run_update"]:
             summary = session.finish_run(ctx)
         else:
             ctx.store.update_run_meta(status="finished", finished=time.time())
-            summary = {"run_id": run_id, "run_dir": str(ctx.store.run_dir), "metrics": ctx.extra.get("last_metrics", {}),
+            summary = {"run_id": new_id, "run_dir": str(ctx.store.run_dir), "metrics": ctx.extra.get("last_metrics", {}),
                        "mlflow_run_id": ctx.tracker.run_id}
-        summary.update(parent_run_id=parent_run_id, parent_iterations=[first, last], from_stage=from_stage,
-                       note=plan_["note"])
+        summary.update(parent_run_id=run_id, parent_iterations=[first, last], from_stage=from_stage, note=plan_["note"])
         status = "FINISHED"
         return summary
     finally:
@@ -222,25 +251,39 @@ def replay_run_id(parent_run_id: str, first: int, last: int, from_stage: str) ->
     return f"{parent_run_id}-replay-{from_stage}-{span}-{secrets.token_hex(2)}"
 
 
-def replay(parent_run_id: str, from_stage: str, iteration: int | None = None, iterations: str | None = None,
-           overrides: Sequence[str] = (), run_id: str | None = None) -> dict:
-    """Check the request, build the config (the parent's stored config plus ``overrides``), run the flow.
+def prepare(parent_run_id: str, from_stage: str, iteration: int | None, iterations: str | None,
+            overrides: Sequence[str], run_id: str | None) -> dict:
+    """Check a replay request and build its config; starts nothing.
 
     Returns:
-        The summary (``run_id``, ``run_dir``, ``metrics`` of the last iteration, lineage, ``note``).
+        ``{"cfg", "parent" (RunStore), "first", "last", "plan", "run_id"}``.
 
     Raises:
-        ReplayError: see :func:`parse_iterations` and :func:`plan`.
-        trajflow.config.ConfigError: a bad override.
-        trajflow.session.RunExistsError: ``run_id`` exists.
+        ReplayError, trajflow.config.ConfigError, trajflow.session.RunExistsError,
+        trajflow.data.DataError, trajflow.models.ModelLoadError.
     """
     first, last = parse_iterations(iteration, iterations)
     parent = RunStore(session.store_root_from(overrides), parent_run_id)
-    plan(parent, first, last, from_stage)  # fail fast, before Prefect and Ray start
+    plan_ = plan(parent, first, last, from_stage)
     cfg = load_config(base=OmegaConf.load(parent.config_path), overrides=list(overrides))
+    session.preflight(cfg)
     run_id = run_id or replay_run_id(parent_run_id, first, last, from_stage)
-    if RunStore(cfg.store.root, run_id).exists():
-        raise session.RunExistsError(f"run {run_id!r} already exists in {RunStore(cfg.store.root, run_id).run_dir}")
-    return replay_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, parent_run_id=parent_run_id,
-                       parent_root=str(parent.root), first=first, last=last, from_stage=from_stage,
-                       overrides=list(overrides))
+    target = RunStore(cfg.store.root, run_id)
+    if target.exists():
+        raise session.RunExistsError(f"run {run_id!r} already exists in {target.run_dir}")
+    return {"cfg": cfg, "parent": parent, "first": first, "last": last, "plan": plan_, "run_id": run_id}
+
+
+def replay(parent_run_id: str, from_stage: str, iteration: int | None = None, iterations: str | None = None,
+           overrides: Sequence[str] = (), run_id: str | None = None) -> dict:
+    """Check the request (before Prefect or Ray start), then run :func:`replay_flow`.
+
+    Returns:
+        The summary of :func:`replay_flow`.
+
+    Raises:
+        See :func:`prepare`.
+    """
+    job = prepare(parent_run_id, from_stage, iteration, iterations, overrides, run_id)
+    return replay_flow(run_id=parent_run_id, from_stage=from_stage, iteration=iteration, iterations=iterations,
+                       overrides=list(overrides), new_run_id=job["run_id"])
