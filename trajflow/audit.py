@@ -10,6 +10,9 @@ checkpoint was not saved after every iteration, the rollout policy is that check
 ``policy_version`` minus the checkpoint's version further updates, which ``trajflow replay``
 re-derives). ``prompt_text`` and ``response_text`` carry a full-text (BM25) index.
 
+Types match the dashboard's Parquet fallback (``trajflow.dashboard``): ``score`` and
+``advantage_mean`` float64 (the stored float32 widened exactly), ``response_length`` int64.
+
 The table is derived data: the Parquet files are the record. Appending an iteration first deletes
 that iteration's rows, so re-running an iteration (resume) never duplicates rows, and
 :func:`rebuild_audit` recreates the whole table from the stored files.
@@ -42,12 +45,12 @@ AUDIT_SCHEMA = pa.schema([
     ("prompt_text", pa.string()),
     ("response_text", pa.string()),
     ("ground_truth", pa.string()),
-    ("score", pa.float32()),
+    ("score", pa.float64()),
     ("reward_extra", pa.string()),
     ("reward_error", pa.string()),
     ("finish_reason", pa.string()),
-    ("response_length", pa.int32()),
-    ("advantage_mean", pa.float32()),
+    ("response_length", pa.int64()),
+    ("advantage_mean", pa.float64()),
     ("policy_version", pa.int64()),
     ("checkpoint_id", pa.string()),
 ])
@@ -113,8 +116,8 @@ def audit_rows(store: RunStore, iteration: int, checkpoint_id: str | None) -> pa
             return joined.column(name).cast(typ)
         return pa.nulls(n, typ)
 
-    adv = pa.array(_row_means(joined.column("advantages")), pa.float32(), from_pandas=True) if has_adv \
-        else pa.nulls(n, pa.float32())
+    adv = pa.array(_row_means(joined.column("advantages")), pa.float64(), from_pandas=True) if has_adv \
+        else pa.nulls(n, pa.float64())
     return pa.table({
         "sample_id": col("sample_id", pa.string()),
         "iteration": col("iteration", pa.int64()),
@@ -124,11 +127,11 @@ def audit_rows(store: RunStore, iteration: int, checkpoint_id: str | None) -> pa
         "prompt_text": pa.array([prompt_text(p) for p in joined.column("prompt").to_pylist()], pa.string()),
         "response_text": col("response_text", pa.string()),
         "ground_truth": col("ground_truth", pa.string()),
-        "score": col("score", pa.float32()),
+        "score": col("score", pa.float64()),
         "reward_extra": col("reward_extra", pa.string()),
         "reward_error": col("reward_error", pa.string()),
         "finish_reason": col("finish_reason", pa.string()),
-        "response_length": pa.array(lengths(joined.column("response_ids")), pa.int32()),
+        "response_length": pa.array(lengths(joined.column("response_ids")), pa.int64()),
         "advantage_mean": adv,
         "policy_version": col("policy_version", pa.int64()),
         "checkpoint_id": pa.array([checkpoint_id] * n, pa.string()),
