@@ -96,6 +96,8 @@ class RolloutConfig:
     val_n: int = _f(1, "validation samples per prompt", ge=1)
     gpu_memory_utilization: float = _f(0.4, "vLLM: share of GPU memory for weights and KV cache",
                                        gt=0.0, le=1.0)
+    pool: Optional[str] = _f(None, "resource pool of separate rollout workers (null = generate inside the "
+                             "policy workers, sharing their weights)")
 
 
 @dataclass
@@ -196,6 +198,13 @@ class ActorConfig:
     kl_loss_coef: float = _f(0.0, "KL-to-reference loss coefficient (0 = no reference model)", ge=0.0)
     kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss", choices_from="kl")
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", ge=0.0)
+    strategy: str = _f("none", "training backend: none (one process, torch AdamW) or deepspeed (ZeRO data "
+                       "parallel over actor.world_size ranks)", choices=["none", "deepspeed"])
+    zero_stage: int = _f(0, "DeepSpeed ZeRO stage: 0 (plain data parallel), 1 (optimizer states), "
+                         "2 (+ gradients) or 3 (+ parameters) sharded across ranks", ge=0, le=3)
+    world_size: int = _f(1, "data-parallel ranks of the policy (> 1 needs actor.strategy=deepspeed)", ge=1)
+    pool: str = _f("default", "resource pool of the policy workers (resources.pools; 'default' = the "
+                   "implicit pool when none are declared)")
 
 
 @dataclass
@@ -209,6 +218,7 @@ class CriticConfig:
     ppo_epochs: int = _f(1, "critic passes per iteration", ge=1)
     ppo_micro_batch_size: int = _f(8, "sequences per critic forward/backward", ge=1)
     grad_clip: float = _f(1.0, "critic max gradient norm (0 = off)", ge=0.0)
+    pool: Optional[str] = _f(None, "resource pool of the critic (null = the actor's pool)")
 
 
 @dataclass
@@ -216,6 +226,7 @@ class ReferenceConfig:
     """Frozen reference policy for KL."""
 
     path: Optional[str] = _f(None, "reference model (default: model.path)")
+    pool: Optional[str] = _f(None, "resource pool of the reference workers (null = the actor's pool)")
 
 
 @dataclass
@@ -250,6 +261,11 @@ class ResourcesConfig:
     ray_address: Optional[str] = _f(None, "existing Ray cluster address (default: start a local Ray)")
     num_cpus: Optional[int] = _f(None, "CPUs for a local Ray (default: all)", ge=1)
     actor_num_cpus: float = _f(1.0, "CPUs reserved by the policy worker", gt=0.0)
+    placement: str = _f("colocated", "colocated: all roles share the actor's pool (bundles split between "
+                        "them); split: each role on its own pool", choices=["colocated", "split"])
+    pools: dict = _f({}, "resource pools: name -> {nodes, devices_per_node, device: cpu|gpu|<custom Ray "
+                     "resource, e.g. NPU>, num_cpus_per_worker}; empty = one local pool")
+    placement_timeout_s: float = _f(300.0, "seconds to wait for a pool's placement groups before failing", gt=0.0)
 
 
 @dataclass
@@ -448,6 +464,9 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
+    from trajflow.resources import validate_resources  # pools, placement, DeepSpeed ranks
+
+    validate_resources(cfg, source)
 
 
 def resolve_recipe(recipe: str | Path | None) -> Path:

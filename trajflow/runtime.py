@@ -151,42 +151,73 @@ def unregister(run_id: str) -> None:
 policy_worker_cls: type | None = None
 
 
-def _worker_resources(cfg: DictConfig) -> dict[str, Any]:
-    resources: dict[str, Any] = {"num_cpus": cfg.resources.actor_num_cpus}
-    if cfg.trainer.device == "cuda":
-        resources["num_gpus"] = 1
-    elif cfg.trainer.device == "npu":
-        resources["resources"] = {"NPU": 1}
-    return resources
+def placement(ctx: RunContext) -> Any:
+    """The run's :class:`trajflow.resources.Placement` (pools -> placement groups -> actor options), made once."""
+    from trajflow.resources import Placement
+
+    if ctx.extra.get("placement") is None:
+        ctx.extra["placement"] = Placement(ctx.cfg)
+    return ctx.extra["placement"]
 
 
 def create_policy_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
-    """Start the policy worker (actor + rollout) as a Ray actor with the initial model.
+    """Start the policy workers (actor + rollout) as a :class:`~trajflow.workers.group.WorkerGroup`
+    with the initial model: ``actor.world_size`` ranks on the actor's pool (one rank and today's actor
+    options when no pools are declared).
 
     Args:
-        ctx: the run (``ctx.actor`` is set).
-        wait_loaded: wait until the model is loaded, so that load errors surface here.
+        ctx: the run (``ctx.actor`` is set; it is called like one actor handle).
+        wait_loaded: wait until the model is loaded (and, for DeepSpeed, the ranks have joined their
+            process group, and separate rollout workers are attached), so that errors surface here.
 
     Raises:
         ray.exceptions.RayActorError: the model could not be loaded (the cause names it).
+        trajflow.resources.DeviceError: a pool does not fit the cluster.
     """
-    import ray
-
+    from trajflow.workers.group import WorkerGroup
     from trajflow.workers.policy import PolicyWorker
 
     cfg = ctx.cfg
-    cls = ray.remote(max_restarts=0)(policy_worker_cls or PolicyWorker)
-    ctx.actor = cls.options(**_worker_resources(cfg)).remote(
-        ctx.model_path, ctx.plain("actor"), ctx.plain("model"), ctx.plain("rollout"), int(cfg.trainer.seed),
-        cfg.trainer.device, int(cfg.trainer.num_threads))
+    place = placement(ctx)
+    ctx.actor = WorkerGroup.spawn(
+        policy_worker_cls or PolicyWorker,
+        (ctx.model_path, ctx.plain("actor"), ctx.plain("model"), ctx.plain("rollout"), int(cfg.trainer.seed),
+         cfg.trainer.device, int(cfg.trainer.num_threads)),
+        [place.actor_options("actor", r) for r in range(place.world_size("actor"))], "actor",
+        lockstep=cfg.actor.strategy == "deepspeed" and cfg.actor.zero_stage == 3)
     if wait_loaded:
-        ray.get(ctx.actor.info.remote())
+        finish_policy_worker(ctx)
+
+
+def finish_policy_worker(ctx: RunContext) -> None:
+    """Wait for the policy ranks to load; join DeepSpeed ranks into one process group; attach
+    separate rollout workers (``rollout.pool``), creating them on first use."""
+    import ray
+
+    cfg = ctx.cfg
+    if cfg.actor.strategy == "deepspeed":
+        ctx.actor.init_distributed()
+    if cfg.rollout.pool is not None:
+        if ctx.extra.get("rollout") is None:
+            from trajflow.workers.group import WorkerGroup
+            from trajflow.workers.rollout import RolloutWorker
+
+            place = placement(ctx)
+            ctx.extra["rollout"] = WorkerGroup.spawn(
+                RolloutWorker, (ctx.model_path, ctx.plain("rollout"), ctx.plain("model"), int(cfg.trainer.seed),
+                                cfg.trainer.device, int(cfg.trainer.num_threads)),
+                [place.actor_options("rollout", r) for r in range(place.world_size("rollout"))], "rollout")
+        ray.get([h.pid.remote() for h in ctx.extra["rollout"].handles])
+        ctx.actor.execute("attach_rollout", ctx.extra["rollout"].handles)
+    ray.get(ctx.actor.info.remote())
 
 
 def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
-    """Start the frozen reference policy (for KL terms) as a Ray actor (``ctx.reference``)."""
+    """Start the frozen reference policy (for KL terms) as a worker group (``ctx.reference``): one
+    rank per slot of its pool (one actor with ``num_cpus=0`` when no pools are declared)."""
     import ray
 
+    from trajflow.workers.group import WorkerGroup
     from trajflow.workers.reference import ReferenceWorker
 
     cfg = ctx.cfg
@@ -195,12 +226,13 @@ def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
         from trajflow.models import resolve_model_path
 
         ref_path = str(resolve_model_path(ref_path, cfg.model.cache_dir))
-    ref_cls = ray.remote(ReferenceWorker)
-    ctx.reference = ref_cls.options(num_cpus=0).remote(
-        ref_path or ctx.model_path, ctx.plain("model"), int(cfg.rollout.log_prob_micro_batch_size),
-        cfg.trainer.device, int(cfg.trainer.num_threads))
+    place = placement(ctx)
+    ctx.reference = WorkerGroup.spawn(
+        ReferenceWorker, (ref_path or ctx.model_path, ctx.plain("model"), int(cfg.rollout.log_prob_micro_batch_size),
+                          cfg.trainer.device, int(cfg.trainer.num_threads)),
+        [place.actor_options("reference", r) for r in range(place.world_size("reference"))], "reference")
     if wait_loaded:
-        ray.get(ctx.reference.pid.remote())
+        ray.get([h.pid.remote() for h in ctx.reference.handles])
 
 
 def create_critic_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
@@ -211,10 +243,14 @@ def create_critic_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
     from trajflow.models import resolve_model_path
     from trajflow.workers.critic import CriticWorker
 
+    from trajflow.workers.group import WorkerGroup
+
     cfg = ctx.cfg
     path = str(resolve_model_path(cfg.critic.path, cfg.model.cache_dir)) if cfg.critic.path else ctx.model_path
-    ctx.critic = ray.remote(max_restarts=0)(CriticWorker).options(num_cpus=0).remote(
-        path, ctx.plain("critic"), ctx.plain("model"), cfg.trainer.device, int(cfg.trainer.num_threads))
+    # One rank on the critic's pool (slot 0; num_cpus=0 when no pools are declared).
+    ctx.critic = WorkerGroup.spawn(
+        CriticWorker, (path, ctx.plain("critic"), ctx.plain("model"), cfg.trainer.device, int(cfg.trainer.num_threads)),
+        [placement(ctx).actor_options("critic", 0)], "critic")
     if wait_loaded:
         ray.get(ctx.critic.pid.remote())
 
@@ -236,10 +272,14 @@ def create_reward_model_worker(ctx: RunContext, wait_loaded: bool = True) -> Non
 
 
 def create_workers(ctx: RunContext) -> None:
-    """Start the policy worker as a Ray actor, plus the reference worker when a KL term is on, the
-    critic when the advantage estimator needs values and the reward model when it is enabled; they
-    load in parallel, and load errors (bad model directory, ...) surface here rather than at the
-    first stage."""
+    """Start the policy workers, plus the reference workers when a KL term is on, the critic when the
+    advantage estimator needs values and the reward model when it is enabled; they load in parallel,
+    and load errors (bad model directory, ...) surface here rather than at the first stage.
+
+    Where the policy, reference and critic run comes from :class:`trajflow.resources.Placement`
+    (``resources.pools``, ``resources.placement``, ``<role>.pool``); the Ray node of every rank is
+    recorded in ``run.json`` (``worker_nodes``).
+    """
     import ray
 
     create_policy_worker(ctx, wait_loaded=False)
@@ -249,10 +289,15 @@ def create_workers(ctx: RunContext) -> None:
         create_critic_worker(ctx, wait_loaded=False)
     if ctx.needs_reward_model():
         create_reward_model_worker(ctx, wait_loaded=False)
-    ray.get(ctx.actor.info.remote())
-    for handle in (ctx.reference, ctx.critic, ctx.reward_model):
+    finish_policy_worker(ctx)
+    if ctx.reference is not None:
+        ray.get([h.pid.remote() for h in ctx.reference.handles])
+    for handle in (ctx.critic, ctx.reward_model):
         if handle is not None:
             ray.get(handle.pid.remote())
+    groups = {"actor": ctx.actor, "reference": ctx.reference, "critic": ctx.critic,
+              "rollout": ctx.extra.get("rollout")}
+    ctx.store.update_run_meta(worker_nodes={role: g.node_ids() for role, g in groups.items() if g is not None})
     try:
         watch_new_ray_processes()
     except Exception as e:  # pragma: no cover - best effort
@@ -341,10 +386,12 @@ def wait(ctx: RunContext, refs: Any) -> Any:
 
 
 def _answers(handle: Any, method: str, timeout_s: float) -> bool:
+    """Whether every rank of a worker group (or a plain actor) answers ``method`` within ``timeout_s``."""
     import ray
 
+    handles = getattr(handle, "handles", [handle])
     try:
-        ray.get(getattr(handle, method).remote(), timeout=timeout_s)
+        ray.get([getattr(h, method).remote() for h in handles], timeout=timeout_s)
         return True
     except Exception:
         return False
@@ -361,7 +408,7 @@ def drop_unresponsive_workers(ctx: RunContext, timeout_s: float | None = None) -
     calls run one at a time) and is killed too. Returns the dropped roles (``policy``, ``reference``,
     ``critic``, ``reward_model``).
     """
-    import ray
+    from trajflow.workers.group import kill_workers
 
     dropped = []
     for attr, method, role in (("actor", "info", "policy"), ("reference", "pid", "reference"),
@@ -369,10 +416,7 @@ def drop_unresponsive_workers(ctx: RunContext, timeout_s: float | None = None) -
         handle = getattr(ctx, attr)
         if handle is None or _answers(handle, method, PING_TIMEOUT_S if timeout_s is None else timeout_s):
             continue
-        try:
-            ray.kill(handle, no_restart=True)
-        except Exception:  # already gone
-            pass
+        kill_workers(handle)  # every rank: a data-parallel group is recreated whole
         setattr(ctx, attr, None)
         dropped.append(role)
     return dropped
@@ -492,16 +536,15 @@ def restore_critic(ctx: RunContext, through: int) -> int:
 
 
 def close(ctx: RunContext) -> None:
-    """Stop the run's actors (and Ray, if this run started it)."""
-    import ray
+    """Stop the run's actors, release its placement groups (and stop Ray, if this run started it)."""
+    from trajflow.workers.group import kill_workers
 
-    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model):
-        if handle is not None:
-            try:
-                ray.kill(handle)
-            except Exception:  # already dead
-                pass
+    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model, ctx.extra.pop("rollout", None)):
+        kill_workers(handle)
     ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = None
+    place = ctx.extra.pop("placement", None)
+    if place is not None:
+        place.close()
     unregister(ctx.run_id)
     if ctx.started_ray:
         stop_ray()

@@ -56,9 +56,13 @@ def preflight(cfg: DictConfig) -> None:
     Raises:
         trajflow.data.DataError: the dataset spec or a row is invalid (names file and row).
         trajflow.models.ModelLoadError: ``model.path`` is not loadable.
+        trajflow.resources.DeviceError: ``trainer.device`` or the vLLM engine is not available here.
     """
     from trajflow.data import load_prompt_dataset, load_spec
     from trajflow.models import resolve_model_path
+    from trajflow.resources import preflight_devices
+
+    preflight_devices(cfg)
 
     if load_spec(cfg.data.dataset).get("source") == "file":
         load_prompt_dataset(cfg.data.dataset)  # row checks; generated datasets are valid by construction

@@ -33,9 +33,23 @@ class HFRolloutEngine:
         self.eos_ids = list(eos_ids)
         self.micro_batch_size = micro_batch_size
         self.device = device
+        # Data-parallel ranks with sharded parameters (ZeRO-3) must run every decoding step together.
+        self.synced_gpus = False
 
     def update_weights(self, named_tensors=None) -> None:
-        """Nothing to do: generation uses the trained module itself."""
+        """Load new weights ``{name: tensor}`` into the module (a separate rollout worker's copy).
+
+        ``None`` (the policy worker's own engine) does nothing: generation uses the trained module.
+
+        Raises:
+            RuntimeError: a name the module does not have.
+        """
+        if named_tensors is None:
+            return
+        state = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise RuntimeError(f"update_weights: unknown weights {unexpected[:3]}")
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
@@ -65,6 +79,8 @@ class HFRolloutEngine:
                 kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids,
                               pad_token_id=self.pad_id, return_dict_in_generate=True,
                               output_logits=not params.greedy)
+                if self.synced_gpus:
+                    kwargs["synced_gpus"] = True
                 if params.greedy:
                     kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
                 else:

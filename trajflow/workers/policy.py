@@ -8,7 +8,6 @@ through Ray's object store); tensors only exist inside the worker.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -23,7 +22,9 @@ from stages.rollout import SamplingParams
 from stages.rollout_correction import rollout_is_weights
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
-from trajflow.workers.forward import compute_log_probs, forward_micro_batch, micro_batch_slices, pack
+from trajflow.workers.distributed import LocalBackend
+from trajflow.workers.forward import compute_log_probs, pack
+from trajflow.workers.group import dispatch, free_address
 
 
 def set_threads(num_threads: int) -> int:
@@ -59,6 +60,13 @@ def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_pr
 class PolicyWorker:
     """Actor and rollout in one process (the ``hf`` engine shares the trained module).
 
+    With ``actor.strategy=deepspeed`` the worker is one rank of a data-parallel group
+    (:class:`trajflow.workers.group.WorkerGroup` calls :meth:`init_distributed` on every rank after
+    construction); rollout then runs on each rank's share of the prompts. With
+    ``rollout.engine=vllm`` a vLLM engine on this rank's GPU generates and gets the new weights
+    after every update; with ``rollout.pool`` set, separate rollout workers do
+    (:meth:`attach_rollout`).
+
     Args:
         model_path: a resolved Hugging Face directory.
         actor: the ``actor`` config section as a dict.
@@ -71,6 +79,9 @@ class PolicyWorker:
 
     def __init__(self, model_path: str, actor: dict, model_cfg: dict, rollout: dict, seed: int,
                  device: str = "cpu", num_threads: int = 0) -> None:
+        from trajflow.resources import require_device
+
+        require_device(device, "this Ray worker's node")
         self.threads = set_threads(num_threads)
         torch.manual_seed(seed)
         np.random.seed(seed % 2**32)
@@ -86,28 +97,103 @@ class PolicyWorker:
         self.model.config.use_cache = True
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.eos_ids = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor["lr"],
-                                           betas=tuple(actor.get("betas", (0.9, 0.999))),
-                                           weight_decay=actor.get("weight_decay", 0.0))
-        self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.get("micro_batch_size", 32), device)
+        self.model_cfg = model_cfg
+        self.optimizer = None
+        self.backend: Any = None
+        if actor.get("strategy", "none") != "deepspeed":
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor["lr"],
+                                               betas=tuple(actor.get("betas", (0.9, 0.999))),
+                                               weight_decay=actor.get("weight_decay", 0.0))
+            self.backend = LocalBackend(self.model, self.optimizer)
+        if rollout.get("engine", "hf") == "vllm" and rollout.get("pool") is None:
+            from trajflow.engines.vllm import VLLMRolloutEngine
+
+            self.engine = VLLMRolloutEngine(model_path, rollout, model_cfg, self.eos_ids, seed=seed, colocated=True)
+        else:
+            self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.get("micro_batch_size", 32),
+                                          device)
         self.policy_version = 0
         self.optimizer_steps = 0
 
+    # ------------------------------------------------------------------ distributed
+    @dispatch("rank0")
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's node IP and a free port: where the ranks' process group meets."""
+        return free_address()
+
+    def init_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int) -> dict:
+        """Join the data-parallel group and wrap the model in DeepSpeed (every rank at once).
+
+        Raises:
+            RuntimeError: ``actor.strategy`` is not ``deepspeed``.
+        """
+        if self.actor.get("strategy") != "deepspeed":
+            raise RuntimeError(f"init_distributed needs actor.strategy='deepspeed', got {self.actor.get('strategy')!r}")
+        from trajflow.workers.distributed import DeepSpeedBackend, setup_rank_env
+
+        setup_rank_env(master_addr, master_port, rank, world_size, self.device)
+        t0 = time.perf_counter()
+        self.backend = DeepSpeedBackend(self.model, self.actor, self.model_cfg.get("dtype", "float32"), self.device,
+                                        rank, world_size)
+        if self.backend.zero_stage == 3 and isinstance(self.engine, HFRolloutEngine):
+            # Sharded parameters: every decoding step gathers them, so ranks step together.
+            self.engine.synced_gpus = world_size > 1
+        return {"rank": rank, "world_size": world_size, "init_s": time.perf_counter() - t0}
+
+    def attach_rollout(self, handles: list) -> None:
+        """Generate on separate rollout workers (``rollout.pool``) instead of this process.
+
+        This rank uses the rollout workers ``r, r + world_size, ...`` and pushes new weights to
+        them after every update.
+        """
+        from trajflow.workers.rollout import RemoteRolloutEngine
+
+        rank = getattr(self.backend, "rank", 0)
+        world = getattr(self.backend, "world_size", 1)
+        mine = [h for i, h in enumerate(handles) if i % world == rank]
+        self.engine = RemoteRolloutEngine(mine or [handles[rank % len(handles)]], push_to=handles if rank == 0 else [])
+        self._push_weights()
+
+    def _push_weights(self) -> None:
+        """Send the current weights to an engine that does not share this module (vLLM, rollout workers)."""
+        if isinstance(self.engine, HFRolloutEngine):
+            return  # generation runs on the trained module itself: nothing to send
+        if getattr(self.engine, "rank0_push", False):
+            # Separate rollout workers: rank 0 sends one full copy (gathered layer by layer under ZeRO-3).
+            state = self.backend.full_state_dict()
+            if state is not None:
+                self.engine.update_weights(state)
+            return
+        with self.backend.gathered():  # an engine per rank (vLLM on this rank's GPU) needs the full weights
+            self.engine.update_weights({k: v.detach() for k, v in self.model.state_dict().items()})
+
+    @dispatch("broadcast")
+    def get_weights(self) -> dict[str, np.ndarray] | None:
+        """All parameters as float32 numpy arrays (rank 0's copy; collective under ZeRO-3)."""
+        state = self.backend.full_state_dict() if self.backend is not None else self.model.state_dict()
+        if state is None:
+            return None
+        return {k: v.detach().float().cpu().numpy().copy() for k, v in state.items()}
+
     # ------------------------------------------------------------------ info
+    @dispatch("rank0")
     def node_id(self) -> str:
         import ray
 
         return ray.get_runtime_context().get_node_id()
 
+    @dispatch("rank0")
     def info(self) -> dict:
         return {"pid": os.getpid(), "threads": self.threads, "policy_version": self.policy_version,
                 "eos_ids": self.eos_ids, "pad_id": self.pad_id,
                 "num_params": sum(p.numel() for p in self.model.parameters())}
 
     # ------------------------------------------------------------------ rollout
+    @dispatch("rank0")
     def tokenize_prompts(self, messages_list: list[list[dict]], max_prompt_length: int) -> list[list[int]]:
         return build_prompt_ids(self.tokenizer, messages_list, max_prompt_length)
 
+    @dispatch("split", split_args=("prompt_ids",))
     def generate_sequences(self, prompt_ids: list[list[int]], params: SamplingParams,
                            recompute_log_prob: bool = False) -> dict:
         """Sample ``params.n`` responses per prompt with their rollout log-probs.
@@ -122,6 +208,8 @@ class PolicyWorker:
         """
         t0 = time.perf_counter()
         out = self.engine.generate(prompt_ids, params)
+        if getattr(self.engine, "colocated", False):
+            self.engine.sleep()  # free the GPU memory vLLM holds for the forward passes and the update
         t1 = time.perf_counter()
         result = {"response_ids": out.response_ids, "finish_reason": out.finish_reason,
                   "response_text": self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True),
@@ -135,6 +223,7 @@ class PolicyWorker:
                 result["old_logprobs"] = out.logprobs
         return result
 
+    @dispatch("split", split_args=("prompt_ids", "response_ids"))
     def compute_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
                          temperature: float) -> list[np.ndarray]:
         """Per-token log-probs under the current policy, packed exactly as :meth:`update_actor` packs."""
@@ -144,6 +233,7 @@ class PolicyWorker:
         return logp
 
     # ------------------------------------------------------------------ update
+    @dispatch("broadcast")
     def update_actor(self, batch: dict, temperature: float) -> dict:
         """PPO-style policy update over one iteration's batch.
 
@@ -163,7 +253,9 @@ class PolicyWorker:
         mini-batches of ``ppo_mini_batch_size * n`` rows (one optimizer step each) and those into
         micro-batches of ``ppo_micro_batch_size`` rows (gradient accumulation, exact thanks to the
         mini-batch-wide denominators of :func:`stages.policy_update.agg_loss`), for ``ppo_epochs``
-        passes.
+        passes. Under DeepSpeed every rank gets the whole batch, keeps the mini-batch-wide
+        denominators and trains on its token-balanced share of each mini-batch
+        (:class:`trajflow.workers.distributed.DeepSpeedBackend`); metrics are combined across ranks.
 
         Returns:
             Metrics averaged over optimizer steps, verl names (``actor/pg_loss``, ``actor/pg_clipfrac``,
@@ -219,16 +311,16 @@ class PolicyWorker:
                 global_seqs = float(sum(1 for m in masks if m.sum() > 0))
                 if global_tokens == 0:
                     continue
-                self.optimizer.zero_grad(set_to_none=True)
+                self.backend.zero_grad()
                 step_metrics: dict[str, float] = {}
-                for sl in micro_batch_slices(len(mini), a["ppo_micro_batch_size"]):
-                    rows = [int(r) for r in mini[sl]]
+                tokens = [len(batch["prompt_ids"][r]) + len(batch["response_ids"][r]) for r in mini]
+                for rows, live in self.backend.micro_batches(mini, a["ppo_micro_batch_size"], tokens):
                     packed = pack([batch["prompt_ids"][r] for r in rows], [batch["response_ids"][r] for r in rows],
                                   self.pad_id, self.device)
                     T = packed.responses.shape[1]
                     mask = packed.response_mask.float() * ragged("loss_mask", rows, T) if batch.get("loss_mask") is not None \
                         else packed.response_mask.float()
-                    logp, ent = forward_micro_batch(self.model, packed, temperature, compute_entropy=True)
+                    logp, ent = self.backend.forward(packed, temperature, compute_entropy=True)
                     if trainer_old is None:
                         old = logp.detach()
                     else:
@@ -236,7 +328,7 @@ class PolicyWorker:
                         for j, r in enumerate(rows):
                             old[j, :len(trainer_old[r])] = torch.from_numpy(trainer_old[r])
                     is_w = None
-                    if batch.get("old_logprobs") is not None:
+                    if live and batch.get("old_logprobs") is not None:
                         rollout_lp = ragged("old_logprobs", rows, T)
                         m = packed.response_mask
                         if epoch == 0:
@@ -262,9 +354,13 @@ class PolicyWorker:
                         ref = ragged("ref_logprobs", rows, T)
                         kl = kl_loss(logp, ref, mask, a["kl_loss_type"], a["loss_agg_mode"], **agg_kw)
                         loss = loss + a["kl_loss_coef"] * kl
+                    if not live:  # a padding micro-batch of a data-parallel rank: no gradient, no metrics
+                        self.backend.backward(loss * 0.0)
+                        continue
+                    if use_kl:
                         step_metrics["actor/kl_loss"] = step_metrics.get("actor/kl_loss", 0.0) + kl.item()
                         step_metrics["actor/kl_coef"] = a["kl_loss_coef"]
-                    loss.backward()
+                    self.backend.backward(loss)
                     if first_step_ratio_dev is None:
                         with torch.no_grad():
                             dev = ((logp - old).exp() - 1).abs() * mask
@@ -274,27 +370,24 @@ class PolicyWorker:
                     frac = float(mask.sum()) / global_tokens
                     for k, v in pg_m.items():
                         step_metrics[k] = step_metrics.get(k, 0.0) + float(v) * frac
-                if a["grad_clip"] > 0:
-                    gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a["grad_clip"])
-                else:
-                    gn = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in self.model.parameters() if p.grad is not None))
-                gn = float(gn)
-                if math.isfinite(gn):
-                    self.optimizer.step()
-                    self.optimizer_steps += 1
+                gn, stepped = self.backend.step(a["grad_clip"])
+                self.optimizer_steps += int(stepped)
                 step_metrics["actor/grad_norm"] = gn
                 for k, v in step_metrics.items():
                     sums.setdefault(k, []).append(v)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.backend.zero_grad()
         self.policy_version += 1
-        metrics = {k: float(np.mean(v)) for k, v in sums.items()}
-        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["actor/ratio_first_step_max_abs_dev"] = float(first_step_ratio_dev or 0.0)
-        if diffs:
-            # verl's training/rollout_probs_diff: how far the engine's log-probs are from the trainer's.
-            metrics["actor/rollout_logprob_diff"] = float(np.mean(diffs))
+        # verl's training/rollout_probs_diff (actor/rollout_logprob_diff): how far the engine's
+        # log-probs are from the trainer's, averaged over micro-batches (of every rank).
+        metrics = self.backend.reduce_metrics(
+            {k: float(np.mean(v)) for k, v in sums.items()},
+            maxima={"actor/ratio_first_step_max_abs_dev": float(first_step_ratio_dev or 0.0)},
+            means={"actor/rollout_logprob_diff": diffs})
+        metrics["actor/lr"] = self.backend.lr()
+        is_rows = self.backend.gather_rows(is_rows)  # every rank's rows (data parallel)
         if is_rows:
             metrics.update(self._rollout_is_metrics(is_rows, is_level, is_threshold))
+        self._push_weights()
         metrics["timing_s/update_actor"] = time.perf_counter() - t0
         metrics["policy_version"] = self.policy_version
         return metrics
@@ -314,10 +407,18 @@ class PolicyWorker:
         return rollout_is_weights(old, eng, mask, level, threshold)[1]
 
     # ------------------------------------------------------------------ checkpoints
+    @dispatch("broadcast")
     def save_checkpoint(self, directory: str) -> dict:
-        """Write weights (safetensors), optimizer state and the worker's RNG states into ``directory``."""
+        """Write weights (safetensors), optimizer state and the worker's RNG states into ``directory``.
+
+        Under DeepSpeed: sharded model/optimizer states (one file per rank) and per-rank RNG states.
+        """
         from safetensors.torch import save_file
 
+        if self.backend.distributed:
+            self.backend.save(directory, {"policy_version": self.policy_version,
+                                          "optimizer_steps": self.optimizer_steps})
+            return {"policy_version": self.policy_version}
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
@@ -335,10 +436,17 @@ class PolicyWorker:
                             "python": random.getstate()}}, d / "actor_state.pt")
         return {"policy_version": self.policy_version}
 
+    @dispatch("broadcast")
     def load_checkpoint(self, directory: str) -> dict:
         """Restore weights, optimizer and RNG states saved by :meth:`save_checkpoint`."""
         from safetensors.torch import load_file
 
+        if self.backend.distributed:
+            state = self.backend.load(directory)
+            self.policy_version = int(state["policy_version"])
+            self.optimizer_steps = int(state.get("optimizer_steps", 0))
+            self._push_weights()
+            return {"policy_version": self.policy_version}
         d = Path(directory)
         state = load_file(str(d / "model.safetensors"), device=str(self.device) if self.device != "cpu" else "cpu")
         missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -352,20 +460,38 @@ class PolicyWorker:
         torch.set_rng_state(extra["rng"]["torch"])
         np.random.set_state(extra["rng"]["numpy"])
         random.setstate(extra["rng"]["python"])
+        self._push_weights()
         return {"policy_version": self.policy_version}
 
+    @dispatch("broadcast")
     def export_hf(self, directory: str) -> str:
-        """Save the current policy as a Hugging Face model directory (``from_pretrained``-loadable)."""
+        """Save the current policy as a Hugging Face model directory (``from_pretrained``-loadable).
+
+        Under DeepSpeed rank 0 writes the consolidated weights (ZeRO-3 gathers them layer by layer).
+        """
+        if self.backend is not None and self.backend.distributed:
+            state = self.backend.full_state_dict()
+            if state is not None:
+                self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+                self.tokenizer.save_pretrained(directory)
+            import torch.distributed as dist
+
+            dist.barrier()
+            return directory
         self.model.save_pretrained(directory, safe_serialization=True)
         self.tokenizer.save_pretrained(directory)
         return directory
 
+    @dispatch("broadcast")
     def weights_digest(self) -> str:
         """sha256 over all parameters (tests compare runs bit for bit)."""
         import hashlib
 
         h = hashlib.sha256()
-        for k, v in sorted(self.model.state_dict().items()):
+        state = self.model.state_dict()
+        if self.backend is not None and self.backend.distributed:
+            state = self.backend.full_state_dict() or {}
+        for k, v in sorted(state.items()):
             h.update(k.encode())
             h.update(v.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()

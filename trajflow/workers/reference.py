@@ -13,6 +13,7 @@ import torch
 
 from trajflow.models import load_causal_lm, load_tokenizer
 from trajflow.workers.forward import compute_log_probs
+from trajflow.workers.group import dispatch
 from trajflow.workers.policy import set_threads
 
 
@@ -29,6 +30,9 @@ class ReferenceWorker:
 
     def __init__(self, model_path: str, model_cfg: dict, micro_batch_size: int, device: str = "cpu",
                  num_threads: int = 0) -> None:
+        from trajflow.resources import require_device
+
+        require_device(device, "this Ray worker's node")
         set_threads(num_threads)
         self.model = load_causal_lm(model_path, model_cfg.get("dtype", "float32"), device,
                                     model_cfg.get("attn_implementation", "sdpa"))
@@ -39,14 +43,17 @@ class ReferenceWorker:
         self.micro_batch_size = micro_batch_size
         self.device = device
 
+    @dispatch("rank0")
     def node_id(self) -> str:
         import ray
 
         return ray.get_runtime_context().get_node_id()
 
+    @dispatch("rank0")
     def pid(self) -> int:
         return os.getpid()
 
+    @dispatch("split", split_args=("prompt_ids", "response_ids"))
     def compute_ref_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
                              temperature: float) -> list[np.ndarray]:
         """Per-token log-probs of each response under the reference policy, float32 ragged."""

@@ -1,0 +1,388 @@
+"""Training backends of a model worker: one process (torch AdamW) or DeepSpeed data parallel.
+
+The policy worker's update loop (:meth:`trajflow.workers.policy.PolicyWorker.update_actor`) is
+written once against the small interface below; the backend decides how rows reach a rank, how
+gradients are accumulated and reduced, and how optimizer state is saved.
+
+:class:`LocalBackend` is the single-process path every run used before: ``loss.backward()``,
+``clip_grad_norm_``, a step skipped on a non-finite norm. It is the default and changes nothing.
+
+:class:`DeepSpeedBackend` runs the same loop on ``world_size`` ranks with DeepSpeed ZeRO (stage
+0-3). Exactness with the single-process update rests on three facts:
+
+1. every rank sees the whole mini-batch and computes the loss denominators over all of it
+   (``global_num_tokens`` / ``global_num_seqs`` of :func:`stages.policy_update.agg_loss`), then
+   takes its own rows (a token-balanced, equal-count cut of the mini-batch); so the ranks' losses
+   *sum* to the single-process loss;
+2. DeepSpeed *averages* gradients over ranks, so each rank's loss is multiplied by ``world_size``:
+   the reduced gradient equals the single-process gradient (up to float summation order);
+3. all ranks run the same number of micro-batches (a rank with fewer rows runs zero-weighted
+   copies), because every backward (and, under ZeRO-3, every forward) is a collective.
+
+Gradient accumulation is caller-owned (``managed_gradient_accumulation: false``): backward per
+micro-batch, one ``engine.step()`` per mini-batch, however many micro-batches it had.
+
+On CPU the ranks talk over gloo with ``DS_ACCELERATOR=cpu``. DeepSpeed would JIT-compile two
+C++ ops there on first use (~40 s for the shared-memory all-reduce, ~75 s for fused Adam): the
+optimizer is ``torch_adam: true`` (torch's AdamW, the same code the single-process path runs) and
+the shared-memory op is marked unavailable (:func:`_skip_cpu_op_builds`), so gloo carries the
+collectives and nothing compiles at start-up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from trajflow.workers.forward import PackedBatch, forward_micro_batch, micro_batch_slices
+from trajflow.workers.group import balanced_partition
+
+#: Metrics that are not sums over rows (everything else in an update's metrics adds up across ranks).
+NON_ADDITIVE = frozenset({"actor/grad_norm", "actor/kl_coef", "critic/grad_norm"})
+
+_DS_ACCELERATOR = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
+_DTYPE_KEYS = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+class LocalBackend:
+    """Single-process training (the default): exactly the update every run used before.
+
+    Args:
+        model: the module being trained.
+        optimizer: its torch optimizer.
+    """
+
+    distributed = False
+    rank = 0
+    world_size = 1
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False):
+        """Training forward of one micro-batch: :func:`~trajflow.workers.forward.forward_micro_batch`."""
+        return forward_micro_batch(self.model, packed, temperature, compute_entropy)
+
+    def micro_batches(self, mini: Sequence[int], micro_batch_size: int,
+                      weights: Sequence[float]) -> list[tuple[list[int], bool]]:
+        """``(rows, live)`` per micro-batch: all rows of the mini-batch, in order."""
+        return [([int(r) for r in mini[sl]], True) for sl in micro_batch_slices(len(mini), micro_batch_size)]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, grad_clip: float) -> tuple[float, bool]:
+        """Clip, then step unless the gradient norm is not finite; returns ``(grad_norm, stepped)``."""
+        params = self.model.parameters()
+        if grad_clip > 0:
+            gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        else:
+            gn = torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in self.model.parameters() if p.grad is not None))
+        gn = float(gn)
+        if math.isfinite(gn):
+            self.optimizer.step()
+            return gn, True
+        return gn, False
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float],
+                       means: dict[str, list[float]] | None = None) -> dict[str, float]:
+        """The update's metrics (one process: nothing to combine); ``means`` lists are averaged."""
+        out = {**sums, **maxima}
+        out.update({k: float(np.mean(v)) for k, v in (means or {}).items() if len(v)})
+        return out
+
+    def gathered(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def gather_rows(self, rows: dict) -> dict:
+        """Per-row values keyed by row id, from every rank (one process: the same dict)."""
+        return rows
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed
+
+
+def setup_rank_env(master_addr: str, master_port: int, rank: int, world_size: int, device: str) -> None:
+    """The environment torch.distributed / DeepSpeed read for an env:// rendezvous.
+
+    ``LOCAL_RANK`` is 0: Ray gives each actor its own device (``CUDA_VISIBLE_DEVICES`` /
+    ``ASCEND_RT_VISIBLE_DEVICES`` hold one id), so device 0 is this rank's device.
+    """
+    os.environ.update({"MASTER_ADDR": str(master_addr), "MASTER_PORT": str(master_port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "DS_ACCELERATOR": _DS_ACCELERATOR[device]})
+
+
+def _skip_cpu_op_builds() -> None:
+    """Keep DeepSpeed from JIT-compiling its shared-memory all-reduce op on CPU (~40 s).
+
+    ``deepspeed.comm`` builds ``deepspeed_shm_comm`` when ``deepspeed.ops.__compatible_ops__``
+    says it is buildable (DeepSpeed 0.19: probed lazily and cached in that module attribute,
+    which the probe's comment says stays editable). Marking it unavailable makes DeepSpeed use
+    plain torch.distributed (gloo) collectives; the op only speeds up inference all-reduce.
+    """
+    import deepspeed.ops
+
+    ops = deepspeed.ops.__dict__.get("__compatible_ops__")
+    if ops is None:
+        ops = {}
+        deepspeed.ops.__compatible_ops__ = ops  # type: ignore[attr-defined]
+    ops["deepspeed_shm_comm"] = False
+
+
+def deepspeed_config(actor: dict, dtype: str, world_size: int) -> dict:
+    """The DeepSpeed config built from the ``actor`` section.
+
+    Args:
+        actor: ``actor`` config section (``lr``, ``betas``, ``weight_decay``, ``grad_clip``,
+            ``ppo_micro_batch_size``, ``zero_stage``).
+        dtype: ``model.dtype`` (``bfloat16``/``float16`` turn on DeepSpeed's mixed precision with
+            fp32 master weights; ``float32`` trains in fp32).
+        world_size: data-parallel ranks.
+
+    Returns:
+        A dict for ``deepspeed.initialize(config=...)``.
+    """
+    micro = int(actor["ppo_micro_batch_size"])
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro * world_size,
+        # The update loop owns accumulation: backward per micro-batch, step per mini-batch.
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": float(actor.get("grad_clip", 0.0)),
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": float(actor["lr"]), "betas": [float(b) for b in actor.get("betas", (0.9, 0.999))],
+            "eps": 1e-8, "weight_decay": float(actor.get("weight_decay", 0.0)),
+            # torch.optim.AdamW: the single-process path's optimizer, and no fused_adam build.
+            "torch_adam": True}},
+        "zero_optimization": {"stage": int(actor.get("zero_stage", 0))},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if int(actor.get("zero_stage", 0)) == 3:
+        cfg["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": True})
+    if dtype in _DTYPE_KEYS:
+        cfg[_DTYPE_KEYS[dtype]] = {"enabled": True}
+    return cfg
+
+
+class PackedLogProbs(torch.nn.Module):
+    """The policy as DeepSpeed sees it: ``forward(packed, temperature, compute_entropy)`` returns
+    :func:`~trajflow.workers.forward.forward_micro_batch`'s log-probs (and entropy).
+
+    DeepSpeed must run every training forward through its engine (``engine(...)``): that is where
+    it resets its per-micro-batch gradient bookkeeping (without it ZeRO-3 overwrites instead of
+    accumulating the gradients of earlier micro-batches) and where ZeRO-3 starts its parameter
+    fetch trace. Wrapping the model keeps the packed, LM-head-only-on-responses forward.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False):
+        return forward_micro_batch(self.model, packed, temperature, compute_entropy)
+
+
+class DeepSpeedBackend:
+    """DeepSpeed ZeRO data parallel over ``world_size`` ranks (see the module doc).
+
+    Call from inside an actor after :func:`setup_rank_env`; all ranks construct it together
+    (``deepspeed.init_distributed`` and ``deepspeed.initialize`` are collectives).
+
+    Args:
+        model: the module (moved to the device already); DeepSpeed wraps it in place.
+        actor: the ``actor`` config section.
+        dtype: ``model.dtype``.
+        device: ``cpu``, ``cuda`` or ``npu``.
+        rank: this rank.
+        world_size: number of ranks.
+    """
+
+    distributed = True
+
+    def __init__(self, model: torch.nn.Module, actor: dict, dtype: str, device: str, rank: int,
+                 world_size: int) -> None:
+        from trajflow.resources import collective_backend
+
+        if device == "cpu":
+            _skip_cpu_op_builds()
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=collective_backend(device), auto_mpi_discovery=False,
+                                   rank=rank, world_size=world_size)
+        self.rank, self.world_size = rank, world_size
+        self.zero_stage = int(actor.get("zero_stage", 0))
+        self.config = deepspeed_config(actor, dtype, world_size)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=PackedLogProbs(model), model_parameters=params,
+                                                                 config=self.config)
+        self.model = model
+
+    # ---------------------------------------------------------------- update
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False):
+        """Training forward through the DeepSpeed engine (see :class:`PackedLogProbs`)."""
+        return self.engine(packed, temperature, compute_entropy)
+
+    def micro_batches(self, mini: Sequence[int], micro_batch_size: int,
+                      weights: Sequence[float]) -> list[tuple[list[int], bool]]:
+        """This rank's ``(rows, live)`` micro-batches of a mini-batch; equally many on every rank.
+
+        Args:
+            mini: the mini-batch's row ids (all ranks pass the same).
+            micro_batch_size: rows per micro-batch.
+            weights: weight (tokens) of each entry of ``mini``.
+        """
+        parts = balanced_partition(list(weights), self.world_size, equal_size=True)
+        mine = [int(mini[i]) for i in parts[self.rank]]
+        count = max(math.ceil(len(p) / micro_batch_size) for p in parts)
+        out = []
+        for i in range(count):
+            rows = mine[i * micro_batch_size:(i + 1) * micro_batch_size]
+            # A rank with fewer rows runs a zero-weighted copy so the collectives line up.
+            out.append((rows, True) if rows else ([mine[0] if mine else int(mini[0])], False))
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed averages over ranks; the rank losses sum to the full loss, so undo the 1/world.
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self, grad_clip: float) -> tuple[float, bool]:
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        gn = self.engine.get_global_grad_norm()
+        gn = float(gn) if gn is not None else float("nan")
+        return gn, self.engine.skipped_steps == skipped
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float],
+                       means: dict[str, list[float]] | None = None) -> dict[str, float]:
+        """Combine the ranks' metrics.
+
+        Args:
+            sums: per-step sums over this rank's rows (with global denominators they add up across
+                ranks), except :data:`NON_ADDITIVE` keys (the same on every rank: rank 0's is kept)
+                and ``timing_s/*`` (the slowest rank's).
+            maxima: per-rank maxima (the maximum over ranks is kept).
+            means: per-rank lists of values; the mean over all ranks' values is kept.
+        """
+        import torch.distributed as dist
+
+        means = means or {}
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, (sums, maxima, means))
+        out = dict(sums)
+        for key in set().union(*(s for s, _, _ in everyone)):
+            values = [s[key] for s, _, _ in everyone if key in s]
+            if key.startswith("timing_s/"):
+                out[key] = float(max(values))
+            elif key not in NON_ADDITIVE:
+                out[key] = float(sum(values))
+        for key in maxima:
+            out[key] = float(max(m[key] for _, m, _ in everyone if key in m))
+        for key in means:
+            values = [v for _, _, m in everyone for v in m.get(key, [])]
+            if values:
+                out[key] = float(np.mean(values))
+        return out
+
+    def gather_rows(self, rows: dict) -> dict:
+        """Per-row values keyed by row id, merged from every rank (a collective)."""
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, rows)
+        merged: dict = {}
+        for part in everyone:
+            merged.update(part)
+        return merged
+
+    # ---------------------------------------------------------------- weights
+    def gathered(self):
+        """Context in which every rank holds the full parameters (a no-op below ZeRO-3)."""
+        import contextlib
+
+        if self.zero_stage < 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on CPU on rank 0 (``None`` on other ranks under ZeRO-3).
+
+        Collective under ZeRO-3 (every rank must call it): DeepSpeed gathers one layer at a time.
+        """
+        if self.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # keys of PackedLogProbs: "model.<name>"
+            return None if state is None else {k[len("model."):]: v for k, v in state.items()}
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, directory: str | Path, state: dict) -> None:
+        """Sharded checkpoint: DeepSpeed's model + optimizer shards, plus this rank's RNG states.
+
+        ``state`` (policy version, step counters) is written by rank 0 to ``actor_state.pt``.
+        Every rank must call it, and all ranks must see the same filesystem.
+        """
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(d / "deepspeed"), tag="latest", save_latest=False)
+        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                   d / f"rng_rank{self.rank:05d}.pt")
+        if self.rank == 0:
+            torch.save({**state, "world_size": self.world_size, "zero_stage": self.zero_stage,
+                        "format": "deepspeed"}, d / "actor_state.pt")
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def load(self, directory: str | Path) -> dict:
+        """Restore a checkpoint written by :meth:`save` with the same ``world_size``; returns its state.
+
+        Raises:
+            RuntimeError: the checkpoint is not a DeepSpeed one or has another world size.
+        """
+        d = Path(directory)
+        state = torch.load(d / "actor_state.pt", weights_only=False)
+        if state.get("format") != "deepspeed":
+            raise RuntimeError(f"{d} holds a single-process checkpoint; actor.strategy=deepspeed cannot load it")
+        if int(state["world_size"]) != self.world_size:
+            raise RuntimeError(f"{d} was saved by {state['world_size']} DeepSpeed ranks; actor.world_size is "
+                               f"{self.world_size} (resume with the same number of ranks)")
+        path, _ = self.engine.load_checkpoint(str(d / "deepspeed"), tag="latest", load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {d / 'deepspeed'}")
+        rng = torch.load(d / f"rng_rank{self.rank:05d}.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        return state

@@ -1,0 +1,148 @@
+"""Rollout workers on their own resource pool (``rollout.pool``), and the policy's handle to them.
+
+By default the policy worker generates with its own module (the ``hf`` engine) or with a vLLM
+engine on its own GPU. With ``rollout.pool`` set, a group of :class:`RolloutWorker` actors (one per
+slot of that pool) holds the engines instead: the policy ranks send prompts to them through
+:class:`RemoteRolloutEngine` (data-parallel rollout: each policy rank drives its own engines) and
+rank 0 pushes the new weights to every engine after each update. Old log-probs are still computed
+by the policy itself, so the importance ratio of the first PPO step stays exactly 1.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from stages.rollout import SamplingParams
+from trajflow.engines.base import GenerationOutput
+from trajflow.workers.group import dispatch
+
+
+class RolloutWorker:
+    """A rollout engine in its own Ray actor: the ``hf`` engine on a copy of the policy, or vLLM.
+
+    Args:
+        model_path: resolved Hugging Face directory of the initial policy.
+        rollout: the ``rollout`` config section as a dict (``engine``, ``micro_batch_size``, ...).
+        model_cfg: the ``model`` config section as a dict.
+        seed: torch seed.
+        device: torch device (``trainer.device``).
+        num_threads: torch threads (0 = all CPUs).
+    """
+
+    def __init__(self, model_path: str, rollout: dict, model_cfg: dict, seed: int, device: str = "cpu",
+                 num_threads: int = 0) -> None:
+        import torch
+
+        from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
+        from trajflow.resources import require_device
+        from trajflow.workers.policy import set_threads
+
+        require_device(device, "this Ray worker's node")
+        set_threads(num_threads)
+        torch.manual_seed(seed)
+        tokenizer = load_tokenizer(model_path)
+        self.version = 0
+        if rollout.get("engine", "hf") == "vllm":
+            from transformers import GenerationConfig
+
+            from trajflow.engines.vllm import VLLMRolloutEngine
+
+            try:
+                gen_cfg = GenerationConfig.from_pretrained(model_path)
+            except Exception:  # no generation_config.json
+                gen_cfg = None
+            eos = eos_token_ids(tokenizer, gen_cfg)
+            self.engine: Any = VLLMRolloutEngine(model_path, rollout, model_cfg, eos, seed=seed, colocated=False)
+            self.model = None
+        else:
+            from trajflow.engines.hf import HFRolloutEngine
+
+            self.model = load_causal_lm(model_path, model_cfg.get("dtype", "float32"), device,
+                                        model_cfg.get("attn_implementation", "sdpa"))
+            self.model.eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            eos = eos_token_ids(tokenizer, getattr(self.model, "generation_config", None))
+            self.engine = HFRolloutEngine(self.model, int(tokenizer.pad_token_id), eos,
+                                          rollout.get("micro_batch_size", 32), device)
+
+    @dispatch("rank0")
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    @dispatch("rank0")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @dispatch("split", split_args=("prompt_ids",))
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> dict:
+        """Sample ``params.n`` responses per prompt; fields of :class:`GenerationOutput` plus ``timing_s/gen``."""
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompt_ids, params)
+        return {"response_ids": out.response_ids, "finish_reason": out.finish_reason,
+                "logprobs": out.logprobs, "version": self.version, "timing_s/gen": time.perf_counter() - t0}
+
+    @dispatch("broadcast")
+    def update_weights(self, state: dict) -> int:
+        """Load the policy's new weights ``{name: tensor}``; returns this engine's weight version."""
+        self.engine.update_weights(state)
+        self.version += 1
+        return self.version
+
+    @dispatch("broadcast")
+    def weights_digest(self) -> str:
+        """sha256 over the ``hf`` engine's parameters (tests)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for k, v in sorted(self.model.state_dict().items()):
+            h.update(k.encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+
+class RemoteRolloutEngine:
+    """The :class:`~trajflow.engines.base.RolloutEngine` of a policy rank whose engines are rollout workers.
+
+    Args:
+        handles: the rollout workers this rank generates on (its prompts are cut evenly across them).
+        push_to: the rollout workers this rank sends weights to (all of them on rank 0, none elsewhere).
+    """
+
+    rank0_push = True
+    colocated = False
+
+    def __init__(self, handles: Sequence[Any], push_to: Sequence[Any] = ()) -> None:
+        self.handles = list(handles)
+        self.push_to = list(push_to)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
+        """Prompts cut into contiguous chunks, one per engine; results concatenated (prompt-major)."""
+        import ray
+
+        bounds = np.linspace(0, len(prompt_ids), len(self.handles) + 1).astype(int)
+        refs = [h.generate.remote([list(p) for p in prompt_ids[a:b]], params)
+                for h, a, b in zip(self.handles, bounds[:-1], bounds[1:]) if b > a]
+        outs = ray.get(refs)
+        logprobs = None
+        if outs and all(o["logprobs"] is not None for o in outs):
+            logprobs = [lp for o in outs for lp in o["logprobs"]]
+        return GenerationOutput(response_ids=[r for o in outs for r in o["response_ids"]],
+                                finish_reason=[f for o in outs for f in o["finish_reason"]], logprobs=logprobs,
+                                stats={"engine_versions": [o["version"] for o in outs]})
+
+    def update_weights(self, named_tensors: dict) -> None:
+        """Send ``{name: tensor}`` (moved to CPU) once through the object store to every engine of ``push_to``."""
+        if not self.push_to:
+            return
+        import ray
+
+        state = {k: v.detach().cpu() for k, v in named_tensors.items()}
+        ref = ray.put(state)
+        ray.get([h.update_weights.remote(ref) for h in self.push_to])
