@@ -1,0 +1,116 @@
+"""DeepSpeed data parallel on CPU (gloo): 2 ranks as 2 Ray actors vs the one-process update.
+
+Tolerance: the 2-rank update differs from the 1-rank one only in float summation order (gradients
+are summed across ranks by an all-reduce / reduce-scatter instead of inside one backward), so the
+weights after one AdamW step agree to a few float32 ulps of the gradient; we allow
+``atol = 1e-5 * max|w|`` (weights here are O(1); lr = 1e-3, so a wrong gradient, a wrong
+denominator or a missing micro-batch moves weights by ~1e-3 and fails the check; measured
+differences are ~5e-7).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trajflow.workers.group import WorkerGroup
+
+ACTOR = dict(lr=1e-3, betas=[0.9, 0.999], weight_decay=0.01, ppo_micro_batch_size=2, ppo_epochs=1, shuffle=False,
+             policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+             loss_agg_mode="token-mean", entropy_coeff=0.0, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
+             grad_clip=1.0)
+MODEL = {"dtype": "float32"}
+ROLLOUT = {"micro_batch_size": 4}
+
+
+def make_batch(worker, seed: int = 0, rows: int = 10) -> dict:
+    """Random prompts/responses of varied lengths, on-policy old log-probs, mixed advantages, a masked row."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(10, 2000, size=int(n)).tolist() for n in rng.integers(3, 14, size=rows)]
+    resps = [rng.integers(10, 2000, size=int(n)).tolist() for n in rng.integers(1, 10, size=rows)]
+    old = worker.compute_log_prob(prompts, resps, 1.0)
+    mask = [[0.0 if i == 3 else 1.0] * len(r) for i, r in enumerate(resps)]
+    return {"prompt_ids": prompts, "response_ids": resps, "old_logprobs": [x.tolist() for x in old],
+            "ref_logprobs": [(x - 0.05).tolist() for x in old], "loss_mask": mask,
+            "advantages": [[float(rng.normal())] * len(r) for r in resps],
+            # 5 rows per optimizer step: ranks get 3 + 2 rows, so one rank runs a padding micro-batch.
+            "mini_batch_rows": 5}
+
+
+def spawn_ds(model_dir, zero_stage: int, world: int = 2) -> WorkerGroup:
+    from trajflow.workers.policy import PolicyWorker
+
+    actor = {**ACTOR, "strategy": "deepspeed", "zero_stage": zero_stage, "world_size": world}
+    group = WorkerGroup.spawn(PolicyWorker, (str(model_dir), actor, MODEL, ROLLOUT, 0, "cpu", 1),
+                              [{"num_cpus": 0}] * world, "actor", lockstep=zero_stage == 3)
+    group.init_distributed()
+    return group
+
+
+def assert_close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    scale = max(float(np.abs(v).max()) for v in a.values())
+    worst = max(float(np.abs(a[k] - b[k]).max()) for k in a)
+    assert worst <= 1e-5 * scale, (worst, scale)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir):
+    """The reference: the plain single-process worker (torch AdamW), two updates on two batches."""
+    from trajflow.workers.policy import PolicyWorker
+
+    w = PolicyWorker(str(tiny_model_dir), ACTOR, MODEL, ROLLOUT, seed=0, num_threads=1)
+    b1 = make_batch(w, 0)
+    w0 = w.get_weights()
+    m1 = w.update_actor(b1, 1.0)
+    w1 = w.get_weights()
+    b2 = make_batch(w, 1)
+    w.update_actor(b2, 1.0)
+    return {"b1": b1, "b2": b2, "w0": w0, "w1": w1, "w2": w.get_weights(), "m1": m1}
+
+
+def test_zero2_two_ranks_update_equals_one_rank(ray_local, tiny_model_dir, one_rank):
+    group = spawn_ds(tiny_model_dir, zero_stage=2)
+    try:
+        m = group.execute("update_actor", one_rank["b1"], 1.0)
+        w = group.execute("get_weights")
+        assert_close(w, one_rank["w1"])
+        assert max(float(np.abs(w[k] - one_rank["w0"][k]).max()) for k in w) > 1e-4  # the step did move weights
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+            assert m[key] == pytest.approx(one_rank["m1"][key], rel=1e-4, abs=1e-6), key
+        assert m["policy_version"] == 1
+    finally:
+        group.kill()
+
+
+def test_zero3_checkpoint_save_load_export(ray_local, tiny_model_dir, one_rank, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    group = spawn_ds(tiny_model_dir, zero_stage=3)
+    try:
+        group.execute("update_actor", one_rank["b1"], 1.0)
+        w1 = group.execute("get_weights")
+        assert_close(w1, one_rank["w1"])  # ZeRO-3 update == one-process update as well
+        group.execute("save_checkpoint", str(tmp_path / "ck"))
+        group.execute("update_actor", one_rank["b2"], 1.0)
+        w2 = group.execute("get_weights")
+        assert_close(w2, one_rank["w2"])
+    finally:
+        group.kill()
+    shards = sorted(p.name for p in (tmp_path / "ck" / "deepspeed" / "latest").iterdir())
+    assert sum("optim_states" in s for s in shards) == 2  # one optimizer shard per rank
+
+    fresh = spawn_ds(tiny_model_dir, zero_stage=3)
+    try:
+        assert fresh.execute("load_checkpoint", str(tmp_path / "ck")) == {"policy_version": 1}
+        loaded = fresh.execute("get_weights")
+        assert all(np.array_equal(loaded[k], w1[k]) for k in w1)
+        fresh.execute("export_hf", str(tmp_path / "hf"))
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+        exported = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+        assert all(np.array_equal(exported[k], w1[k]) for k in w1)
+        # The optimizer state came back too: the same second update gives the same weights.
+        fresh.execute("update_actor", one_rank["b2"], 1.0)
+        assert_close(fresh.execute("get_weights"), w2)
+    finally:
+        fresh.kill()
