@@ -299,17 +299,20 @@ class WorkerGroup:
 
         return ray.get(self.submit(method, *args, mode=mode, **kwargs))
 
-    def init_distributed(self, timeout_s: float = 600.0) -> None:
+    def init_distributed(self, timeout_s: float = 600.0) -> list:
         """Rendezvous the ranks into one torch.distributed process group (rank 0's node hosts it).
 
         Calls ``rendezvous_address()`` on rank 0, then ``init_distributed(addr, port, rank,
         world_size)`` on every rank at once (the process group forms only when all have joined).
+
+        Returns:
+            Each rank's ``init_distributed`` result.
         """
         import ray
 
         addr, port = ray.get(self.handles[0].rendezvous_address.remote(), timeout=timeout_s)
-        ray.get([h.init_distributed.remote(addr, port, r, len(self.handles)) for r, h in enumerate(self.handles)],
-                timeout=timeout_s)
+        return ray.get([h.init_distributed.remote(addr, port, r, len(self.handles))
+                        for r, h in enumerate(self.handles)], timeout=timeout_s)
 
     def node_ids(self) -> list[str | None]:
         """The Ray node id of every rank (``None`` for workers without a ``node_id()`` method)."""
