@@ -176,7 +176,8 @@ def test_pool_larger_than_cluster_fails_at_once(ray_local):
       "actor.kl_loss_coef=0.1"], "needs reference.pool"),
     (["resources.pools={p: {nodes: 0}}", "actor.pool=p"], "resources.pools.p.nodes=0 must be an integer >= 1"),
     (["resources.pools={p: {gpus: 1}}", "actor.pool=p"], "unknown key 'resources.pools.p.gpus'"),
-    (["resources.pools={p: {device: gpu}}", "actor.pool=p"], "resources.pools.p.device='gpu' needs trainer.device='cuda'"),
+    (["resources.pools={p: {device: gpu}}", "actor.pool=p"],
+     "resources.pools.p.device='gpu' needs trainer.device='cuda'"),
     (["actor.strategy=deepspeed", "actor.world_size=64"], "fewer than actor.world_size=64"),
 ])
 def test_resource_config_errors_name_the_key(overrides, needle):
@@ -251,7 +252,8 @@ def test_separate_rollout_workers_get_weights_after_each_update(ray_local, tiny_
     try:
         policy.execute("attach_rollout", engines.handles)
         local = PolicyWorker(path, ACTOR, {"dtype": "float32"}, {"micro_batch_size": 4}, seed=0, num_threads=1)
-        prompts = local.tokenize_prompts([[{"role": "user", "content": f"Calculate {i} + {i + 2}."}] for i in range(4)], 256)
+        messages = [[{"role": "user", "content": f"Calculate {i} + {i + 2}."}] for i in range(4)]
+        prompts = local.tokenize_prompts(messages, 256)
         greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, seed=0)
         remote = policy.execute("generate_sequences", prompts, greedy, False)
         assert remote["response_ids"] == local.generate_sequences(prompts, greedy, False)["response_ids"]
@@ -263,7 +265,7 @@ def test_separate_rollout_workers_get_weights_after_each_update(ray_local, tiny_
         rows = [p for p in prompts for _ in range(2)]
         assert [len(x) for x in out["old_logprobs"]] == [len(r) for r in out["response_ids"]]
         batch = {"prompt_ids": rows, "response_ids": out["response_ids"],
-                 "old_logprobs": [x.tolist() for x in out["old_logprobs"]],
+                 "old_logprobs": [list(x) for x in out["old_logprobs"]],
                  "advantages": [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out["response_ids"])],
                  "mini_batch_rows": 8}
         policy.execute("update_actor", batch, 1.0)

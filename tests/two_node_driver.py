@@ -28,8 +28,8 @@ def main() -> None:
     nodes = [{"node_id": n["NodeID"], "alive": n["Alive"], "resources": n["Resources"]} for n in ray.nodes()]
     ray.shutdown()
     meta = json.loads((Path(summary["run_dir"]) / "run.json").read_text())
-    print("RESULT " + json.dumps({"run_dir": summary["run_dir"], "nodes": nodes,
-                                  "worker_nodes": meta.get("worker_nodes"), "policy_version": summary["policy_version"]}))
+    print("RESULT " + json.dumps({"run_dir": summary["run_dir"], "nodes": nodes, "worker_nodes": meta.get("worker_nodes"),
+                                  "policy_version": summary["policy_version"]}))
 
 
 if __name__ == "__main__":

@@ -198,7 +198,8 @@ def parse_pools(pools: Mapping[str, Any]) -> dict[str, Pool]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"config: {where}.{key}={value!r} must be an integer >= 1")
         if not isinstance(device, str) or not device:
-            raise ConfigError(f"config: {where}.device={device!r} must be cpu, gpu or a custom Ray resource name (e.g. NPU)")
+            raise ConfigError(f"config: {where}.device={device!r} must be cpu, gpu or a custom Ray resource name "
+                              "(e.g. NPU)")
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
             raise ConfigError(f"config: {where}.num_cpus_per_worker={cpus!r} must be a number >= 0")
         if device == "cpu" and cpus <= 0:
@@ -250,7 +251,8 @@ def validate_resources(cfg: Any, source: str = "config") -> None:
                               "(one pool per role); none are declared")
         for role in ROLES[1:]:
             if cfg[role].pool is not None:
-                raise ConfigError(f"{source}: {role}.pool={cfg[role].pool!r} names a pool, but resources.pools is empty")
+                raise ConfigError(f"{source}: {role}.pool={cfg[role].pool!r} names a pool, but resources.pools "
+                                  "is empty")
         if a.pool != DEFAULT_POOL:
             raise ConfigError(f"{source}: actor.pool={a.pool!r} is not declared in resources.pools (none are)")
         return

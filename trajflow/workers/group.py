@@ -111,7 +111,8 @@ def _row_weight(values: Sequence[Any]) -> float:
     return w
 
 
-def plan_split(bound: dict[str, Any], split_args: Sequence[str], k: int, pad: bool) -> tuple[list[list[int]], list[int]]:
+def plan_split(bound: dict[str, Any], split_args: Sequence[str], k: int,
+               pad: bool) -> tuple[list[list[int]], list[int]]:
     """Rows per rank for a ``split`` call: (row indices per rank, padding rows added per rank).
 
     Raises:
