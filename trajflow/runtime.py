@@ -96,9 +96,9 @@ class RunContext:
     cfg: DictConfig
     store: RunStore
     model_path: str
-    actor: Any = None            # Ray handle of PolicyWorker
-    reference: Any = None        # Ray handle of ReferenceWorker (None without KL)
-    critic: Any = None           # Ray handle of CriticWorker (None unless the estimator needs values)
+    actor: Any = None            # WorkerGroup of PolicyWorker ranks (called like one Ray actor handle)
+    reference: Any = None        # WorkerGroup of ReferenceWorker ranks (None without KL)
+    critic: Any = None           # WorkerGroup of one CriticWorker (None unless the estimator needs values)
     reward_model: Any = None     # Ray handle of RewardModelWorker (None unless reward.reward_model.enable)
     tracker: Any = None          # trajflow.tracking.Tracker
     sampler: Any = None          # trajflow.data.PromptSampler
