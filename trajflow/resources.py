@@ -216,7 +216,9 @@ def role_enabled(cfg: Any, role: str) -> bool:
     if role == "reference":
         return cfg.actor.kl_loss_coef > 0 or bool(cfg.algorithm.use_kl_in_reward)
     if role == "critic":
-        return cfg.algorithm.adv_estimator in ("gae",)
+        from trajflow.runtime import VALUE_ESTIMATORS
+
+        return cfg.algorithm.adv_estimator in VALUE_ESTIMATORS
     if role == "rollout":
         return cfg.rollout.pool is not None
     raise KeyError(role)
