@@ -98,7 +98,7 @@ class RunContext:
     model_path: str
     actor: Any = None            # WorkerGroup of PolicyWorker ranks (called like one Ray actor handle)
     reference: Any = None        # WorkerGroup of ReferenceWorker ranks (None without KL)
-    critic: Any = None           # WorkerGroup of one CriticWorker (None unless the estimator needs values)
+    critic: Any = None           # Ray handle of CriticWorker (None unless the estimator needs values)
     reward_model: Any = None     # Ray handle of RewardModelWorker (None unless reward.reward_model.enable)
     tracker: Any = None          # trajflow.tracking.Tracker
     sampler: Any = None          # trajflow.data.PromptSampler
@@ -243,14 +243,11 @@ def create_critic_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
     from trajflow.models import resolve_model_path
     from trajflow.workers.critic import CriticWorker
 
-    from trajflow.workers.group import WorkerGroup
-
     cfg = ctx.cfg
     path = str(resolve_model_path(cfg.critic.path, cfg.model.cache_dir)) if cfg.critic.path else ctx.model_path
-    # One rank on the critic's pool (slot 0; num_cpus=0 when no pools are declared).
-    ctx.critic = WorkerGroup.spawn(
-        CriticWorker, (path, ctx.plain("critic"), ctx.plain("model"), cfg.trainer.device, int(cfg.trainer.num_threads)),
-        [placement(ctx).actor_options("critic", 0)], "critic")
+    # One actor on the critic's pool (its slot 0; num_cpus=0 when no pools are declared).
+    ctx.critic = ray.remote(max_restarts=0)(CriticWorker).options(**placement(ctx).actor_options("critic", 0)).remote(
+        path, ctx.plain("critic"), ctx.plain("model"), cfg.trainer.device, int(cfg.trainer.num_threads))
     if wait_loaded:
         ray.get(ctx.critic.pid.remote())
 
@@ -295,8 +292,7 @@ def create_workers(ctx: RunContext) -> None:
     for handle in (ctx.critic, ctx.reward_model):
         if handle is not None:
             ray.get(handle.pid.remote())
-    groups = {"actor": ctx.actor, "reference": ctx.reference, "critic": ctx.critic,
-              "rollout": ctx.extra.get("rollout")}
+    groups = {"actor": ctx.actor, "reference": ctx.reference, "rollout": ctx.extra.get("rollout")}
     ctx.store.update_run_meta(worker_nodes={role: g.node_ids() for role, g in groups.items() if g is not None})
     try:
         watch_new_ray_processes()
