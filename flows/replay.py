@@ -141,7 +141,7 @@ def open_replay(cfg: DictConfig, run_id: str, parent: RunStore, first: int, last
     Raises:
         trajflow.session.RunExistsError: ``run_id`` exists.
     """
-    from trajflow.tracking import Tracker
+    from trajflow.tracking import Tracker, lineage_tags
 
     store = RunStore(cfg.store.root, run_id)
     if store.exists():
@@ -167,8 +167,8 @@ def open_replay(cfg: DictConfig, run_id: str, parent: RunStore, first: int, last
             # A worker lost mid-replay is rebuilt from here plus this run's stored updates.
             ctx.extra["initial_checkpoint"] = str(ckpt.checkpoint_dir(parent, start) / "actor")
         ctx.extra.update(policy_source=start_id, last_iteration=last, start_iteration=first)
-        tags = {f"trajflow.{k}": (f"{first}:{last}" if k == "parent_iterations" else str(v)) for k, v in lineage.items()}
-        tags["trajflow.kind"] = "replay"
+        tags = lineage_tags(parent.run_id, first, from_stage)
+        tags.update({"trajflow.parent_iterations": f"{first}:{last}", "trajflow.kind": "replay"})
         parent_mlflow = parent.read_run_meta().get("mlflow_run_id")
         if parent_mlflow:
             tags["trajflow.parent_mlflow_run_id"] = parent_mlflow
