@@ -345,7 +345,8 @@ def iteration_seed(seed: int, iteration: int, salt: int = 0) -> int:
     Args:
         seed: ``trainer.seed``.
         iteration: the iteration (or validation step).
-        salt: separates streams of one iteration (0 rollout, 1 update shuffle, 2 validation, 3 update RNG).
+        salt: separates streams of one iteration (0 rollout, 1 update shuffle, 2 validation, 3 ReMax
+            greedy baseline, 4 critic shuffle, 5 update RNG, 100 + k dynamic-sampling batch k).
 
     Returns:
         An int in ``[0, 2**31 - 1)``.
@@ -411,7 +412,7 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         batch["rollout_is_threshold"] = float(rollout_is_threshold)
     batch["mini_batch_rows"] = ppo_mini_batch_size * n
     batch["shuffle_seed"] = iteration_seed(seed, iteration, salt=1)
-    batch["rng_seed"] = iteration_seed(seed, iteration, salt=3)
+    batch["rng_seed"] = iteration_seed(seed, iteration, salt=5)
     return batch
 
 
