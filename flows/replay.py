@@ -122,11 +122,6 @@ def plan(parent: RunStore, first: int, last: int, from_stage: str) -> dict:
     return {"start_checkpoint": start, "run_update": have, "note": note}
 
 
-def _restore_reward_metrics(ctx: RunContext, iteration: int) -> None:
-    entry = ctx.store.stage_entry(iteration, "reward") or {}
-    ctx.extra.setdefault("reward_metrics", {})[iteration] = dict(entry.get("meta", {}).get("metrics", {}))
-
-
 def _parent_gate(parent: RunStore, iteration: int) -> dict:
     """The parent's gate result (its quarantine shaped the stored advantages); empty when gates were off."""
     g = parent.read_iteration_json(iteration, "gate.json") or {}
@@ -215,7 +210,7 @@ def replay_flow(run_id: str, from_stage: str, iteration: Optional[int] = None, i
             kept = {s: ctx.store.copy_stage_from(parent, it, s) for s in _KEPT[from_stage]}
             rollout = kept["rollout"]
             if "reward" in kept:
-                _restore_reward_metrics(ctx, it)
+                tasks.restore_reward_metrics(ctx, it)
             reward = kept.get("reward") or stage.reward(new_id, it, rollout)
             gate = _parent_gate(parent, it) if from_stage == "update" else stage.gate(new_id, it, rollout, reward)
             advantage = kept.get("advantage") or stage.advantage(new_id, it, rollout, reward, gate)
@@ -229,8 +224,8 @@ def replay_flow(run_id: str, from_stage: str, iteration: Optional[int] = None, i
             summary = session.finish_run(ctx)
         else:
             ctx.store.update_run_meta(status="finished", finished=time.time())
-            summary = {"run_id": new_id, "run_dir": str(ctx.store.run_dir), "metrics": ctx.extra.get("last_metrics", {}),
-                       "mlflow_run_id": ctx.tracker.run_id}
+            summary = {"run_id": new_id, "run_dir": str(ctx.store.run_dir), "mlflow_run_id": ctx.tracker.run_id,
+                       "metrics": ctx.extra.get("last_metrics", {})}
         summary.update(parent_run_id=run_id, parent_iterations=[first, last], from_stage=from_stage, note=plan_["note"])
         status = "FINISHED"
         return summary

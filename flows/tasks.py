@@ -130,10 +130,17 @@ def reward_inputs(ctx: RunContext, rollout: StageRef) -> dict[str, str]:
     return {"rollout": rollout.sha256, "settings": digest(settings)}
 
 
+def restore_reward_metrics(ctx: RunContext, iteration: int) -> None:
+    """Put the metrics stored with a reused reward output (KL for the controller, ...) back in the context."""
+    stored = (ctx.store.stage_entry(iteration, "reward") or {}).get("meta", {}).get("metrics", {})
+    ctx.extra.setdefault("reward_metrics", {})[iteration] = dict(stored)
+
+
 def advantage_inputs(ctx: RunContext, rollout: StageRef, reward: StageRef, gate: dict) -> dict[str, str]:
     """What an advantage output depends on: rollout and reward files, the gate's quarantine, ``algorithm``."""
     return {"rollout": rollout.sha256, "reward": reward.sha256,
-            "gate": digest(sorted(gate.get("quarantined_sample_ids") or ())), "settings": digest(ctx.plain("algorithm"))}
+            "gate": digest(sorted(gate.get("quarantined_sample_ids") or ())),
+            "settings": digest(ctx.plain("algorithm"))}
 
 
 def _dynamic_sampling(ctx, iteration: int, first_prompts: list) -> tuple[pa.Table, dict]:
@@ -299,9 +306,8 @@ def reward_stage(run_id: str, iteration: int, rollout: StageRef) -> StageRef:
     ctx = get_context(run_id)
     inputs = reward_inputs(ctx, rollout)
     ref = ctx.store.verified_stage(iteration, "reward", inputs=inputs)
-    if ref is not None:  # its metrics (KL for the controller) were stored with it
-        stored = (ctx.store.stage_entry(iteration, "reward") or {}).get("meta", {}).get("metrics", {})
-        ctx.extra.setdefault("reward_metrics", {})[iteration] = dict(stored)
+    if ref is not None:
+        restore_reward_metrics(ctx, iteration)
         return ref
     with stage_guard(ctx, "reward"):
         ensure_workers(ctx, through=iteration - 1)

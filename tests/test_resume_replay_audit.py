@@ -42,7 +42,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
@@ -118,7 +117,6 @@ class Lab:
         self.mlflow_template = mlflow_template
         self.spec = root / "data" / "words.yaml"
         self.reward = root / "data" / "reward.py"
-        self.lock = threading.Lock()
 
     def store(self, name: str) -> Path:
         d = self.root / name
@@ -155,7 +153,8 @@ class Lab:
         step.seconds = time.perf_counter() - t0
         step.rc, step.stdout, step.stderr = r.returncode, r.stdout, r.stderr
         (self.root / "logs").mkdir(exist_ok=True)
-        (self.root / "logs" / f"{name}.log").write_text(f"$ {' '.join(args)}\nrc={r.returncode}\n{r.stdout}\n{r.stderr}")
+        log = f"$ {' '.join(args)}\nrc={r.returncode}\n{r.stdout}\n{r.stderr}"
+        (self.root / "logs" / f"{name}.log").write_text(log)
         if r.returncode == -signal.SIGKILL:
             deadline = time.time() + 25
             while (left := _marked_processes(mark)) and time.time() < deadline:
@@ -175,8 +174,9 @@ def lab(tmp_path_factory, tiny_model_dir):
     (root / "data").mkdir()
     with open(root / "data" / "prompts.jsonl", "w") as f:
         for i, w in enumerate(WORDS):
-            f.write(json.dumps({"data_source": "test/words", "prompt": [{"role": "user", "content": f"Say the word {w}."}],
-                                "reward_model": {"style": "rule", "ground_truth": w}, "extra_info": {"index": i}}) + "\n")
+            row = {"data_source": "test/words", "prompt": [{"role": "user", "content": f"Say the word {w}."}],
+                   "reward_model": {"style": "rule", "ground_truth": w}, "extra_info": {"index": i}}
+            f.write(json.dumps(row) + "\n")
     (root / "data" / "words.yaml").write_text("name: words\nsource: file\npath: prompts.jsonl\nseed: 0\n"
                                              "split:\n  validation_size: 0\n")
     (root / "data" / "reward.py").write_text(REWARD_PY)

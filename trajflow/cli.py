@@ -114,7 +114,8 @@ def replay(run_id: str = typer.Argument(..., help="the run whose stored iteratio
                                                          "of A..B (off-policy by design)"),
            from_stage: str = typer.Option(..., "--from-stage", help="first stage to recompute: reward, advantage "
                                                                     "or update"),
-           new_run_id: Optional[str] = typer.Option(None, "--run-id", help="id of the new run (default: generated)")) -> None:
+           new_run_id: Optional[str] = typer.Option(None, "--run-id",
+                                                    help="id of the new run (default: generated)")) -> None:
     """Recompute the stages from --from-stage of stored iterations with a (changed) config, into a new run."""
 
     def go():
@@ -133,7 +134,8 @@ AUDIT_FORMATS = ("table", "json", "parquet")
 
 @app.command()
 def audit(run_id: str = typer.Argument(..., help="the run"),
-          where: Optional[str] = typer.Option(None, "--where", help="SQL filter, e.g. \"iteration >= 2 AND score > 0\""),
+          where: Optional[str] = typer.Option(None, "--where",
+                                              help="SQL filter, e.g. \"iteration >= 2 AND score > 0\""),
           search: Optional[str] = typer.Option(None, "--search", help="full-text search over prompt and response"),
           limit: int = typer.Option(50, "--limit", "-k", help="at most this many rows"),
           fmt: str = typer.Option("table", "--format", "-f", help="table, json or parquet"),

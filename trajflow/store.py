@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -79,34 +79,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        fault_point("store_write")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Run ``write(temp_path)``, fsync the temp file, rename it to ``path``, fsync the folder.
 
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
-
-
-def atomic_write_parquet(path: Path, table: pa.Table) -> None:
-    """Write a zstd Parquet file atomically (temp file, fsync, rename, fsync folder)."""
+    A temp file in the same folder (``.<name>.*.tmp``) is removed when ``write`` raises; a process
+    killed before the rename leaves only that temp file (see :meth:`RunStore.cleanup_temp`).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        pq.write_table(table, tmp, compression="zstd")
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         fault_point("store_write")
@@ -115,6 +98,20 @@ def atomic_write_parquet(path: Path, table: pa.Table) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    _atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
+
+
+def atomic_write_parquet(path: Path, table: pa.Table) -> None:
+    """Write a zstd Parquet file atomically (temp file, fsync, rename, fsync folder)."""
+    _atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
 class RunStore:
