@@ -231,6 +231,46 @@ def test_watcher_reaps_listed_processes_when_the_pipe_closes():
                 p.wait()
 
 
+def test_watcher_reaps_what_a_raylet_starts_after_it_was_listed(tmp_path):
+    """Ray's agents are the raylet's children, started after ``ray.init`` may have returned and
+    unmarked in their environment; the watcher must find them by polling the raylet's descendants."""
+    import psutil
+
+    from trajflow import raywatch
+
+    raylet_exe = tmp_path / "raylet"  # the process name the watcher recognises a raylet by
+    raylet_exe.symlink_to(sys.executable)
+    pidfile = tmp_path / "agent.pid"
+    script = ("import subprocess, sys, time; time.sleep(1.0); "
+              "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+              f"open({str(pidfile)!r}, 'w').write(str(a.pid)); time.sleep(120)")
+    raylet = subprocess.Popen([str(raylet_exe), "-c", script])
+    agent = None
+    try:
+        proc = psutil.Process(raylet.pid)
+        assert proc.name() == "raylet"
+        w = raywatch.start([(raylet.pid, proc.create_time())])
+        deadline = time.time() + 30
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.time() < deadline, "the fake raylet never started its agent"
+            time.sleep(0.1)
+        agent = psutil.Process(int(pidfile.read_text()))
+        time.sleep(raywatch.POLL_S + 1.0)  # one poll sees the agent
+        raylet.kill()  # the raylet dies first, as with a SIGKILLed driver; the agent is orphaned
+        raylet.wait()
+        assert agent.is_running()
+        w.close()
+        w.proc.wait(timeout=30)
+        agent.wait(timeout=10)
+        assert not agent.is_running()
+    finally:
+        for p in ([raylet] + ([agent] if agent is not None else [])):
+            try:
+                p.kill()
+            except (OSError, psutil.Error):
+                pass
+
+
 # ------------------------------------------------------------------ audit table
 
 

@@ -11,9 +11,15 @@ it the ``(pid, create_time)`` of the processes its ``ray.init`` started, one JSO
 keeps the pipe open. When the pipe closes (the driver exited, however it exited), the watcher waits
 ``GRACE_S`` for Ray's own teardown, then terminates the listed processes that are still alive *and*
 still have the recorded create time (so a reused pid is never touched), plus the worker processes
-the cluster's raylet started later (their environment names the raylet: ``RAY_RAYLET_PID``; only
-those created after that raylet and before the driver died), and kills those that ignore
-``SIGTERM``. It imports nothing but the standard library and psutil.
+the cluster's raylet started later, and kills those that ignore ``SIGTERM``. It imports nothing but
+the standard library and psutil.
+
+The raylet's later processes are found two ways, because neither alone sees all of them: while the
+pipe is open the watcher lists the raylet's descendants every ``POLL_S`` (this is how the dashboard
+and runtime-env agents are seen: the raylet may start them after ``ray.init`` returns, and they carry
+no mark in their environment), and at reap time it adds processes whose environment names the raylet
+(``RAY_RAYLET_PID``; workers started between the last poll and the driver's death), created after that
+raylet and before the driver died.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Iterable
 
 GRACE_S = 1.0
 TERM_WAIT_S = 3.0
+POLL_S = 2.0
 
 
 def descendants() -> set[tuple[int, float]]:
@@ -150,23 +157,58 @@ def reap(procs: Iterable[tuple[int, float]], grace_s: float = GRACE_S, term_wait
     return [p.pid for p in alive]
 
 
+def children_of(parents: Iterable[tuple[int, float]]) -> set[tuple[int, float]]:
+    """``(pid, create_time)`` of every live descendant of the ``parents`` that still run with their
+    recorded create time (a parent whose pid was reused contributes nothing)."""
+    import psutil
+
+    out = set()
+    for pid, ctime in parents:
+        try:
+            parent = psutil.Process(pid)
+            if abs(parent.create_time() - ctime) >= 1e-3:
+                continue
+            kids = parent.children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in kids:
+            try:
+                out.add((p.pid, p.create_time()))
+            except psutil.Error:
+                pass
+    return out
+
+
 def main() -> None:
+    import select
+
     import psutil
 
     procs: set[tuple[int, float]] = set()
     raylets: set[tuple[int, float]] = set()
-    for line in sys.stdin.buffer:  # ends at EOF: the driver closed the pipe or died
-        try:
-            new = {(int(pid), float(ct)) for pid, ct in json.loads(line)}
-        except (ValueError, TypeError):
-            continue
-        procs |= new
-        for pid, ct in new:
-            try:
-                if psutil.Process(pid).name() == "raylet":
-                    raylets.add((pid, ct))
-            except psutil.Error:
-                pass
+    fd = sys.stdin.buffer.fileno()
+    pending = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], POLL_S)
+        if ready:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # EOF: the driver closed the pipe or died
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                try:
+                    new = {(int(pid), float(ct)) for pid, ct in json.loads(line)}
+                except (ValueError, TypeError):
+                    continue
+                procs |= new
+                for pid, ct in new:
+                    try:
+                        if psutil.Process(pid).name() == "raylet":
+                            raylets.add((pid, ct))
+                    except psutil.Error:
+                        pass
+        procs |= children_of(raylets)
     reap(sorted(procs), raylets=sorted(raylets))
 
 
