@@ -15,13 +15,18 @@ runs):
 
        F = 6 * N_body * T_all                 # decoder layers, forward + backward (Kaplan et al. 2020)
          + 6 * d * V * T_resp                 # LM head, only on response positions (all trajflow computes)
-         + 12 * L * d * sum_rows(S_row ** 2)  # attention scores and values, PaLM (Chowdhery et al. 2022, App. B)
+         + 12 * L * d * (sum_groups P^2 + sum_rows ((P + R)^2 - P^2))
+                                              # attention scores and values, PaLM (Chowdhery et al. 2022, App. B)
 
    with N_body the non-embedding parameters, d the hidden size, V the vocabulary, L the layers,
-   T_all the real (non-pad) prompt + response tokens, T_resp the response tokens, S_row a row's real
-   length. Padding, softmax/entropy and the optimizer are not counted (they are not model FLOPs).
-   MFU = F / update seconds / matmul ceiling (the higher of a measurement before and after). The brief's naive count (6 * all params * T_all, i.e.
-   LM head on prompt tokens too) is printed for reference.
+   T_all the real (non-pad) tokens trajflow runs: each group's prompt once (its ``n`` samples share
+   the prompt's KV cache) plus every row's response; T_resp the response tokens, P a group's prompt
+   length, R a row's response length. Padding, softmax/entropy and the optimizer are not counted
+   (they are not model FLOPs).
+   MFU = F / update seconds / matmul ceiling (the higher of a measurement before and after). The
+   brief's naive count (6 * all params * every row's prompt + response tokens, i.e. the prompt run
+   once per sample and the LM head on prompt tokens too) is printed for reference: it is the work a
+   trainer without prompt sharing does, so its "MFU" can exceed 100 %.
 4. **trajflow's generation rate at batch 32** (``PolicyWorker.generate_sequences``: the HF engine, 32
    rows in one ``generate`` call): real generated tokens (EOS included, nothing after it) / seconds,
    best of R, as a fraction of the plain forward token rate at batch 32 x 64. The "slot" rate
@@ -88,15 +93,26 @@ def model_dims(model) -> dict:
     return dict(L=c.num_hidden_layers, d=c.hidden_size, V=c.vocab_size, n_total=n_total, n_body=n_body, tied=tied)
 
 
-def update_flops(dims: dict, prompt_lens: list[int], resp_lens: list[int]) -> tuple[float, float, dict]:
-    """(F, naive F, parts) for one update over the rows; see the module doc for the formula."""
-    S = np.asarray(prompt_lens, dtype=np.float64) + np.asarray(resp_lens, dtype=np.float64)
-    t_all, t_resp = float(S.sum()), float(np.sum(resp_lens))
+def update_flops(dims: dict, prompt_lens: list[int], resp_lens: list[int], n: int = 1) -> tuple[float, float, dict]:
+    """(F, naive F, parts) for one update over the rows; see the module doc for the formula.
+
+    Rows come in groups of ``n`` consecutive rows with one prompt, and trajflow computes each group's
+    prompt once (:func:`trajflow.workers.forward.response_hidden_states`), so F counts a group's prompt
+    tokens once and its rows' response tokens each; attention counts the prompt's causal square once
+    and each row's ``(P + R)^2 - P^2``. The naive count charges every row its own prompt (what a
+    trainer without prompt sharing computes) and the LM head on every token.
+    """
+    P = np.asarray(prompt_lens, dtype=np.float64)
+    R = np.asarray(resp_lens, dtype=np.float64)
+    S = P + R
+    p_once = P[::n]
+    t_all, t_resp = float(p_once.sum() + R.sum()), float(R.sum())
     body = 6 * dims["n_body"] * t_all
     head = 6 * dims["d"] * dims["V"] * t_resp
-    attn = 12 * dims["L"] * dims["d"] * float((S**2).sum())
-    naive = 6 * dims["n_total"] * t_all + attn
-    return body + head + attn, naive, dict(body=body, head=head, attn=attn, t_all=t_all, t_resp=t_resp)
+    attn = 12 * dims["L"] * dims["d"] * float((p_once**2).sum() + (S**2 - P**2).sum())
+    naive = 6 * dims["n_total"] * float(S.sum()) + 12 * dims["L"] * dims["d"] * float((S**2).sum())
+    return body + head + attn, naive, dict(body=body, head=head, attn=attn, t_all=t_all, t_resp=t_resp,
+                                           t_rows=float(S.sum()))
 
 
 def grpo_advantages(scores: np.ndarray, n: int, eps: float = 1e-6) -> np.ndarray:
@@ -192,15 +208,16 @@ def main() -> None:
         print(f"update_actor {'(warm-up) ' if r == 0 else ''}{upd_times[-1]:.2f} s, grad_norm {m.get('actor/grad_norm', float('nan')):.3f}")
     t_upd = min(upd_times[1:])
     p_lens, r_lens = [len(p) for p in rows_prompt], [len(x) for x in resp]
-    F, F_naive, parts = update_flops(dims, p_lens, r_lens)
+    F, F_naive, parts = update_flops(dims, p_lens, r_lens, n)
     mfu = F / t_upd / 1e9 / peak
     F_fwd = (parts["body"] + parts["head"] + parts["attn"]) / 3
-    print(f"rows {len(resp)} ({prefix}, scores mean {scores.mean():.2f}); tokens {parts['t_all']:.0f} "
-          f"(responses {parts['t_resp']:.0f}, mean prompt {np.mean(p_lens):.0f})")
+    print(f"rows {len(resp)} ({prefix}, scores mean {scores.mean():.2f}); tokens computed {parts['t_all']:.0f} "
+          f"(responses {parts['t_resp']:.0f}, each group's prompt once, mean prompt {np.mean(p_lens):.0f}); "
+          f"{parts['t_rows']:.0f} if every row ran its own prompt")
     print(f"update FLOPs: body {parts['body'] / 1e12:.3f} + head {parts['head'] / 1e12:.3f} + attention "
           f"{parts['attn'] / 1e12:.3f} = {F / 1e12:.3f} TFLOP (naive 6*N_all*T + attn: {F_naive / 1e12:.3f})")
     print(f"update: best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {mfu:.1%} of {peak:.1f} "
-          f"(naive count: {F_naive / t_upd / 1e9 / peak:.1%})")
+          f"(naive count, every row its own prompt and the LM head everywhere: {F_naive / t_upd / 1e9 / peak:.1%})")
     print(f"teacher-forced log-prob forward (compute_log_prob): {t_old:.2f} s -> {F_fwd / t_old / 1e9:.1f} GFLOP/s = {F_fwd / t_old / 1e9 / peak:.1%} of matmul")
     # The load of a shared machine drifts: measure the ceiling again and keep the higher one (lower MFU).
     peak2, rates2 = matmul_gflops(args.matmul_n, max(3, args.repeats * 3))

@@ -15,8 +15,10 @@ class HFRolloutEngine:
     """Samples from a transformers causal LM that is also the one being trained.
 
     Sharing the module means weight sync is free and the rollout always uses the newest policy.
-    Rows are generated in batches of ``micro_batch_size``, grouped by prompt length so that left
-    padding wastes little compute, then returned in prompt-major order.
+    Prompts are sorted by length (so left padding wastes little compute) and generated
+    ``micro_batch_size // n`` prompts (all ``n`` samples of each) per ``generate`` call; each prompt
+    is prefilled once and its KV cache copied to its ``n`` rows, so the prompt is not computed ``n``
+    times. Responses are returned in prompt-major order.
 
     Args:
         model: the policy module.
@@ -51,27 +53,49 @@ class HFRolloutEngine:
         if unexpected:
             raise RuntimeError(f"update_weights: unknown weights {unexpected[:3]}")
 
+    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, n: int):
+        """KV cache of all but the last prompt token, computed once per prompt and repeated ``n`` times.
+
+        ``generate`` then only runs the last prompt token and the new ones. Position ids follow
+        ``generate``'s own rule (count of real tokens so far) so the cached keys match what it would
+        have computed.
+        """
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        # The decoder alone: the LM head's logits of these positions are never needed.
+        out = self.model.get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
+                                       position_ids=pos[:, :-1], use_cache=True)
+        cache = out.cache
+        cache.batch_repeat_interleave(n)
+        return cache
+
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
         """Sample ``params.n`` responses for each prompt; see :class:`GenerationOutput` for the order."""
-        rows = [list(p) for p in prompt_ids for _ in range(params.n)]
-        order = sorted(range(len(rows)), key=lambda i: (len(rows[i]), i))
-        responses: list[list[int] | None] = [None] * len(rows)
-        finish: list[str | None] = [None] * len(rows)
-        logprobs: list[list[float] | None] = [None] * len(rows)
+        n = int(params.n)
+        prompts = [list(p) for p in prompt_ids]
+        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+        per_call = max(1, self.micro_batch_size // n)
+        total = len(prompts) * n
+        responses: list[list[int] | None] = [None] * total
+        finish: list[str | None] = [None] * total
+        logprobs: list[list[float] | None] = [None] * total
         gen = torch.Generator(device="cpu").manual_seed(int(params.seed))
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(order), self.micro_batch_size):
-                idx = order[start:start + self.micro_batch_size]
-                batch = [rows[i] for i in idx]
+            for start in range(0, len(order), per_call):
+                pidx = order[start:start + per_call]
+                idx = [i * n + s for i in pidx for s in range(n)]  # output rows, prompt-major
+                batch = [prompts[i] for i in pidx]
                 width = max(len(p) for p in batch)
                 ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
                 attn = torch.zeros((len(batch), width), dtype=torch.long)
                 for j, p in enumerate(batch):
                     ids[j, width - len(p):] = torch.tensor(p)
                     attn[j, width - len(p):] = 1
+                ids, attn = ids.to(self.device), attn.to(self.device)
+                cache = self._prefill(ids, attn, n) if n > 1 and width > 1 else None
+                ids, attn = ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)
                 # One RNG stream per call, advanced in a fixed batch order: same seed, same samples.
                 torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
                 # output_logits: the raw per-step logits, from which the sampled tokens' log-probs
@@ -81,27 +105,29 @@ class HFRolloutEngine:
                               output_logits=not params.greedy)
                 if self.synced_gpus:
                     kwargs["synced_gpus"] = True
+                if cache is not None:
+                    kwargs["cache"] = cache
                 if params.greedy:
                     kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
                 else:
                     # top_k=0 disables the warper; None would fall back to generation_config's 50.
                     kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
                                   top_k=params.top_k)
-                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+                out = self.model.generate(input_ids=ids, attention_mask=attn, **kwargs)
                 resp = out.sequences[:, width:].cpu()
                 if resp.shape[1] == 0:
-                    resp = torch.full((len(batch), 1), self.pad_id, dtype=torch.long)
+                    resp = torch.full((len(idx), 1), self.pad_id, dtype=torch.long)
                 step_lp = None
                 if out.logits:
                     step_lp = torch.stack([logprobs_from_logits(lg, resp[:, t].to(lg.device), params.temperature)
                                            for t, lg in enumerate(out.logits)], dim=1).cpu()
                 lengths, reasons = response_lengths_and_finish(resp, self.eos_ids)
                 for j, i in enumerate(idx):
-                    n = int(lengths[j])
-                    responses[i] = resp[j, :n].tolist()
+                    length = int(lengths[j])
+                    responses[i] = resp[j, :length].tolist()
                     finish[i] = reasons[j]
                     if step_lp is not None:
-                        logprobs[i] = step_lp[j, :n].tolist()
+                        logprobs[i] = step_lp[j, :length].tolist()
         finally:
             self.model.train(was_training)
         return GenerationOutput(response_ids=responses, finish_reason=finish,  # type: ignore[arg-type]
