@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
-from trajflow.workers.forward import forward_micro_batch, pack, shared_prompt_rows
+from trajflow.workers.forward import forward_micro_batch, layout_prompts, pack, shared_prompt_rows
 
 PAD = 2
 
@@ -28,28 +28,40 @@ def test_shared_prompt_rows_by_hand():
     assert shared_prompt_rows(pack([[5, 6], [7]], [[1], [1]], PAD)) is None
 
 
+def test_layout_prompts_by_hand():
+    # Common prefix [5, 6] (not [5, 6, 7]: the shortest prompt keeps one suffix token).
+    lay = layout_prompts([[5, 6, 7], [5, 6, 8, 9], [5, 6, 7, 1, 2]], PAD)
+    assert lay.common == 2
+    assert lay.input_ids.tolist() == [[5, 6, PAD, PAD, 7], [5, 6, PAD, 8, 9], [5, 6, 7, 1, 2]]
+    assert lay.attention_mask.tolist() == [[1, 1, 0, 0, 1], [1, 1, 0, 1, 1], [1, 1, 1, 1, 1]]
+    assert lay.position_ids.tolist() == [[0, 1, 1, 1, 2], [0, 1, 1, 2, 3], [0, 1, 2, 3, 4]]
+    assert layout_prompts([[5, 6, 7]], PAD).common == 0  # one prompt: nothing to share
+    assert layout_prompts([[5, 6], [7, 6]], PAD).common == 0
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
 
 
-def _batch(vocab: int):
+def _batch(vocab: int, common: int = 0):
     g = torch.Generator().manual_seed(3)
 
     def toks(k):
         return torch.randint(10, vocab, (k,), generator=g).tolist()
 
-    p1, p2, p3 = toks(9), toks(4), toks(12)
+    head = toks(common)  # a template's shared beginning (system prompt, worked example)
+    p1, p2, p3 = head + toks(9), head + toks(4), head + toks(12)
     # 3 distinct prompts of different lengths, groups of 3, 2 and 1, responses of lengths 1..7.
     prompts = [p1, p1, p1, p2, p2, p3]
     responses = [toks(5), toks(1), toks(7), toks(3), toks(6), toks(2)]
     return pack(prompts, responses, PAD)
 
 
-@pytest.mark.parametrize("train_mode", [False, True])
-def test_shared_forward_matches_the_full_forward(model, train_mode):
-    packed = _batch(model.config.vocab_size)
+@pytest.mark.parametrize("train_mode,common", [(False, 0), (True, 0), (False, 6), (True, 6)])
+def test_shared_forward_matches_the_full_forward(model, train_mode, common):
+    packed = _batch(model.config.vocab_size, common)
     model.train(train_mode)
     results = {}
     for share in (False, True):
@@ -84,13 +96,18 @@ def test_prefilled_greedy_generation_equals_single_prompt_generation(model, tiny
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prompts = [tok("Calculate 3 + 4.")["input_ids"], tok("What is twelve minus five, please?")["input_ids"]]
+    # A shared beginning, as a chat template with one system prompt gives.
+    prompts = [tok("Solve it. Calculate 3 + 4.")["input_ids"], tok("Solve it. What is twelve minus five?")["input_ids"]]
     engine = HFRolloutEngine(model, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], micro_batch_size=8)
-    # n = 3 takes the prefill path (prompt computed once, cache copied); n = 1 does not.
+    # Both prompts in one call, n = 3: common prefix once, each prompt once, cache copied to 3 rows.
     shared = engine.generate(prompts, SamplingParams(n=3, temperature=0.0, max_new_tokens=8, seed=0))
-    alone = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=8, seed=0))
     assert len(shared.response_ids) == 6
-    for i in range(2):
+    for i, p in enumerate(prompts):
+        # Reference: plain generate on this prompt alone, no cache handed in.
+        ids = torch.tensor([p])
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        if tok.eos_token_id in ref:
+            ref = ref[:ref.index(tok.eos_token_id) + 1]
         for s in range(3):
-            assert shared.response_ids[i * 3 + s] == alone.response_ids[i]
-            assert shared.finish_reason[i * 3 + s] == alone.finish_reason[i]
+            assert shared.response_ids[i * 3 + s] == ref

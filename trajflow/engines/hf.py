@@ -9,16 +9,18 @@ import torch
 
 from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish
 from trajflow.engines.base import GenerationOutput
+from trajflow.workers.forward import PromptLayout, encode_prompts, layout_prompts
 
 
 class HFRolloutEngine:
     """Samples from a transformers causal LM that is also the one being trained.
 
     Sharing the module means weight sync is free and the rollout always uses the newest policy.
-    Prompts are sorted by length (so left padding wastes little compute) and generated
-    ``micro_batch_size // n`` prompts (all ``n`` samples of each) per ``generate`` call; each prompt
-    is prefilled once and its KV cache copied to its ``n`` rows, so the prompt is not computed ``n``
-    times. Responses are returned in prompt-major order.
+    Prompts are sorted by length (so padding wastes little compute) and generated
+    ``micro_batch_size // n`` prompts (all ``n`` samples of each) per ``generate`` call. The call's
+    prompts are prefilled around their common prefix (:class:`trajflow.workers.forward.PromptLayout`:
+    the prefix once, each prompt's remainder once) and the KV cache is copied to each prompt's ``n``
+    rows, so no prompt token is computed twice. Responses are returned in prompt-major order.
 
     Args:
         model: the policy module.
@@ -53,19 +55,17 @@ class HFRolloutEngine:
         if unexpected:
             raise RuntimeError(f"update_weights: unknown weights {unexpected[:3]}")
 
-    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, n: int):
-        """KV cache of all but the last prompt token, computed once per prompt and repeated ``n`` times.
+    def _prefill(self, layout: PromptLayout, n: int):
+        """KV cache of all but the last column of ``layout``, computed once per prompt (the common
+        prefix once per call) and repeated ``n`` times; ``None`` if there is nothing to cache.
 
-        ``generate`` then only runs the last prompt token and the new ones. Position ids follow
-        ``generate``'s own rule (count of real tokens so far) so the cached keys match what it would
-        have computed.
+        ``generate`` then only runs the last prompt token and the new ones; the layout's position ids
+        follow ``generate``'s own rule (count of real tokens so far), so the cache is what it would
+        have computed itself.
         """
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        # The decoder alone: the LM head's logits of these positions are never needed.
-        out = self.model.get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
-                                       position_ids=pos[:, :-1], use_cache=True)
-        cache = out.cache
-        cache.batch_repeat_interleave(n)
+        _, cache = encode_prompts(self.model.get_decoder(), layout, layout.input_ids.shape[1] - 1)
+        if cache is not None and n > 1:
+            cache.batch_repeat_interleave(n)
         return cache
 
     @torch.no_grad()
@@ -87,15 +87,11 @@ class HFRolloutEngine:
                 pidx = order[start:start + per_call]
                 idx = [i * n + s for i in pidx for s in range(n)]  # output rows, prompt-major
                 batch = [prompts[i] for i in pidx]
-                width = max(len(p) for p in batch)
-                ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-                attn = torch.zeros((len(batch), width), dtype=torch.long)
-                for j, p in enumerate(batch):
-                    ids[j, width - len(p):] = torch.tensor(p)
-                    attn[j, width - len(p):] = 1
-                ids, attn = ids.to(self.device), attn.to(self.device)
-                cache = self._prefill(ids, attn, n) if n > 1 and width > 1 else None
-                ids, attn = ids.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)
+                layout = layout_prompts(batch, self.pad_id, self.device)
+                width = layout.input_ids.shape[1]
+                cache = self._prefill(layout, n)
+                ids = layout.input_ids.repeat_interleave(n, dim=0)
+                attn = layout.attention_mask.repeat_interleave(n, dim=0)
                 # One RNG stream per call, advanced in a fixed batch order: same seed, same samples.
                 torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
                 # output_logits: the raw per-step logits, from which the sampled tokens' log-probs

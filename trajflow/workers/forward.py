@@ -14,11 +14,13 @@ so every row's response starts at column ``P`` and the logits that predict respo
 at column ``P - 1 + t``. Only those ``T`` positions go through the LM head, which avoids the
 ``(b, P + T, vocab)`` logits tensor (49k vocab: 400 MB for 8 x 256 tokens).
 
-Shared prompts. A group's ``n`` samples share one prompt, and micro-batches hold whole groups (rows
-are prompt-major), so :func:`forward_micro_batch` runs each distinct prompt through the decoder once,
-copies its key/value cache to the rows that share it and runs only the responses against that cache.
-For prompts much longer than responses (the default recipe: ~90 prompt tokens, ~20 response tokens,
-n = 4) this removes most of the forward and backward compute. Gradients flow through the copied
+Shared prompts. A group's ``n`` samples share one prompt, micro-batches hold whole groups (rows are
+prompt-major), and prompts built from one template share a long prefix (system prompt, worked
+example). :func:`forward_micro_batch` therefore runs the micro-batch's common prefix once, each
+distinct prompt's remainder once against it (:class:`PromptLayout`), copies the resulting key/value
+cache to the rows that share each prompt and runs only the responses against that cache. For the
+default recipe (85-token prompts of which 72 are common, ~20-token responses, n = 4) this removes
+most of the forward and backward compute. Gradients flow through the copied
 cache into the prompt's forward (the copy's backward sums the rows' contributions), so the result is
 the full forward's up to float rounding.
 """
@@ -101,32 +103,127 @@ def shared_prompt_rows(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]
     return first, inverse
 
 
+def zero3_partitioned(model: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the model's parameters (they carry a ``ds_id``).
+
+    Every rank must then run the same sequence of module forwards (each gathers parameters
+    collectively), so the data-dependent shared-prompt path is not taken.
+    """
+    first = next(model.parameters(), None)
+    return first is not None and hasattr(first, "ds_id")
+
+
+@dataclass
+class PromptLayout:
+    """Distinct prompts laid out around their common prefix, for a cached prompt forward.
+
+    Row layout (``c`` = common prefix length, ``W`` = longest suffix)::
+
+        [common prefix, c tokens | pad ... pad | this prompt's suffix]
+
+    so the prefix is column-aligned (computed once, for one row) and every prompt's last token is in
+    the last column. Padding in the middle is masked out and position ids count real tokens only,
+    so each prompt sees exactly its own tokens at their usual positions.
+
+    Attributes:
+        input_ids: ``(k, c + W)`` int64.
+        attention_mask: ``(k, c + W)`` int64.
+        position_ids: ``(k, c + W)`` int64.
+        common: ``c``; 0 when there is one prompt or no shared prefix.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    common: int
+
+
+def layout_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
+                   device: str | torch.device = "cpu") -> PromptLayout:
+    """Lay out ``prompts`` (each non-empty) around their longest common prefix; see :class:`PromptLayout`.
+
+    The prefix stops one token short of the shortest prompt, so every row keeps a suffix token.
+    """
+    k = len(prompts)
+    c = 0
+    if k > 1:
+        shortest = min(len(p) for p in prompts)
+        first = prompts[0]
+        while c < shortest - 1 and all(p[c] == first[c] for p in prompts):
+            c += 1
+    W = max(len(p) - c for p in prompts)
+    ids = np.full((k, c + W), pad_id, dtype=np.int64)
+    attn = np.zeros((k, c + W), dtype=np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, :c] = p[:c]
+        ids[i, c + W - (len(p) - c):] = p[c:]
+        attn[i, :c] = 1
+        attn[i, c + W - (len(p) - c):] = 1
+    attention_mask = torch.from_numpy(attn)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return PromptLayout(torch.from_numpy(ids).to(device), attention_mask.to(device), position_ids.to(device), c)
+
+
+def encode_prompts(decoder: torch.nn.Module, layout: PromptLayout, width: int | None = None):
+    """Run the decoder over the first ``width`` columns of ``layout`` (all by default) with a KV cache.
+
+    The common prefix runs once, for one row, and its cache is repeated to the ``k`` rows (a
+    differentiable copy: the backward sums the rows' gradients) before the suffixes run against it.
+
+    Returns:
+        ``(hidden, cache)``: ``hidden`` ``(k, width - c, d)`` the suffix columns' last hidden states
+        (``None`` if there are none), ``cache`` the transformers ``Cache`` of all ``width`` columns
+        (``k`` rows).
+    """
+    width = layout.input_ids.shape[1] if width is None else width
+    c, k = layout.common, layout.input_ids.shape[0]
+    cache = None
+    if c > 0:
+        cache = decoder(input_ids=layout.input_ids[:1, :c], attention_mask=layout.attention_mask[:1, :c],
+                        position_ids=layout.position_ids[:1, :c], use_cache=True).cache
+        cache.batch_repeat_interleave(k)
+    if width <= c:
+        return None, cache
+    out = decoder(input_ids=layout.input_ids[:, c:width], attention_mask=layout.attention_mask[:, :width],
+                  position_ids=layout.position_ids[:, c:width], cache=cache, use_cache=True)
+    return out.last_hidden_state, out.cache
+
+
 def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True) -> torch.Tensor:
     """Final hidden states that predict the response tokens: ``(b, T, hidden)``, model dtype.
 
-    With ``share_prompts`` (and rows that share a prompt, and no gradient checkpointing, which turns
-    the KV cache off) each distinct prompt is run once and its cache copied to its rows; see the
-    module doc. Otherwise one forward over the whole packed batch.
+    With ``share_prompts`` (and no gradient checkpointing, which turns the KV cache off, and no
+    ZeRO-3 partitioning, see :func:`zero3_partitioned`) the distinct prompts are encoded once, around
+    their common prefix (:func:`encode_prompts`), the cache is copied to the rows that share each
+    prompt, and only the responses run against it; see the module doc. Otherwise, or when there is
+    nothing to share, one forward over the whole packed batch.
     """
     decoder = model.get_decoder()
     P = packed.prompt_width
     T = packed.responses.shape[1]
-    shared = None
-    if share_prompts and not (model.training and getattr(model, "is_activation_checkpointing", False)):
+    can_share = share_prompts and not (model.training and getattr(model, "is_activation_checkpointing", False)) \
+        and not zero3_partitioned(model)
+    layout = None
+    if can_share:
         shared = shared_prompt_rows(packed)
-    if shared is None:
+        b = packed.input_ids.shape[0]
+        first, inverse = shared if shared is not None else (torch.arange(b), torch.arange(b))
+        lens = packed.attention_mask[first, :P].sum(-1).tolist()
+        prompts = [packed.input_ids[f, P - n:P].tolist() for f, n in zip(first.tolist(), lens)]
+        layout = layout_prompts(prompts, 0, packed.input_ids.device)
+        if shared is None and layout.common == 0:
+            layout = None  # nothing to share
+    if layout is None:
         hidden = decoder(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
                          position_ids=packed.position_ids, use_cache=False).last_hidden_state
         return hidden[:, P - 1:P - 1 + T]
-    first, inverse = shared
-    prompt_out = decoder(input_ids=packed.input_ids[first, :P], attention_mask=packed.attention_mask[first, :P],
-                         position_ids=packed.position_ids[first, :P], use_cache=True)
-    h_first = prompt_out.last_hidden_state[inverse, P - 1:P]  # predicts response token 0
+    prompt_hidden, cache = encode_prompts(decoder, layout)
+    h_first = prompt_hidden[inverse, -1:]  # the prompt's last token predicts response token 0
     if T == 1:
         return h_first
-    cache = prompt_out.cache
     cache.batch_select_indices(inverse)  # differentiable gather: the backward sums over the group
-    resp_out = decoder(input_ids=packed.input_ids[:, P:P + T - 1], attention_mask=packed.attention_mask[:, :P + T - 1],
+    mask = torch.cat([layout.attention_mask[inverse], packed.attention_mask[:, P:P + T - 1]], dim=1)
+    resp_out = decoder(input_ids=packed.input_ids[:, P:P + T - 1], attention_mask=mask,
                        position_ids=packed.position_ids[:, P:P + T - 1], cache=cache, use_cache=True)
     return torch.cat([h_first, resp_out.last_hidden_state], dim=1)
 
