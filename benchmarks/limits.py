@@ -15,14 +15,15 @@ runs):
 
        F = 6 * N_body * T_all                 # decoder layers, forward + backward (Kaplan et al. 2020)
          + 6 * d * V * T_resp                 # LM head, only on response positions (all trajflow computes)
-         + 12 * L * d * (sum_groups P^2 + sum_rows ((P + R)^2 - P^2))
+         + 12 * L * d * sum(S^2 over the causal blocks trajflow runs)
                                               # attention scores and values, PaLM (Chowdhery et al. 2022, App. B)
 
-   with N_body the non-embedding parameters, d the hidden size, V the vocabulary, L the layers,
-   T_all the real (non-pad) tokens trajflow runs: each group's prompt once (its ``n`` samples share
-   the prompt's KV cache) plus every row's response; T_resp the response tokens, P a group's prompt
-   length, R a row's response length. Padding, softmax/entropy and the optimizer are not counted
-   (they are not model FLOPs).
+   with N_body the non-embedding parameters, d the hidden size, V the vocabulary, L the layers, T_resp
+   the response tokens and T_all the real (non-pad) tokens trajflow runs: per micro-batch, the
+   distinct prompts' common prefix once, each distinct prompt's remainder once, each row's response
+   (``trajflow.workers.forward``: a group's samples share the prompt's KV cache). The attention term
+   sums, per block, (tokens seen after it)^2 - (tokens seen before it)^2. Padding, softmax/entropy
+   and the optimizer are not counted (they are not model FLOPs).
    MFU = F / update seconds / matmul ceiling (the higher of a measurement before and after). The
    brief's naive count (6 * all params * every row's prompt + response tokens, i.e. the prompt run
    once per sample and the LM head on prompt tokens too) is printed for reference: it is the work a
@@ -93,23 +94,30 @@ def model_dims(model) -> dict:
     return dict(L=c.num_hidden_layers, d=c.hidden_size, V=c.vocab_size, n_total=n_total, n_body=n_body, tied=tied)
 
 
-def update_flops(dims: dict, prompt_lens: list[int], resp_lens: list[int], n: int = 1) -> tuple[float, float, dict]:
+def update_flops(dims: dict, prompts: list[list[int]], resp_lens: list[int], micro_batch_size: int) -> tuple[float, float, dict]:
     """(F, naive F, parts) for one update over the rows; see the module doc for the formula.
 
-    Rows come in groups of ``n`` consecutive rows with one prompt, and trajflow computes each group's
-    prompt once (:func:`trajflow.workers.forward.response_hidden_states`), so F counts a group's prompt
-    tokens once and its rows' response tokens each; attention counts the prompt's causal square once
-    and each row's ``(P + R)^2 - P^2``. The naive count charges every row its own prompt (what a
-    trainer without prompt sharing computes) and the LM head on every token.
+    Counts what trajflow computes (:func:`trajflow.workers.forward.response_hidden_states`): in each
+    micro-batch of consecutive rows, the distinct prompts' common prefix once, each distinct prompt's
+    remainder once, every row's response. The naive count charges every row its own whole prompt and
+    the LM head on every token (a trainer without prompt sharing).
     """
-    P = np.asarray(prompt_lens, dtype=np.float64)
+    from trajflow.workers.forward import layout_prompts, micro_batch_slices
+
+    t_prompt, attn_sq = 0.0, 0.0
+    for sl in micro_batch_slices(len(prompts), micro_batch_size):
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts[sl]))
+        c = layout_prompts([list(p) for p in distinct], 0).common
+        t_prompt += c + sum(len(p) - c for p in distinct)
+        attn_sq += c**2 + sum(len(p) ** 2 - c**2 for p in distinct)
+    P = np.asarray([len(p) for p in prompts], dtype=np.float64)
     R = np.asarray(resp_lens, dtype=np.float64)
     S = P + R
-    p_once = P[::n]
-    t_all, t_resp = float(p_once.sum() + R.sum()), float(R.sum())
+    attn_sq += float((S**2 - P**2).sum())
+    t_all, t_resp = t_prompt + float(R.sum()), float(R.sum())
     body = 6 * dims["n_body"] * t_all
     head = 6 * dims["d"] * dims["V"] * t_resp
-    attn = 12 * dims["L"] * dims["d"] * float((p_once**2).sum() + (S**2 - P**2).sum())
+    attn = 12 * dims["L"] * dims["d"] * attn_sq
     naive = 6 * dims["n_total"] * float(S.sum()) + 12 * dims["L"] * dims["d"] * float((S**2).sum())
     return body + head + attn, naive, dict(body=body, head=head, attn=attn, t_all=t_all, t_resp=t_resp,
                                            t_rows=float(S.sum()))
@@ -208,11 +216,12 @@ def main() -> None:
         print(f"update_actor {'(warm-up) ' if r == 0 else ''}{upd_times[-1]:.2f} s, grad_norm {m.get('actor/grad_norm', float('nan')):.3f}")
     t_upd = min(upd_times[1:])
     p_lens, r_lens = [len(p) for p in rows_prompt], [len(x) for x in resp]
-    F, F_naive, parts = update_flops(dims, p_lens, r_lens, n)
+    F, F_naive, parts = update_flops(dims, rows_prompt, r_lens, int(cfg.actor.ppo_micro_batch_size))
     mfu = F / t_upd / 1e9 / peak
     F_fwd = (parts["body"] + parts["head"] + parts["attn"]) / 3
     print(f"rows {len(resp)} ({prefix}, scores mean {scores.mean():.2f}); tokens computed {parts['t_all']:.0f} "
-          f"(responses {parts['t_resp']:.0f}, each group's prompt once, mean prompt {np.mean(p_lens):.0f}); "
+          f"(responses {parts['t_resp']:.0f}; per micro-batch the common prefix once and each group's rest once; "
+          f"mean prompt {np.mean(p_lens):.0f}); "
           f"{parts['t_rows']:.0f} if every row ran its own prompt")
     print(f"update FLOPs: body {parts['body'] / 1e12:.3f} + head {parts['head'] / 1e12:.3f} + attention "
           f"{parts['attn'] / 1e12:.3f} = {F / 1e12:.3f} TFLOP (naive 6*N_all*T + attn: {F_naive / 1e12:.3f})")

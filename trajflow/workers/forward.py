@@ -164,11 +164,16 @@ def layout_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
     return PromptLayout(torch.from_numpy(ids).to(device), attention_mask.to(device), position_ids.to(device), c)
 
 
-def encode_prompts(decoder: torch.nn.Module, layout: PromptLayout, width: int | None = None):
+def encode_prompts(decoder: torch.nn.Module, layout: PromptLayout, width: int | None = None,
+                   inputs_embeds: torch.Tensor | None = None):
     """Run the decoder over the first ``width`` columns of ``layout`` (all by default) with a KV cache.
 
     The common prefix runs once, for one row, and its cache is repeated to the ``k`` rows (a
     differentiable copy: the backward sums the rows' gradients) before the suffixes run against it.
+
+    Args:
+        inputs_embeds: optional ``(k, c + W, d)`` input embeddings of ``layout.input_ids`` (callers that
+            embed several pieces in one call pass them; see :func:`response_hidden_states`).
 
     Returns:
         ``(hidden, cache)``: ``hidden`` ``(k, width - c, d)`` the suffix columns' last hidden states
@@ -178,13 +183,19 @@ def encode_prompts(decoder: torch.nn.Module, layout: PromptLayout, width: int | 
     width = layout.input_ids.shape[1] if width is None else width
     c, k = layout.common, layout.input_ids.shape[0]
     cache = None
+
+    def tokens(rows: slice, cols: slice) -> dict:
+        if inputs_embeds is not None:
+            return {"inputs_embeds": inputs_embeds[rows, cols]}
+        return {"input_ids": layout.input_ids[rows, cols]}
+
     if c > 0:
-        cache = decoder(input_ids=layout.input_ids[:1, :c], attention_mask=layout.attention_mask[:1, :c],
+        cache = decoder(**tokens(slice(0, 1), slice(0, c)), attention_mask=layout.attention_mask[:1, :c],
                         position_ids=layout.position_ids[:1, :c], use_cache=True).cache
         cache.batch_repeat_interleave(k)
     if width <= c:
         return None, cache
-    out = decoder(input_ids=layout.input_ids[:, c:width], attention_mask=layout.attention_mask[:, :width],
+    out = decoder(**tokens(slice(None), slice(c, width)), attention_mask=layout.attention_mask[:, :width],
                   position_ids=layout.position_ids[:, c:width], cache=cache, use_cache=True)
     return out.last_hidden_state, out.cache
 
@@ -217,13 +228,21 @@ def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_pr
         hidden = decoder(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
                          position_ids=packed.position_ids, use_cache=False).last_hidden_state
         return hidden[:, P - 1:P - 1 + T]
-    prompt_hidden, cache = encode_prompts(decoder, layout)
+    # One embedding call for all three decoder calls: on CPU each embedding backward zero-fills and
+    # adds a dense vocab x hidden gradient (113 MB for SmolLM2), which three calls would do thrice.
+    k, width = layout.input_ids.shape
+    ids = torch.cat([layout.input_ids.reshape(-1), packed.input_ids[:, P:P + T - 1].reshape(-1)])
+    embeds = model.get_input_embeddings()(ids)
+    d = embeds.shape[-1]
+    prompt_embeds = embeds[:k * width].reshape(k, width, d)
+    resp_embeds = embeds[k * width:].reshape(packed.input_ids.shape[0], T - 1, d)
+    prompt_hidden, cache = encode_prompts(decoder, layout, inputs_embeds=prompt_embeds)
     h_first = prompt_hidden[inverse, -1:]  # the prompt's last token predicts response token 0
     if T == 1:
         return h_first
     cache.batch_select_indices(inverse)  # differentiable gather: the backward sums over the group
     mask = torch.cat([layout.attention_mask[inverse], packed.attention_mask[:, P:P + T - 1]], dim=1)
-    resp_out = decoder(input_ids=packed.input_ids[:, P:P + T - 1], attention_mask=mask,
+    resp_out = decoder(inputs_embeds=resp_embeds, attention_mask=mask,
                        position_ids=packed.position_ids[:, P:P + T - 1], cache=cache, use_cache=True)
     return torch.cat([h_first, resp_out.last_hidden_state], dim=1)
 
