@@ -127,3 +127,14 @@ def checkpoint_id(iteration: int | None) -> str:
 
 def read_trainer_state(store: RunStore, iteration: int) -> dict[str, Any]:
     return json.loads((checkpoint_dir(store, iteration) / STATE_FILE).read_text())
+
+
+def state_digest(state: dict) -> str:
+    """sha256 over a state dict's names and raw tensor bytes, in name order (compares weights bit for bit)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in sorted(state.items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -249,10 +249,6 @@ class CriticWorker:
 
     def weights_digest(self) -> str:
         """sha256 over the value model's parameters (tests compare states)."""
-        import hashlib
+        from trajflow.checkpoint import state_digest
 
-        h = hashlib.sha256()
-        for k, v in sorted(self.model.state_dict().items()):
-            h.update(k.encode())
-            h.update(v.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return state_digest(self.model.state_dict())

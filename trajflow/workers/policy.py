@@ -485,13 +485,9 @@ class PolicyWorker:
     @dispatch("broadcast")
     def weights_digest(self) -> str:
         """sha256 over all parameters (tests compare runs bit for bit)."""
-        import hashlib
+        from trajflow.checkpoint import state_digest
 
-        h = hashlib.sha256()
         state = self.model.state_dict()
         if self.backend is not None and self.backend.distributed:
             state = self.backend.full_state_dict() or {}
-        for k, v in sorted(state.items()):
-            h.update(k.encode())
-            h.update(v.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return state_digest(state)
