@@ -88,3 +88,17 @@ def test_checkpoint_round_trip(worker, tiny_model_dir, tmp_path):
     worker.update_actor(batch, 0.7)
     other.update_actor(batch, 0.7)
     assert other.weights_digest() == worker.weights_digest()
+
+
+def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(tiny_model_dir):
+    # With zero advantages and no KL the policy-gradient loss has zero gradient, so the gradient
+    # norm is the entropy bonus's: zero without it, positive with it.
+    norms = {}
+    for coeff in (0.0, 0.01):
+        w = PolicyWorker(str(tiny_model_dir), ACTOR | {"entropy_coeff": coeff}, {"dtype": "float32"},
+                         {"micro_batch_size": 4}, seed=0, num_threads=1)
+        rows, out = _rollout(w)
+        batch = _batch(rows, out, mini_rows=4)
+        batch["advantages"] = [[0.0] * len(r) for r in out["response_ids"]]
+        norms[coeff] = w.update_actor(batch, temperature=0.7)["actor/grad_norm"]
+    assert norms[0.0] == 0.0 and norms[0.01] > 0.0

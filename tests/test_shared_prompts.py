@@ -66,7 +66,8 @@ def test_shared_forward_matches_the_full_forward(model, train_mode, common):
     results = {}
     for share in (False, True):
         model.zero_grad()
-        logp, ent = forward_micro_batch(model, packed, 0.7, compute_entropy=True, share_prompts=share)
+        logp, ent = forward_micro_batch(model, packed, 0.7, compute_entropy=True, share_prompts=share,
+                                        entropy_grad=True)
         m = packed.response_mask
         loss = -(logp * m).sum() / m.sum() - 0.1 * (ent * m).sum() / m.sum()
         loss.backward()
@@ -80,6 +81,33 @@ def test_shared_forward_matches_the_full_forward(model, train_mode, common):
     for k in g0:  # the embedding's gradient includes the prompt tokens' share: the cache copy sums it
         assert torch.allclose(g0[k], g1[k], atol=1e-6, rtol=1e-4), k
     model.zero_grad()
+
+
+def test_entropy_gradient_only_when_asked_and_equal_to_the_plain_formula(model):
+    packed = _batch(model.config.vocab_size, 4)
+    model.train(False)
+    m = packed.response_mask
+    P, T = packed.prompt_width, packed.responses.shape[1]
+    # Reference: full logits of a plain forward at the positions that predict the responses, and
+    # H = -sum_v p_v log p_v with p = softmax(z / T_s).
+    model.zero_grad()
+    z = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+              position_ids=packed.position_ids).logits[:, P - 1:P - 1 + T] / 0.7
+    logp_all = torch.log_softmax(z, dim=-1)
+    h_ref = -(logp_all.exp() * logp_all).sum(-1)
+    (h_ref * m).sum().backward()
+    g_ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    _, ent = forward_micro_batch(model, packed, 0.7, compute_entropy=True, entropy_grad=True)
+    assert torch.allclose(ent * m, h_ref.detach() * m, atol=1e-5)
+    (ent * m).sum().backward()
+    for k, g in g_ref.items():
+        assert torch.allclose(model.get_parameter(k).grad, g, atol=1e-6, rtol=1e-4), k
+    model.zero_grad()
+    # Without entropy_grad: the same values, as a metric with no graph behind it.
+    logp, ent = forward_micro_batch(model, packed, 0.7, compute_entropy=True)
+    assert logp.requires_grad and not ent.requires_grad
+    assert torch.allclose(ent * m, h_ref.detach() * m, atol=1e-5)
 
 
 def test_shared_forward_with_one_token_responses(model):

@@ -69,9 +69,10 @@ class LocalBackend:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False):
+    def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False,
+                entropy_grad: bool = False):
         """Training forward of one micro-batch: :func:`~trajflow.workers.forward.forward_micro_batch`."""
-        return forward_micro_batch(self.model, packed, temperature, compute_entropy)
+        return forward_micro_batch(self.model, packed, temperature, compute_entropy, entropy_grad=entropy_grad)
 
     def micro_batches(self, mini: Sequence[int], micro_batch_size: int,
                       weights: Sequence[float]) -> list[tuple[list[int], bool]]:
@@ -200,8 +201,9 @@ class PackedLogProbs(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False):
-        return forward_micro_batch(self.model, packed, temperature, compute_entropy)
+    def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False,
+                entropy_grad: bool = False):
+        return forward_micro_batch(self.model, packed, temperature, compute_entropy, entropy_grad=entropy_grad)
 
 
 class DeepSpeedBackend:
@@ -243,9 +245,10 @@ class DeepSpeedBackend:
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
-    def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False):
+    def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False,
+                entropy_grad: bool = False):
         """Training forward through the DeepSpeed engine (see :class:`PackedLogProbs`)."""
-        return self.engine(packed, temperature, compute_entropy)
+        return self.engine(packed, temperature, compute_entropy, entropy_grad)
 
     def micro_batches(self, mini: Sequence[int], micro_batch_size: int,
                       weights: Sequence[float]) -> list[tuple[list[int], bool]]:

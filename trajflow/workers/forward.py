@@ -249,7 +249,7 @@ def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_pr
 
 def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature: float,
                         compute_entropy: bool = False, logits_chunk: int = 1024,
-                        share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        share_prompts: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropy) of the response tokens under ``model``.
 
     Args:
@@ -259,6 +259,10 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
         compute_entropy: also return the per-token entropy of ``softmax(logits / temperature)``.
         logits_chunk: response positions sent through the LM head at a time.
         share_prompts: run each distinct prompt once (see the module doc); same values up to rounding.
+        entropy_grad: build the entropy's autograd graph (only an entropy bonus needs it). Without
+            it the entropy is a metric computed from detached logits, which saves its softmax
+            temporaries' memory (two ``(positions, vocab)`` float32 tensors per chunk kept for the
+            backward) and their backward time.
 
     Returns:
         ``log_probs`` ``(b, T)`` float32 and ``entropy`` ``(b, T)`` float32 or ``None``; values at
@@ -274,7 +278,8 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
         logits = head(flat_h[i:i + logits_chunk])
         logps.append(logprobs_from_logits(logits, flat_y[i:i + logits_chunk], temperature))
         if compute_entropy:
-            ents.append(entropy_from_logits_t(logits, temperature))
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ents.append(entropy_from_logits_t(logits if entropy_grad else logits.detach(), temperature))
     logp = torch.cat(logps).reshape(b, T)
     ent = torch.cat(ents).reshape(b, T) if compute_entropy else None
     return logp, ent

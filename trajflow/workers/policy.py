@@ -320,7 +320,8 @@ class PolicyWorker:
                     T = packed.responses.shape[1]
                     mask = packed.response_mask.float() * ragged("loss_mask", rows, T) if batch.get("loss_mask") is not None \
                         else packed.response_mask.float()
-                    logp, ent = self.backend.forward(packed, temperature, compute_entropy=True)
+                    logp, ent = self.backend.forward(packed, temperature, compute_entropy=True,
+                                                     entropy_grad=bool(a["entropy_coeff"]))
                     if trainer_old is None:
                         old = logp.detach()
                     else:
