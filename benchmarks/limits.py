@@ -28,10 +28,11 @@ runs):
    brief's naive count (6 * all params * every row's prompt + response tokens, i.e. the prompt run
    once per sample and the LM head on prompt tokens too) is printed for reference: it is the work a
    trainer without prompt sharing does, so its "MFU" can exceed 100 %.
-4. **trajflow's generation rate at batch 32** (``PolicyWorker.generate_sequences``: the HF engine, 32
-   rows in one ``generate`` call): real generated tokens (EOS included, nothing after it) / seconds,
-   best of R, as a fraction of the plain forward token rate at batch 32 x 64. The "slot" rate
-   (rows x longest response / seconds, what the forward passes actually processed) is shown too.
+4. **trajflow's generation rate at batch 32** (``PolicyWorker.generate_sequences``: the HF engine's
+   decode loop, 32 rows in one batch that shrinks as rows end): real generated tokens (EOS included,
+   nothing after it) / seconds, best of R, as a fraction of the plain forward token rate at batch
+   32 x 64. The "slot" rate (rows x longest response / seconds: what a batch that keeps its
+   finished rows to the end, like ``generate``, would have processed) is shown too.
 
     .venv/bin/python benchmarks/limits.py [--quick] [--repeats R] [--max-new-tokens 64] [--matmul-n 2048]
 """
