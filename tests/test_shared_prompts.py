@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
-from trajflow.workers.forward import forward_micro_batch, layout_prompts, pack, shared_prompt_rows
+from trajflow.workers.forward import forward_micro_batch, layout_prompts, length_buckets, pack, shared_prompt_rows
 
 PAD = 2
 
@@ -59,15 +59,27 @@ def _batch(vocab: int, common: int = 0):
     return pack(prompts, responses, PAD)
 
 
-@pytest.mark.parametrize("train_mode,common", [(False, 0), (True, 0), (False, 6), (True, 6)])
-def test_shared_forward_matches_the_full_forward(model, train_mode, common):
+def test_length_buckets_by_hand():
+    # Lengths 10, 2, 3, 9 with a bucket costing 4: {2, 3} + {9, 10} costs 2*3 + 4 + 2*10 + 4 = 34;
+    # one bucket 4*10 + 4 = 44, all apart 2+3+9+10 + 16 = 40, {2},{3},{9,10} 37, {2,3},{9},{10} 37.
+    assert length_buckets([10, 2, 3, 9], overhead=4) == [[1, 2], [3, 0]]
+    assert length_buckets([10, 2, 3, 9], overhead=100) == [[1, 2, 3, 0]]
+    assert length_buckets([10, 2, 3, 9], overhead=0) == [[1], [2], [3], [0]]
+    assert length_buckets([4, 4, 4], overhead=0) == [[0, 1, 2]]
+    assert length_buckets([], overhead=4) == []
+
+
+# overhead 0: one response bucket per distinct length, a one-token response in none; 1000: one bucket.
+@pytest.mark.parametrize("train_mode,common,overhead", [(False, 0, 8), (True, 0, 8), (False, 6, 8), (True, 6, 8),
+                                                        (True, 6, 0), (True, 0, 0), (True, 6, 1000)])
+def test_shared_forward_matches_the_full_forward(model, train_mode, common, overhead):
     packed = _batch(model.config.vocab_size, common)
     model.train(train_mode)
     results = {}
     for share in (False, True):
         model.zero_grad()
         logp, ent = forward_micro_batch(model, packed, 0.7, compute_entropy=True, share_prompts=share,
-                                        entropy_grad=True)
+                                        entropy_grad=True, bucket_overhead=overhead)
         m = packed.response_mask
         loss = -(logp * m).sum() / m.sum() - 0.1 * (ent * m).sum() / m.sum()
         loss.backward()

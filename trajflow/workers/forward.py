@@ -27,6 +27,7 @@ the full forward's up to float rounding.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -200,14 +201,54 @@ def encode_prompts(decoder: torch.nn.Module, layout: PromptLayout, width: int | 
     return out.last_hidden_state, out.cache
 
 
-def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True) -> torch.Tensor:
+# Cost of one more decoder call over a bucket of response rows, in padded token positions. A padded
+# position costs a full token's forward and backward (~16 ms for SmolLM2 on 2 CPU cores); a call's
+# fixed cost (30 layers of small kernels launched from Python) is a few of them.
+BUCKET_OVERHEAD = 8
+
+
+def length_buckets(lengths: Sequence[int], overhead: int = BUCKET_OVERHEAD) -> list[list[int]]:
+    """Rows grouped by length so that padding each group to its longest costs least.
+
+    Minimises ``sum over buckets (rows * longest) + overhead * buckets`` exactly, by dynamic
+    programming over the rows sorted by length (an optimal grouping is contiguous in that order).
+
+    Args:
+        lengths: per-row lengths (>= 0).
+        overhead: cost of one more bucket, in padded positions; 0 gives one bucket per distinct
+            length, a large value one bucket.
+
+    Returns:
+        Row indices per bucket, buckets in increasing length, rows within a bucket by length then index.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    L = [int(lengths[i]) for i in order]
+    n = len(L)
+    best = [0.0] + [float("inf")] * n
+    start = [0] * (n + 1)
+    for j in range(1, n + 1):  # best grouping of the j shortest rows; its last bucket is rows i..j-1
+        for i in range(j):
+            cost = best[i] + (j - i) * L[j - 1] + overhead
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[start[j]:j])
+        j = start[j]
+    return buckets[::-1]
+
+
+def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True,
+                           bucket_overhead: int = BUCKET_OVERHEAD) -> torch.Tensor:
     """Final hidden states that predict the response tokens: ``(b, T, hidden)``, model dtype.
 
     With ``share_prompts`` (and no gradient checkpointing, which turns the KV cache off, and no
     ZeRO-3 partitioning, see :func:`zero3_partitioned`) the distinct prompts are encoded once, around
     their common prefix (:func:`encode_prompts`), the cache is copied to the rows that share each
-    prompt, and only the responses run against it; see the module doc. Otherwise, or when there is
-    nothing to share, one forward over the whole packed batch.
+    prompt, and only the responses run against it; see the module doc. The responses run in buckets
+    of similar length (:func:`length_buckets`), each padded only to its own longest, so a micro-batch
+    with one long response does not pad every row to it (positions past a bucket's longest are 0).
+    Otherwise, or when there is nothing to share, one forward over the whole packed batch.
     """
     decoder = model.get_decoder()
     P = packed.prompt_width
@@ -228,28 +269,59 @@ def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_pr
         hidden = decoder(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
                          position_ids=packed.position_ids, use_cache=False).last_hidden_state
         return hidden[:, P - 1:P - 1 + T]
-    # One embedding call for all three decoder calls: on CPU each embedding backward zero-fills and
-    # adds a dense vocab x hidden gradient (113 MB for SmolLM2), which three calls would do thrice.
+    # One embedding call for all decoder calls: on CPU each embedding backward zero-fills and adds a
+    # dense vocab x hidden gradient (113 MB for SmolLM2), which several calls would do as often.
     k, width = layout.input_ids.shape
+    b = packed.input_ids.shape[0]
     ids = torch.cat([layout.input_ids.reshape(-1), packed.input_ids[:, P:P + T - 1].reshape(-1)])
     embeds = model.get_input_embeddings()(ids)
     d = embeds.shape[-1]
     prompt_embeds = embeds[:k * width].reshape(k, width, d)
-    resp_embeds = embeds[k * width:].reshape(packed.input_ids.shape[0], T - 1, d)
+    resp_embeds = embeds[k * width:].reshape(b, T - 1, d)
     prompt_hidden, cache = encode_prompts(decoder, layout, inputs_embeds=prompt_embeds)
     h_first = prompt_hidden[inverse, -1:]  # the prompt's last token predicts response token 0
     if T == 1:
         return h_first
-    cache.batch_select_indices(inverse)  # differentiable gather: the backward sums over the group
-    mask = torch.cat([layout.attention_mask[inverse], packed.attention_mask[:, P:P + T - 1]], dim=1)
-    resp_out = decoder(inputs_embeds=resp_embeds, attention_mask=mask,
-                       position_ids=packed.position_ids[:, P:P + T - 1], cache=cache, use_cache=True)
-    return torch.cat([h_first, resp_out.last_hidden_state], dim=1)
+    # Response token t (t >= 1) is predicted from the inputs up to token t - 1: a row of length l
+    # needs l - 1 input columns.
+    widths = (packed.response_mask.sum(-1) - 1).clamp(min=0).tolist()
+    buckets = [rows for rows in length_buckets(widths, bucket_overhead) if max(widths[r] for r in rows) > 0]
+    prompt_mask = layout.attention_mask[inverse]
+    parts, order = [], []
+    for rows in buckets:
+        w = max(widths[r] for r in rows)
+        idx = torch.tensor(rows, device=inverse.device)
+        if len(buckets) == 1 and len(rows) == b:
+            rows, sub, bucket_cache = list(range(b)), slice(None), cache
+        else:
+            sub = idx
+            # A copy per bucket (the base cache is shared by all of them), gathered differentiably:
+            # the prompt forward's backward receives every bucket's share.
+            bucket_cache = copy.copy(cache)
+            bucket_cache.layers = [copy.copy(layer) for layer in cache.layers]
+        bucket_cache.batch_select_indices(inverse[sub])
+        mask = torch.cat([prompt_mask[sub], packed.attention_mask[sub, P:P + w]], dim=1)
+        out = decoder(inputs_embeds=resp_embeds[sub, :w], attention_mask=mask,
+                      position_ids=packed.position_ids[sub, P:P + w], cache=bucket_cache, use_cache=True)
+        parts.append(torch.nn.functional.pad(out.last_hidden_state, (0, 0, 0, T - 1 - w)))
+        order.extend(rows)
+    done = set(order)
+    rest = [r for r in range(b) if r not in done]  # one-token responses: nothing after token 0
+    if rest:
+        parts.append(h_first.new_zeros(len(rest), T - 1, d))
+        order.extend(rest)
+    resp_hidden = torch.cat(parts)
+    if order != list(range(b)):
+        position = torch.empty(b, dtype=torch.long, device=resp_hidden.device)
+        position[torch.tensor(order, device=resp_hidden.device)] = torch.arange(b, device=resp_hidden.device)
+        resp_hidden = resp_hidden.index_select(0, position)
+    return torch.cat([h_first, resp_hidden], dim=1)
 
 
 def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature: float,
                         compute_entropy: bool = False, logits_chunk: int = 1024,
-                        share_prompts: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        share_prompts: bool = True, entropy_grad: bool = False,
+                        bucket_overhead: int = BUCKET_OVERHEAD) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropy) of the response tokens under ``model``.
 
     Args:
@@ -259,30 +331,37 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
         compute_entropy: also return the per-token entropy of ``softmax(logits / temperature)``.
         logits_chunk: response positions sent through the LM head at a time.
         share_prompts: run each distinct prompt once (see the module doc); same values up to rounding.
+        bucket_overhead: see :func:`length_buckets`.
         entropy_grad: build the entropy's autograd graph (only an entropy bonus needs it). Without
             it the entropy is a metric computed from detached logits, which saves its softmax
             temporaries' memory (two ``(positions, vocab)`` float32 tensors per chunk kept for the
             backward) and their backward time.
 
     Returns:
-        ``log_probs`` ``(b, T)`` float32 and ``entropy`` ``(b, T)`` float32 or ``None``; values at
-        masked positions are meaningless (callers apply ``packed.response_mask``).
+        ``log_probs`` ``(b, T)`` float32 and ``entropy`` ``(b, T)`` float32 or ``None``; 0 at positions
+        outside ``packed.response_mask`` (padding is never sent through the LM head).
     """
     head = model.get_output_embeddings()
-    h = response_hidden_states(model, packed, share_prompts)
+    h = response_hidden_states(model, packed, share_prompts, bucket_overhead)
     b, T = h.shape[0], h.shape[1]
-    flat_h = h.reshape(b * T, -1)
-    flat_y = packed.responses.reshape(b * T)
+    # The LM head (576 x 49k for SmolLM2, a fifth of a token's FLOPs) runs on real response tokens
+    # only: right padding up to the micro-batch's longest response never reaches it.
+    real = packed.response_mask.reshape(-1).nonzero().squeeze(1)
+    flat_h = h.reshape(b * T, -1).index_select(0, real)
+    flat_y = packed.responses.reshape(b * T).index_select(0, real)
     logps, ents = [], []
-    for i in range(0, b * T, logits_chunk):
+    for i in range(0, flat_h.shape[0], logits_chunk):
         logits = head(flat_h[i:i + logits_chunk])
         logps.append(logprobs_from_logits(logits, flat_y[i:i + logits_chunk], temperature))
         if compute_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ents.append(entropy_from_logits_t(logits if entropy_grad else logits.detach(), temperature))
-    logp = torch.cat(logps).reshape(b, T)
-    ent = torch.cat(ents).reshape(b, T) if compute_entropy else None
-    return logp, ent
+
+    def unflatten(parts: list[torch.Tensor]) -> torch.Tensor:
+        vals = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+        return vals.new_zeros(b * T).index_copy(0, real, vals).reshape(b, T)
+
+    return unflatten(logps), (unflatten(ents) if compute_entropy else None)
 
 
 @torch.no_grad()
