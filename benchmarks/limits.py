@@ -11,7 +11,10 @@ runs):
 3. **trajflow's training step** (``PolicyWorker.update_actor``, the method the flow's update task calls,
    here in-process without Ray): 8 prompts x 4 samples of the default dataset, sampled by the worker
    itself, with GRPO advantages of their real reasoning-gym scores; best of R updates after one
-   warm-up update (the first one also allocates AdamW's state). Model FLOPs of one update::
+   warm-up update (the first one also allocates AdamW's state), at the default recipe's
+   ``actor.ppo_micro_batch_size`` (8 rows: the memory target's setting) and with the whole batch in
+   one micro-batch (32 rows: larger matmuls, the prefix and the embedding gradient once per update,
+   ~0.6 GiB more activation memory). Model FLOPs of one update::
 
        F = 6 * N_body * T_all                 # decoder layers, forward + backward (Kaplan et al. 2020)
          + 6 * d * V * T_resp                 # LM head, only on response positions (all trajflow computes)
@@ -208,42 +211,55 @@ def main() -> None:
     batch = {"prompt_ids": rows_prompt, "response_ids": resp, "old_logprobs": [o.tolist() for o in old],
              "advantages": [[float(a)] * len(r) for a, r in zip(adv, resp)],
              "mini_batch_rows": cfg.actor.ppo_mini_batch_size * n, "shuffle_seed": 0}
-    upd_times = []
-    for r in range(1 + args.repeats):
-        t = time.perf_counter()
-        m = worker.update_actor(batch, cfg.rollout.temperature)
-        wall = time.perf_counter() - t
-        upd_times.append(m.get("timing_s/update_actor", wall))
-        print(f"update_actor {'(warm-up) ' if r == 0 else ''}{upd_times[-1]:.2f} s, grad_norm {m.get('actor/grad_norm', float('nan')):.3f}")
-    t_upd = min(upd_times[1:])
     p_lens, r_lens = [len(p) for p in rows_prompt], [len(x) for x in resp]
-    F, F_naive, parts = update_flops(dims, rows_prompt, r_lens, int(cfg.actor.ppo_micro_batch_size))
-    mfu = F / t_upd / 1e9 / peak
+    print(f"rows {len(resp)} ({prefix}, scores mean {scores.mean():.2f}); mean prompt {np.mean(p_lens):.0f} tokens, "
+          f"responses {sum(r_lens)} tokens (mean {np.mean(r_lens):.1f}, max {max(r_lens)})")
+    recipe_mb = int(cfg.actor.ppo_micro_batch_size)
+    # The recipe's micro-batch (memory-bound choice) and the whole mini-batch in one micro-batch
+    # (fewer, larger matmuls; the prompt prefix and the embedding gradient once; more activation memory).
+    results = {}
+    for mb in dict.fromkeys([recipe_mb, len(resp)]):
+        worker.actor["ppo_micro_batch_size"] = mb
+        upd_times = []
+        for r in range(1 + args.repeats):
+            t = time.perf_counter()
+            m = worker.update_actor(batch, cfg.rollout.temperature)
+            upd_times.append(m.get("timing_s/update_actor", time.perf_counter() - t))
+            print(f"micro-batch {mb}: update_actor {'(warm-up) ' if r == 0 else ''}{upd_times[-1]:.2f} s, "
+                  f"grad_norm {m.get('actor/grad_norm', float('nan')):.3f}")
+        t_upd = min(upd_times[1:])
+        F, F_naive, parts = update_flops(dims, rows_prompt, r_lens, mb)
+        results[mb] = (t_upd, F, F_naive, parts, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        print(f"micro-batch {mb}: tokens computed {parts['t_all']:.0f} (responses {parts['t_resp']:.0f}; per "
+              f"micro-batch the common prefix once and each group's rest once; {parts['t_rows']:.0f} if every row ran "
+              f"its own prompt); FLOPs body {parts['body'] / 1e12:.3f} + head {parts['head'] / 1e12:.3f} + attention "
+              f"{parts['attn'] / 1e12:.3f} = {F / 1e12:.3f} TFLOP (naive 6*N_all*T + attn: {F_naive / 1e12:.3f})")
+        print(f"micro-batch {mb}: update best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {F / t_upd / 1e9 / peak:.1%} "
+              f"of {peak:.1f} (naive count: {F_naive / t_upd / 1e9 / peak:.1%}); peak RSS of this process so far "
+              f"{results[mb][4]:.2f} GiB")
+    worker.actor["ppo_micro_batch_size"] = recipe_mb
+    t_upd, F, F_naive, parts, _ = results[recipe_mb]
     F_fwd = (parts["body"] + parts["head"] + parts["attn"]) / 3
-    print(f"rows {len(resp)} ({prefix}, scores mean {scores.mean():.2f}); tokens computed {parts['t_all']:.0f} "
-          f"(responses {parts['t_resp']:.0f}; per micro-batch the common prefix once and each group's rest once; "
-          f"mean prompt {np.mean(p_lens):.0f}); "
-          f"{parts['t_rows']:.0f} if every row ran its own prompt")
-    print(f"update FLOPs: body {parts['body'] / 1e12:.3f} + head {parts['head'] / 1e12:.3f} + attention "
-          f"{parts['attn'] / 1e12:.3f} = {F / 1e12:.3f} TFLOP (naive 6*N_all*T + attn: {F_naive / 1e12:.3f})")
-    print(f"update: best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {mfu:.1%} of {peak:.1f} "
-          f"(naive count, every row its own prompt and the LM head everywhere: {F_naive / t_upd / 1e9 / peak:.1%})")
     print(f"teacher-forced log-prob forward (compute_log_prob): {t_old:.2f} s -> {F_fwd / t_old / 1e9:.1f} GFLOP/s = {F_fwd / t_old / 1e9 / peak:.1%} of matmul")
     # The load of a shared machine drifts: measure the ceiling again and keep the higher one (lower MFU).
     peak2, rates2 = matmul_gflops(args.matmul_n, max(3, args.repeats * 3))
     print(f"matmul again: {', '.join(f'{r:.1f}' for r in rates2)} GFLOP/s", end="")
     if peak2 > peak:
         peak = peak2
-        mfu = F / t_upd / 1e9 / peak
-        print(f"; ceiling now {peak:.1f} GFLOP/s -> MFU {mfu:.1%}", end="")
+        print(f"; ceiling now {peak:.1f} GFLOP/s", end="")
     print()
+    mfus = {mb: res[1] / res[0] / 1e9 / peak for mb, res in results.items()}
+    for mb, v in mfus.items():
+        print(f"update MFU at micro-batch {mb}: {v:.1%}")
     gen_frac = gen_rate / fwd[(32, 64)]
     print(f"generation at batch 32: best {gen_rate:.1f} real tok/s ({max(slot_rates):.1f} slot tok/s) vs plain forward "
           f"32 x 64 {fwd[(32, 64)]:.0f} tok/s -> {gen_frac:.1%} ({max(slot_rates) / fwd[(32, 64)]:.1%} counting slots)")
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
     header("targets")
-    verdict("training step MFU (fraction of measured matmul GFLOP/s)", mfu, TARGET_MFU, fmt="{:.1%}")
+    for mb, v in mfus.items():
+        label = "the default recipe's" if mb == recipe_mb else "one per update,"
+        verdict(f"training step MFU, {label} micro-batch {mb} (fraction of matmul GFLOP/s)", v, TARGET_MFU, fmt="{:.1%}")
     verdict("generation rate at batch 32 / plain forward tok/s (32 x 64)", gen_frac, TARGET_GEN, fmt="{:.1%}")
 
 
