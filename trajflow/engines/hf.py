@@ -104,12 +104,12 @@ class HFRolloutEngine:
         pos = layout.position_ids[:, -1:].repeat_interleave(n, dim=0)
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=logits.device)
         for t in range(T):
-            # A draw for every output row every step, read by the live ones: a row's samples do not
-            # depend on when the other rows finished.
-            u = torch.rand(rows, generator=rng, dtype=torch.float64)[live]
             if params.greedy:
                 tok = logits.argmax(dim=-1)
             else:
+                # A draw for every output row every step, read by the live ones: a row's samples do
+                # not depend on when the other rows finished.
+                u = torch.rand(rows, generator=rng, dtype=torch.float64)[live]
                 tok, lp = sample_tokens(logits, params.temperature, u, params.top_p, params.top_k)
                 logprobs[live, t] = lp.cpu()
             tokens[live, t] = tok.cpu()

@@ -287,14 +287,14 @@ def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_pr
     widths = (packed.response_mask.sum(-1) - 1).clamp(min=0).tolist()
     buckets = [rows for rows in length_buckets(widths, bucket_overhead) if max(widths[r] for r in rows) > 0]
     prompt_mask = layout.attention_mask[inverse]
+    whole = len(buckets) == 1 and len(buckets[0]) == b  # one bucket of every row: no cache copy
     parts, order = [], []
     for rows in buckets:
         w = max(widths[r] for r in rows)
-        idx = torch.tensor(rows, device=inverse.device)
-        if len(buckets) == 1 and len(rows) == b:
+        if whole:
             rows, sub, bucket_cache = list(range(b)), slice(None), cache
         else:
-            sub = idx
+            sub = torch.tensor(rows, device=inverse.device)
             # A copy per bucket (the base cache is shared by all of them), gathered differentiably:
             # the prompt forward's backward receives every bucket's share.
             bucket_cache = copy.copy(cache)
@@ -311,10 +311,8 @@ def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_pr
         parts.append(h_first.new_zeros(len(rest), T - 1, d))
         order.extend(rest)
     resp_hidden = torch.cat(parts)
-    if order != list(range(b)):
-        position = torch.empty(b, dtype=torch.long, device=resp_hidden.device)
-        position[torch.tensor(order, device=resp_hidden.device)] = torch.arange(b, device=resp_hidden.device)
-        resp_hidden = resp_hidden.index_select(0, position)
+    if order != list(range(b)):  # back to row order: row r sits at position argsort(order)[r]
+        resp_hidden = resp_hidden.index_select(0, torch.tensor(order, device=resp_hidden.device).argsort())
     return torch.cat([h_first, resp_hidden], dim=1)
 
 
