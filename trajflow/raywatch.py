@@ -35,6 +35,11 @@ from typing import Iterable
 GRACE_S = 1.0
 TERM_WAIT_S = 3.0
 POLL_S = 2.0
+# psutil's create_time() is start ticks + /proc/stat's btime, a whole second that can read one apart
+# in two processes (or two calls) when the clock is adjusted; the driver records create times and the
+# watcher compares them, so "same process" means within this much (a pid reused within a second of
+# its previous owner's start is not a case worth guarding against).
+CTIME_TOL_S = 1.5
 
 
 def descendants() -> set[tuple[int, float]]:
@@ -118,7 +123,7 @@ def raylet_workers(raylets: Iterable[tuple[int, float]], before: float) -> list[
             ct = p.create_time()
         except (psutil.Error, ValueError):
             continue
-        if owner in started and started[owner] <= ct < before:
+        if owner in started and started[owner] - CTIME_TOL_S <= ct < before:
             out.append((p.pid, ct))
     return out
 
@@ -139,7 +144,7 @@ def reap(procs: Iterable[tuple[int, float]], grace_s: float = GRACE_S, term_wait
     for pid, ctime in set(procs) | set(raylet_workers(raylets, died_at)):
         try:
             p = psutil.Process(pid)
-            if abs(p.create_time() - ctime) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+            if abs(p.create_time() - ctime) < CTIME_TOL_S and p.status() != psutil.STATUS_ZOMBIE:
                 alive.append(p)
         except psutil.Error:
             pass
@@ -166,7 +171,7 @@ def children_of(parents: Iterable[tuple[int, float]]) -> set[tuple[int, float]]:
     for pid, ctime in parents:
         try:
             parent = psutil.Process(pid)
-            if abs(parent.create_time() - ctime) >= 1e-3:
+            if abs(parent.create_time() - ctime) >= CTIME_TOL_S:
                 continue
             kids = parent.children(recursive=True)
         except psutil.Error:
