@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
-from trajflow.workers.forward import forward_micro_batch, layout_prompts, length_buckets, pack, shared_prompt_rows
+from trajflow.workers.forward import (forward_micro_batch, layout_prompts, length_buckets, pack, shared_prompt_rows,
+                                     tree_pack, tree_packed_tokens, uses_tree_packing)
 
 PAD = 2
 
@@ -37,6 +38,36 @@ def test_layout_prompts_by_hand():
     assert lay.position_ids.tolist() == [[0, 1, 1, 1, 2], [0, 1, 1, 2, 3], [0, 1, 2, 3, 4]]
     assert layout_prompts([[5, 6, 7]], PAD).common == 0  # one prompt: nothing to share
     assert layout_prompts([[5, 6], [7, 6]], PAD).common == 0
+
+
+def test_tree_pack_by_hand():
+    # Rows 0 and 1 share prompt A = [5, 6, 7], row 2 has B = [5, 6, 8, 9]: common prefix [5, 6].
+    packed = pack([[5, 6, 7], [5, 6, 7], [5, 6, 8, 9]], [[20, 21, 22], [30], [40, 41]], PAD)
+    tree = tree_pack(packed)
+    # prefix 5 6 | A's rest 7 | B's rest 8 9 | row 0's inputs 20 21 | row 1: none | row 2's input 40
+    assert tree.input_ids.tolist() == [[5, 6, 7, 8, 9, 20, 21, 40]]
+    # Positions are each token's place in its own row prompt + response.
+    assert tree.position_ids.tolist() == [[0, 1, 2, 2, 3, 3, 4, 4]]
+    assert tree.attention_mask.shape == (1, 1, 8, 8) and tree.attention_mask.dtype == torch.bool
+    assert tree.attention_mask[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0],  # A's 7 sees the prefix
+        [1, 1, 0, 1, 0, 0, 0, 0],  # B's 8 sees the prefix, not A
+        [1, 1, 0, 1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0],  # row 0's 20 sees prefix + A
+        [1, 1, 1, 0, 0, 1, 1, 0],
+        [1, 1, 0, 1, 1, 0, 0, 1],  # row 2's 40 sees prefix + B, not row 0
+    ]
+    # Row 0's tokens 20 21 22 are predicted at A's last token (2), then at 20 (5) and 21 (6); row 1's 30
+    # at A's last token; row 2's 40 41 at B's last token (4) and at 40 (7).
+    assert tree.source.tolist() == [2, 5, 6, 2, 4, 7]
+    assert tree_packed_tokens(packed) == tree.num_tokens == 8
+    # One prompt: no prefix segment, every row's response sees the whole prompt.
+    one = tree_pack(pack([[5, 6]], [[7, 8]], PAD))
+    assert one.input_ids.tolist() == [[5, 6, 7]] and one.position_ids.tolist() == [[0, 1, 2]]
+    assert one.attention_mask[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert one.source.tolist() == [1, 2]
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +101,20 @@ def test_length_buckets_by_hand():
 
 
 # overhead 0: one response bucket per distinct length, a one-token response in none; 1000: one bucket.
-@pytest.mark.parametrize("train_mode,common,overhead", [(False, 0, 8), (True, 0, 8), (False, 6, 8), (True, 6, 8),
-                                                        (True, 6, 0), (True, 0, 0), (True, 6, 1000)])
-def test_shared_forward_matches_the_full_forward(model, train_mode, common, overhead):
+# tree_max 0 forces the cached-prompt (bucket) path; 2048 takes the tree-packed one.
+@pytest.mark.parametrize("train_mode,common,overhead,tree_max",
+                         [(False, 0, 8, 0), (True, 0, 8, 0), (False, 6, 8, 0), (True, 6, 8, 0),
+                          (True, 6, 0, 0), (True, 0, 0, 0), (True, 6, 1000, 0),
+                          (False, 0, 8, 2048), (True, 0, 8, 2048), (False, 6, 8, 2048), (True, 6, 8, 2048)])
+def test_shared_forward_matches_the_full_forward(model, train_mode, common, overhead, tree_max):
     packed = _batch(model.config.vocab_size, common)
+    assert uses_tree_packing(model, packed, True, tree_max) == (tree_max > 0)
     model.train(train_mode)
     results = {}
     for share in (False, True):
         model.zero_grad()
         logp, ent = forward_micro_batch(model, packed, 0.7, compute_entropy=True, share_prompts=share,
-                                        entropy_grad=True, bucket_overhead=overhead)
+                                        entropy_grad=True, bucket_overhead=overhead, tree_max_tokens=tree_max)
         m = packed.response_mask
         loss = -(logp * m).sum() / m.sum() - 0.1 * (ent * m).sum() / m.sum()
         loss.backward()

@@ -27,6 +27,7 @@ import torch
 
 from stages.policy_update import explained_variance, value_loss
 from trajflow.models import load_causal_lm, load_tokenizer
+from trajflow.workers.distributed import adamw
 from trajflow.workers.forward import PackedBatch, micro_batch_slices, pack
 from trajflow.workers.policy import set_threads
 
@@ -93,8 +94,8 @@ class CriticWorker:
         self.model = ValueModel(lm.get_decoder(), hidden).to(device)
         del lm
         self.pad_id = int(load_tokenizer(model_path).pad_token_id)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=critic["lr"],
-                                           weight_decay=critic.get("weight_decay", 0.0))
+        self.optimizer = adamw(self.model.parameters(), critic["lr"], weight_decay=critic.get("weight_decay", 0.0),
+                               device=device)
         self.optimizer_steps = 0
 
     def pid(self) -> int:

@@ -146,12 +146,7 @@ def layout_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
     The prefix stops one token short of the shortest prompt, so every row keeps a suffix token.
     """
     k = len(prompts)
-    c = 0
-    if k > 1:
-        shortest = min(len(p) for p in prompts)
-        first = prompts[0]
-        while c < shortest - 1 and all(p[c] == first[c] for p in prompts):
-            c += 1
+    c = common_prefix_length(prompts)
     W = max(len(p) - c for p in prompts)
     ids = np.full((k, c + W), pad_id, dtype=np.int64)
     attn = np.zeros((k, c + W), dtype=np.int64)
@@ -201,6 +196,118 @@ def encode_prompts(decoder: torch.nn.Module, layout: PromptLayout, width: int | 
     return out.last_hidden_state, out.cache
 
 
+# Longest packed sequence (prompt tree + responses of one micro-batch) run as one decoder call. The
+# tree's attention is dense over the packed length (SDPA computes the masked-out scores too), so
+# its cost grows as N^2 while the real attention grows as N times the context: past this length
+# the per-bucket path (:func:`length_buckets`), whose attention is exact, is used instead.
+TREE_MAX_TOKENS = 2048
+
+
+@dataclass
+class TreePacking:
+    """A micro-batch's prompts and responses packed into one sequence with a tree attention mask.
+
+    Layout of the single packed row (``c`` = the distinct prompts' common prefix)::
+
+        [common prefix | prompt 1's rest | ... | prompt k's rest | row 1's response | ... | row b's response]
+
+    A response contributes its first ``l - 1`` tokens (the inputs that predict tokens ``1 .. l - 1``;
+    token 0 is predicted by its prompt's last token). Each token sees, causally, its own segment and
+    its ancestors: a prompt's rest sees the prefix; a response sees the prefix and its own prompt's
+    rest. Position ids restart per path, so every token sits at the position it has in its own row
+    ``prompt + response`` and the hidden states equal the plain padded forward's (up to float
+    summation order), with every distinct prompt token computed once per micro-batch.
+
+    Attributes:
+        input_ids: ``(1, N)`` int64.
+        position_ids: ``(1, N)`` int64.
+        attention_mask: ``(1, 1, N, N)`` bool, True where a query (row) may attend to a key (column).
+        source: ``(R,)`` int64, for each real response token of ``packed`` in row-major order (the
+            order of ``packed.response_mask.nonzero()``), the packed position whose hidden state
+            predicts it.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    source: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Longest prefix shared by all ``prompts`` (at least two), stopping one token short of the
+    shortest so that every prompt keeps a token of its own; 0 for fewer than two prompts."""
+    if len(prompts) < 2:
+        return 0
+    shortest = min(len(p) for p in prompts)
+    first = prompts[0]
+    c = 0
+    while c < shortest - 1 and all(p[c] == first[c] for p in prompts):
+        c += 1
+    return c
+
+
+def tree_pack(packed: PackedBatch) -> TreePacking:
+    """Pack ``packed`` (from :func:`pack`) as a prompt tree plus responses; see :class:`TreePacking`."""
+    P = packed.prompt_width
+    b = packed.input_ids.shape[0]
+    prompt_lens = packed.attention_mask[:, :P].sum(-1).tolist()
+    ids_rows = packed.input_ids.tolist()
+    row_prompts = [tuple(ids_rows[i][P - n:P]) for i, n in enumerate(prompt_lens)]
+    index: dict[tuple, int] = {}
+    inverse = [index.setdefault(p, len(index)) for p in row_prompts]
+    distinct = list(index)
+    k = len(distinct)
+    c = common_prefix_length(distinct)
+    resp_lens = packed.response_mask.sum(-1).tolist()
+    resp_rows = packed.responses.tolist()
+    ids: list[int] = list(distinct[0][:c])
+    pos: list[int] = list(range(c))
+    seg: list[int] = [0] * c  # segment 0: the prefix; 1..k: prompts' rests; k+1..k+b: responses
+    last = []
+    for j, p in enumerate(distinct):
+        ids.extend(p[c:])
+        pos.extend(range(c, len(p)))
+        seg.extend([1 + j] * (len(p) - c))
+        last.append(len(ids) - 1)
+    source: list[int] = []
+    for i in range(b):
+        n_in = max(int(resp_lens[i]) - 1, 0)
+        start = len(ids)
+        ids.extend(resp_rows[i][:n_in])
+        pos.extend(range(len(row_prompts[i]), len(row_prompts[i]) + n_in))
+        seg.extend([1 + k + i] * n_in)
+        if resp_lens[i] > 0:
+            source.append(last[inverse[i]])
+            source.extend(range(start, start + n_in))
+    device = packed.input_ids.device
+    S = 1 + k + b
+    sees = torch.eye(S, dtype=torch.bool)  # sees[s, t]: segment s may attend to segment t
+    if c > 0:
+        sees[:, 0] = True
+    sees[torch.arange(1 + k, S), 1 + torch.tensor(inverse, dtype=torch.long)] = True
+    seg_t = torch.tensor(seg, dtype=torch.long)
+    N = len(ids)
+    mask = sees[seg_t][:, seg_t] & torch.ones(N, N, dtype=torch.bool).tril()
+    return TreePacking(torch.tensor([ids], dtype=torch.long, device=device),
+                       torch.tensor([pos], dtype=torch.long, device=device),
+                       mask[None, None].to(device), torch.tensor(source, dtype=torch.long, device=device))
+
+
+def tree_packed_tokens(packed: PackedBatch) -> int:
+    """Length of :func:`tree_pack`'s sequence for ``packed``, without building it."""
+    P = packed.prompt_width
+    prompt_lens = packed.attention_mask[:, :P].sum(-1).tolist()
+    ids_rows = packed.input_ids.tolist()
+    distinct = list(dict.fromkeys(tuple(ids_rows[i][P - n:P]) for i, n in enumerate(prompt_lens)))
+    c = common_prefix_length(distinct)
+    resp = int((packed.response_mask.sum(-1) - 1).clamp(min=0).sum())
+    return c + sum(len(p) - c for p in distinct) + resp
+
+
 # Cost of one more decoder call over a bucket of response rows, in padded token positions. A padded
 # position costs a full token's forward and backward (~16 ms for SmolLM2 on 2 CPU cores); a call's
 # fixed cost (30 layers of small kernels launched from Python) is a few of them.
@@ -238,21 +345,59 @@ def length_buckets(lengths: Sequence[int], overhead: int = BUCKET_OVERHEAD) -> l
     return buckets[::-1]
 
 
-def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True,
-                           bucket_overhead: int = BUCKET_OVERHEAD) -> torch.Tensor:
-    """Final hidden states that predict the response tokens: ``(b, T, hidden)``, model dtype.
+def uses_tree_packing(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True,
+                      tree_max_tokens: int = TREE_MAX_TOKENS) -> bool:
+    """Whether :func:`response_hidden_states` runs ``packed`` as one tree-packed sequence.
 
-    With ``share_prompts`` (and no gradient checkpointing, which turns the KV cache off, and no
-    ZeRO-3 partitioning, see :func:`zero3_partitioned`) the distinct prompts are encoded once, around
-    their common prefix (:func:`encode_prompts`), the cache is copied to the rows that share each
-    prompt, and only the responses run against it; see the module doc. The responses run in buckets
-    of similar length (:func:`length_buckets`), each padded only to its own longest, so a micro-batch
-    with one long response does not pad every row to it (positions past a bucket's longest are 0).
-    Otherwise, or when there is nothing to share, one forward over the whole packed batch.
+    Needs prompt sharing, SDPA attention (a boolean 4D mask; the eager kernel adds masks as floats),
+    no ZeRO-3 partitioning (:func:`zero3_partitioned`) and at most ``tree_max_tokens`` packed tokens.
+    """
+    return (share_prompts and getattr(model.config, "_attn_implementation", None) == "sdpa"
+            and not zero3_partitioned(model) and tree_packed_tokens(packed) <= tree_max_tokens)
+
+
+def tree_hidden_states(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """Final hidden states that predict ``packed``'s real response tokens, from one decoder call
+    over :func:`tree_pack`'s sequence: ``(R, hidden)``, model dtype, rows in the row-major order of
+    ``packed.response_mask.nonzero()``.
+
+    One call means every linear layer runs one matmul over all of the micro-batch's tokens and its
+    weight gradient is formed once, where the per-bucket path ran (and accumulated) one per call.
+    """
+    tree = tree_pack(packed)
+    out = model.get_decoder()(input_ids=tree.input_ids, attention_mask=tree.attention_mask,
+                              position_ids=tree.position_ids, use_cache=False).last_hidden_state
+    return out[0].index_select(0, tree.source)
+
+
+def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True,
+                           bucket_overhead: int = BUCKET_OVERHEAD,
+                           tree_max_tokens: int = TREE_MAX_TOKENS) -> torch.Tensor:
+    """Final hidden states that predict the response tokens: ``(b, T, hidden)``, model dtype
+    (0 at padded response positions).
+
+    With ``share_prompts`` each distinct prompt token is computed once per micro-batch, in one of two
+    ways (same values up to float rounding; see the module doc):
+
+    - **tree packing** (:func:`uses_tree_packing`: SDPA and at most ``tree_max_tokens`` packed
+      tokens): the prompts and responses form one sequence with a tree attention mask
+      (:func:`tree_hidden_states`), one decoder call;
+    - **cached prompts** otherwise (no gradient checkpointing, which turns the KV cache off, and no
+      ZeRO-3 partitioning): the distinct prompts are encoded around their common prefix
+      (:func:`encode_prompts`), the cache is copied to the rows that share each prompt, and the
+      responses run against it in buckets of similar length (:func:`length_buckets`), each padded
+      only to its own longest.
+
+    Otherwise, or when there is nothing to share, one forward over the whole padded batch.
     """
     decoder = model.get_decoder()
     P = packed.prompt_width
     T = packed.responses.shape[1]
+    if uses_tree_packing(model, packed, share_prompts, tree_max_tokens):
+        flat = tree_hidden_states(model, packed)
+        b = packed.input_ids.shape[0]
+        real = packed.response_mask.reshape(-1).nonzero().squeeze(1)
+        return flat.new_zeros(b * T, flat.shape[-1]).index_copy(0, real, flat).reshape(b, T, -1)
     can_share = share_prompts and not (model.training and getattr(model, "is_activation_checkpointing", False)) \
         and not zero3_partitioned(model)
     layout = None
@@ -319,7 +464,8 @@ def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_pr
 def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature: float,
                         compute_entropy: bool = False, logits_chunk: int = 1024,
                         share_prompts: bool = True, entropy_grad: bool = False,
-                        bucket_overhead: int = BUCKET_OVERHEAD) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        bucket_overhead: int = BUCKET_OVERHEAD,
+                        tree_max_tokens: int = TREE_MAX_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropy) of the response tokens under ``model``.
 
     Args:
@@ -330,6 +476,7 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
         logits_chunk: response positions sent through the LM head at a time.
         share_prompts: run each distinct prompt once (see the module doc); same values up to rounding.
         bucket_overhead: see :func:`length_buckets`.
+        tree_max_tokens: longest micro-batch run as one tree-packed sequence (:func:`uses_tree_packing`).
         entropy_grad: build the entropy's autograd graph (only an entropy bonus needs it). Without
             it the entropy is a metric computed from detached logits, which saves its softmax
             temporaries' memory (two ``(positions, vocab)`` float32 tensors per chunk kept for the
@@ -340,12 +487,15 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
         outside ``packed.response_mask`` (padding is never sent through the LM head).
     """
     head = model.get_output_embeddings()
-    h = response_hidden_states(model, packed, share_prompts, bucket_overhead)
-    b, T = h.shape[0], h.shape[1]
+    b, T = packed.responses.shape
     # The LM head (576 x 49k for SmolLM2, a fifth of a token's FLOPs) runs on real response tokens
     # only: right padding up to the micro-batch's longest response never reaches it.
     real = packed.response_mask.reshape(-1).nonzero().squeeze(1)
-    flat_h = h.reshape(b * T, -1).index_select(0, real)
+    if uses_tree_packing(model, packed, share_prompts, tree_max_tokens):
+        flat_h = tree_hidden_states(model, packed)
+    else:
+        h = response_hidden_states(model, packed, share_prompts, bucket_overhead, tree_max_tokens=0)
+        flat_h = h.reshape(b * T, -1).index_select(0, real)
     flat_y = packed.responses.reshape(b * T).index_select(0, real)
     logps, ents = [], []
     for i in range(0, flat_h.shape[0], logits_chunk):
@@ -356,7 +506,7 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
                 ents.append(entropy_from_logits_t(logits if entropy_grad else logits.detach(), temperature))
 
     def unflatten(parts: list[torch.Tensor]) -> torch.Tensor:
-        vals = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+        vals = torch.cat(parts) if parts else flat_h.new_zeros(0, dtype=torch.float32)
         return vals.new_zeros(b * T).index_copy(0, real, vals).reshape(b, T)
 
     return unflatten(logps), (unflatten(ents) if compute_entropy else None)

@@ -22,7 +22,7 @@ from stages.rollout import SamplingParams
 from stages.rollout_correction import rollout_is_weights
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
-from trajflow.workers.distributed import LocalBackend
+from trajflow.workers.distributed import LocalBackend, adamw
 from trajflow.workers.forward import compute_log_probs, pack
 from trajflow.workers.group import dispatch, free_address
 
@@ -101,9 +101,8 @@ class PolicyWorker:
         self.optimizer = None
         self.backend: Any = None
         if actor.get("strategy", "none") != "deepspeed":
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=actor["lr"],
-                                               betas=tuple(actor.get("betas", (0.9, 0.999))),
-                                               weight_decay=actor.get("weight_decay", 0.0))
+            self.optimizer = adamw(self.model.parameters(), actor["lr"], actor.get("betas", (0.9, 0.999)),
+                                   actor.get("weight_decay", 0.0), device)
             self.backend = LocalBackend(self.model, self.optimizer)
         if rollout.get("engine", "hf") == "vllm" and rollout.get("pool") is None:
             from trajflow.engines.vllm import VLLMRolloutEngine
