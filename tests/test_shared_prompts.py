@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.workers.forward import (forward_micro_batch, layout_prompts, length_buckets, pack, shared_prompt_rows,
-                                     tree_pack, tree_packed_tokens, uses_tree_packing)
+                                     uses_tree_packing)
+from trajflow.workers.tree import tree_pack, tree_packed_tokens
 
 PAD = 2
 

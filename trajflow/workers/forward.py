@@ -16,13 +16,17 @@ at column ``P - 1 + t``. Only those ``T`` positions go through the LM head, whic
 
 Shared prompts. A group's ``n`` samples share one prompt, micro-batches hold whole groups (rows are
 prompt-major), and prompts built from one template share a long prefix (system prompt, worked
-example). :func:`forward_micro_batch` therefore runs the micro-batch's common prefix once, each
-distinct prompt's remainder once against it (:class:`PromptLayout`), copies the resulting key/value
-cache to the rows that share each prompt and runs only the responses against that cache. For the
-default recipe (85-token prompts of which 72 are common, ~20-token responses, n = 4) this removes
-most of the forward and backward compute. Gradients flow through the copied
-cache into the prompt's forward (the copy's backward sums the rows' contributions), so the result is
-the full forward's up to float rounding.
+example). :func:`forward_micro_batch` therefore computes the micro-batch's common prefix once and
+each distinct prompt's remainder once. For the default recipe (85-token prompts of which 72 are
+common, ~20-token responses, n = 4) this removes most of the forward and backward compute. Two
+ways, the same values up to float rounding:
+
+- tree packing (:mod:`trajflow.workers.tree`, the default with SDPA): prefix, prompt remainders
+  and responses form one sequence with a tree attention mask, one decoder call per micro-batch;
+- cached prompts (longer micro-batches, eager attention): the prompts are encoded around their
+  common prefix (:class:`PromptLayout`), the key/value cache is copied to the rows that share each
+  prompt and the responses run against it in length buckets. Gradients flow through the copied
+  cache into the prompt's forward (the copy's backward sums the rows' contributions).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 
 from stages.rollout import entropy_from_logits_t, logprobs_from_logits
+from trajflow.workers.tree import TREE_MAX_TOKENS, common_prefix_length, tree_hidden_states, tree_packed_tokens
 
 
 def micro_batch_slices(num_rows: int, micro_batch_size: int) -> list[slice]:
@@ -196,118 +201,6 @@ def encode_prompts(decoder: torch.nn.Module, layout: PromptLayout, width: int | 
     return out.last_hidden_state, out.cache
 
 
-# Longest packed sequence (prompt tree + responses of one micro-batch) run as one decoder call. The
-# tree's attention is dense over the packed length (SDPA computes the masked-out scores too), so
-# its cost grows as N^2 while the real attention grows as N times the context: past this length
-# the per-bucket path (:func:`length_buckets`), whose attention is exact, is used instead.
-TREE_MAX_TOKENS = 2048
-
-
-@dataclass
-class TreePacking:
-    """A micro-batch's prompts and responses packed into one sequence with a tree attention mask.
-
-    Layout of the single packed row (``c`` = the distinct prompts' common prefix)::
-
-        [common prefix | prompt 1's rest | ... | prompt k's rest | row 1's response | ... | row b's response]
-
-    A response contributes its first ``l - 1`` tokens (the inputs that predict tokens ``1 .. l - 1``;
-    token 0 is predicted by its prompt's last token). Each token sees, causally, its own segment and
-    its ancestors: a prompt's rest sees the prefix; a response sees the prefix and its own prompt's
-    rest. Position ids restart per path, so every token sits at the position it has in its own row
-    ``prompt + response`` and the hidden states equal the plain padded forward's (up to float
-    summation order), with every distinct prompt token computed once per micro-batch.
-
-    Attributes:
-        input_ids: ``(1, N)`` int64.
-        position_ids: ``(1, N)`` int64.
-        attention_mask: ``(1, 1, N, N)`` bool, True where a query (row) may attend to a key (column).
-        source: ``(R,)`` int64, for each real response token of ``packed`` in row-major order (the
-            order of ``packed.response_mask.nonzero()``), the packed position whose hidden state
-            predicts it.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    source: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
-
-
-def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
-    """Longest prefix shared by all ``prompts`` (at least two), stopping one token short of the
-    shortest so that every prompt keeps a token of its own; 0 for fewer than two prompts."""
-    if len(prompts) < 2:
-        return 0
-    shortest = min(len(p) for p in prompts)
-    first = prompts[0]
-    c = 0
-    while c < shortest - 1 and all(p[c] == first[c] for p in prompts):
-        c += 1
-    return c
-
-
-def tree_pack(packed: PackedBatch) -> TreePacking:
-    """Pack ``packed`` (from :func:`pack`) as a prompt tree plus responses; see :class:`TreePacking`."""
-    P = packed.prompt_width
-    b = packed.input_ids.shape[0]
-    prompt_lens = packed.attention_mask[:, :P].sum(-1).tolist()
-    ids_rows = packed.input_ids.tolist()
-    row_prompts = [tuple(ids_rows[i][P - n:P]) for i, n in enumerate(prompt_lens)]
-    index: dict[tuple, int] = {}
-    inverse = [index.setdefault(p, len(index)) for p in row_prompts]
-    distinct = list(index)
-    k = len(distinct)
-    c = common_prefix_length(distinct)
-    resp_lens = packed.response_mask.sum(-1).tolist()
-    resp_rows = packed.responses.tolist()
-    ids: list[int] = list(distinct[0][:c])
-    pos: list[int] = list(range(c))
-    seg: list[int] = [0] * c  # segment 0: the prefix; 1..k: prompts' rests; k+1..k+b: responses
-    last = []
-    for j, p in enumerate(distinct):
-        ids.extend(p[c:])
-        pos.extend(range(c, len(p)))
-        seg.extend([1 + j] * (len(p) - c))
-        last.append(len(ids) - 1)
-    source: list[int] = []
-    for i in range(b):
-        n_in = max(int(resp_lens[i]) - 1, 0)
-        start = len(ids)
-        ids.extend(resp_rows[i][:n_in])
-        pos.extend(range(len(row_prompts[i]), len(row_prompts[i]) + n_in))
-        seg.extend([1 + k + i] * n_in)
-        if resp_lens[i] > 0:
-            source.append(last[inverse[i]])
-            source.extend(range(start, start + n_in))
-    device = packed.input_ids.device
-    S = 1 + k + b
-    sees = torch.eye(S, dtype=torch.bool)  # sees[s, t]: segment s may attend to segment t
-    if c > 0:
-        sees[:, 0] = True
-    sees[torch.arange(1 + k, S), 1 + torch.tensor(inverse, dtype=torch.long)] = True
-    seg_t = torch.tensor(seg, dtype=torch.long)
-    N = len(ids)
-    mask = sees[seg_t][:, seg_t] & torch.ones(N, N, dtype=torch.bool).tril()
-    return TreePacking(torch.tensor([ids], dtype=torch.long, device=device),
-                       torch.tensor([pos], dtype=torch.long, device=device),
-                       mask[None, None].to(device), torch.tensor(source, dtype=torch.long, device=device))
-
-
-def tree_packed_tokens(packed: PackedBatch) -> int:
-    """Length of :func:`tree_pack`'s sequence for ``packed``, without building it."""
-    P = packed.prompt_width
-    prompt_lens = packed.attention_mask[:, :P].sum(-1).tolist()
-    ids_rows = packed.input_ids.tolist()
-    distinct = list(dict.fromkeys(tuple(ids_rows[i][P - n:P]) for i, n in enumerate(prompt_lens)))
-    c = common_prefix_length(distinct)
-    resp = int((packed.response_mask.sum(-1) - 1).clamp(min=0).sum())
-    return c + sum(len(p) - c for p in distinct) + resp
-
-
 # Cost of one more decoder call over a bucket of response rows, in padded token positions. A padded
 # position costs a full token's forward and backward (~16 ms for SmolLM2 on 2 CPU cores); a call's
 # fixed cost (30 layers of small kernels launched from Python) is a few of them.
@@ -354,20 +247,6 @@ def uses_tree_packing(model: torch.nn.Module, packed: PackedBatch, share_prompts
     """
     return (share_prompts and getattr(model.config, "_attn_implementation", None) == "sdpa"
             and not zero3_partitioned(model) and tree_packed_tokens(packed) <= tree_max_tokens)
-
-
-def tree_hidden_states(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
-    """Final hidden states that predict ``packed``'s real response tokens, from one decoder call
-    over :func:`tree_pack`'s sequence: ``(R, hidden)``, model dtype, rows in the row-major order of
-    ``packed.response_mask.nonzero()``.
-
-    One call means every linear layer runs one matmul over all of the micro-batch's tokens and its
-    weight gradient is formed once, where the per-bucket path ran (and accumulated) one per call.
-    """
-    tree = tree_pack(packed)
-    out = model.get_decoder()(input_ids=tree.input_ids, attention_mask=tree.attention_mask,
-                              position_ids=tree.position_ids, use_cache=False).last_hidden_state
-    return out[0].index_select(0, tree.source)
 
 
 def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True,
