@@ -237,6 +237,22 @@ def load_default_model(dtype: str = "float32"):
     return model, load_tokenizer(path), path
 
 
+def preload_allocator(setting: str = "auto") -> str:
+    """Run this script under the allocator trajflow preloads into its Ray workers.
+
+    The model workers run with ``resources.allocator`` (``trajflow.allocator``: tcmalloc when the
+    system has it); a benchmark that computes in its own process (limits.py in-process, TRL in
+    vs_trl.py) re-executes itself once with the same ``LD_PRELOAD``, so both sides of a comparison
+    and the in-process measurements see the allocator the pipeline uses. Returns what is loaded.
+    """
+    from trajflow.allocator import loaded_allocator, worker_env_vars
+
+    env = worker_env_vars(setting)
+    if env and loaded_allocator() is None and not os.environ.get("TRAJFLOW_BENCH_REEXEC"):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env, "TRAJFLOW_BENCH_REEXEC": "1"})
+    return loaded_allocator() or "system (glibc malloc)"
+
+
 def set_all_threads() -> int:
     """Use every CPU for torch (what the policy worker does with ``trainer.num_threads=0``)."""
     import torch

@@ -22,11 +22,13 @@ runs):
                                               # attention scores and values, PaLM (Chowdhery et al. 2022, App. B)
 
    with N_body the non-embedding parameters, d the hidden size, V the vocabulary, L the layers, T_resp
-   the response tokens and T_all the real (non-pad) tokens trajflow runs: per micro-batch, the
-   distinct prompts' common prefix once, each distinct prompt's remainder once, each row's response
-   (``trajflow.workers.forward``: a group's samples share the prompt's KV cache). The attention term
-   sums, per block, (tokens seen after it)^2 - (tokens seen before it)^2. Padding, softmax/entropy
-   and the optimizer are not counted (they are not model FLOPs).
+   the response tokens and T_all the real (non-pad) tokens trajflow runs through the decoder: per
+   micro-batch, the distinct prompts' common prefix once, each distinct prompt's remainder once and
+   each row's response but its last token (``trajflow.workers.tree.tree_packed_tokens``: the last
+   token predicts nothing). The attention term sums, per block, (tokens seen after it)^2 - (tokens
+   seen before it)^2: the causal attention each row needs, not the masked-out scores the dense tree
+   mask also computes. Padding, softmax/entropy and the optimizer are not counted (they are not
+   model FLOPs).
    MFU = F / update seconds / matmul ceiling (the higher of a measurement before and after). The
    brief's naive count (6 * all params * every row's prompt + response tokens, i.e. the prompt run
    once per sample and the LM head on prompt tokens too) is printed for reference: it is the work a
@@ -36,6 +38,13 @@ runs):
    nothing after it) / seconds, best of R, as a fraction of the plain forward token rate at batch
    32 x 64. The "slot" rate (rows x longest response / seconds: what a batch that keeps its
    finished rows to the end, like ``generate``, would have processed) is shown too.
+5. **The weight-read bound of that generation.** A decode step with at most 32 rows is bound by
+   reading the weights (4 bytes x parameters in fp32), not by FLOPs: the step of a shrinking batch
+   costs about the same with 32 rows as with 1. Memory read bandwidth = ``tensor.sum()`` over 1 GiB
+   of float32, best of R. A decoder that did nothing but read the weights once per step would
+   need ``longest response x weight bytes / bandwidth`` seconds for the batch, so at most
+   ``real tokens / that`` tok/s: printed as a fraction of the plain forward rate (the ceiling any
+   decode loop has on this batch) and trajflow's rate as a fraction of the bound.
 
     .venv/bin/python benchmarks/limits.py [--quick] [--repeats R] [--max-new-tokens 64] [--matmul-n 2048]
 """
@@ -47,7 +56,7 @@ import time
 
 import numpy as np
 
-from _common import header, set_all_threads, verdict
+from _common import preload_allocator, header, set_all_threads, verdict
 
 TARGET_MFU = 0.60
 TARGET_GEN = 0.50
@@ -65,6 +74,20 @@ def matmul_gflops(n: int, repeats: int) -> tuple[float, list[float]]:
         t = time.perf_counter()
         torch.mm(a, b, out=c)
         rates.append(2 * n**3 / (time.perf_counter() - t) / 1e9)
+    return max(rates), rates
+
+
+def read_bandwidth(repeats: int, gib: float = 1.0) -> tuple[float, list[float]]:
+    """Memory read bandwidth in GB/s: ``sum()`` over ``gib`` GiB of float32, best of ``repeats``."""
+    import torch
+
+    a = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    a.sum()  # warm-up (page faults)
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        rates.append(a.numel() * 4 / (time.perf_counter() - t) / 1e9)
     return max(rates), rates
 
 
@@ -101,30 +124,34 @@ def model_dims(model) -> dict:
 def update_flops(dims: dict, prompts: list[list[int]], resp_lens: list[int], micro_batch_size: int) -> tuple[float, float, dict]:
     """(F, naive F, parts) for one update over the rows; see the module doc for the formula.
 
-    Counts what trajflow computes (:func:`trajflow.workers.forward.response_hidden_states`): in each
-    micro-batch of consecutive rows, the distinct prompts' common prefix once, each distinct prompt's
-    remainder once, every row's response. The naive count charges every row its own whole prompt and
-    the LM head on every token (a trainer without prompt sharing).
+    Counts what trajflow computes (:func:`trajflow.workers.tree.tree_pack`): in each micro-batch of
+    consecutive rows, the distinct prompts' common prefix once, each distinct prompt's remainder
+    once, every row's response but its last token (the LM head on every response token). The naive
+    count charges every row its own whole prompt and the LM head on every token (a trainer without
+    prompt sharing).
     """
-    from trajflow.workers.forward import layout_prompts, micro_batch_slices
+    from trajflow.workers.forward import micro_batch_slices
+    from trajflow.workers.tree import common_prefix_length
 
     t_prompt, attn_sq = 0.0, 0.0
     for sl in micro_batch_slices(len(prompts), micro_batch_size):
         distinct = list(dict.fromkeys(tuple(p) for p in prompts[sl]))
-        c = layout_prompts([list(p) for p in distinct], 0).common
+        c = common_prefix_length(distinct)
         t_prompt += c + sum(len(p) - c for p in distinct)
         attn_sq += c**2 + sum(len(p) ** 2 - c**2 for p in distinct)
     P = np.asarray([len(p) for p in prompts], dtype=np.float64)
     R = np.asarray(resp_lens, dtype=np.float64)
-    S = P + R
+    R_in = np.maximum(R - 1, 0)  # a response's last token is never an input
+    S = P + R_in
     attn_sq += float((S**2 - P**2).sum())
-    t_all, t_resp = t_prompt + float(R.sum()), float(R.sum())
+    t_all, t_resp = t_prompt + float(R_in.sum()), float(R.sum())
     body = 6 * dims["n_body"] * t_all
     head = 6 * dims["d"] * dims["V"] * t_resp
     attn = 12 * dims["L"] * dims["d"] * attn_sq
-    naive = 6 * dims["n_total"] * float(S.sum()) + 12 * dims["L"] * dims["d"] * float((S**2).sum())
+    S_all = P + R
+    naive = 6 * dims["n_total"] * float(S_all.sum()) + 12 * dims["L"] * dims["d"] * float((S_all**2).sum())
     return body + head + attn, naive, dict(body=body, head=head, attn=attn, t_all=t_all, t_resp=t_resp,
-                                           t_rows=float(S.sum()))
+                                           t_rows=float(S_all.sum()))
 
 
 def grpo_advantages(scores: np.ndarray, n: int, eps: float = 1e-6) -> np.ndarray:
@@ -139,7 +166,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--matmul-n", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 16 new tokens")
+    ap.add_argument("--allocator", default="auto", help="resources.allocator for this process and the workers: "
+                    "auto (tcmalloc if installed), system, or a library path")
     args = ap.parse_args()
+    allocator = preload_allocator(args.allocator)
+    print(f"allocator: {allocator}", flush=True)
     if args.quick:
         args.repeats, args.max_new_tokens = 1, 16
     import resource
@@ -255,6 +286,17 @@ def main() -> None:
     print(f"generation at batch 32: best {gen_rate:.1f} real tok/s ({max(slot_rates):.1f} slot tok/s) vs plain forward "
           f"32 x 64 {fwd[(32, 64)]:.0f} tok/s -> {gen_frac:.1%} ({max(slot_rates) / fwd[(32, 64)]:.1%} counting slots)")
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+    header("5. the weight-read bound of generation")
+    bw, bws = read_bandwidth(max(3, args.repeats * 3))
+    weight_bytes = 4 * dims["n_total"]
+    lens = [len(x) for x in gen["response_ids"]]
+    bound = sum(lens) / (max(lens) * weight_bytes / (bw * 1e9))
+    print(f"memory read: {', '.join(f'{r:.1f}' for r in bws)} GB/s; best {bw:.1f} GB/s. fp32 weights "
+          f"{weight_bytes / 1e6:.0f} MB -> >= {weight_bytes / (bw * 1e9) * 1e3:.1f} ms per decode step")
+    print(f"last batch: {sum(lens)} real tokens in {max(lens)} steps -> at most {bound:.0f} real tok/s "
+          f"= {bound / fwd[(32, 64)]:.1%} of the plain forward; trajflow reached {gen_rates[-1]:.1f} tok/s on it "
+          f"= {gen_rates[-1] / bound:.1%} of the bound")
 
     header("targets")
     for mb, v in mfus.items():

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import header, median, run_trajflow, set_all_threads, verdict
+from _common import preload_allocator, header, median, run_trajflow, set_all_threads, verdict
 
 TARGET_RATIO = 2.0
 SEED = 42
@@ -56,7 +56,7 @@ def shared_settings(args: argparse.Namespace) -> dict:
              clip=cfg.actor.clip_ratio_low, clip_high=cfg.actor.clip_ratio_high, grad_clip=cfg.actor.grad_clip,
              kl=cfg.actor.kl_loss_coef, agg=cfg.actor.loss_agg_mode, dataset=cfg.data.dataset, seed=cfg.trainer.seed,
              format_bonus=cfg.reward.format_bonus, norm_std=cfg.algorithm.norm_adv_by_std_in_grpo,
-             iterations=1 + args.iterations)
+             iterations=1 + args.iterations, allocator=args.allocator)
     # The comparison is defined for one optimizer step per iteration, like TRL's default GRPO step.
     assert s["mini_prompts"] == s["prompts"] and s["epochs"] == 1 and s["kl"] == 0, s
     assert s["agg"] == "token-mean", s
@@ -69,7 +69,8 @@ def shared_settings(args: argparse.Namespace) -> dict:
 def run_trajflow_side(s: dict) -> dict:
     root = Path(tempfile.mkdtemp(prefix="bench-vs-trl-trajflow-"))
     overrides = [f"rollout.max_new_tokens={s['max_new_tokens']}", f"trainer.total_iterations={s['iterations']}",
-                 "trainer.test_freq=0", "trainer.save_freq=0", "trainer.progress=false"]
+                 "trainer.test_freq=0", "trainer.save_freq=0", "trainer.progress=false",
+                 f"resources.allocator={s['allocator']}"]
     print(f"trajflow: train(None, {overrides}) in {root}", flush=True)
     run = run_trajflow(overrides, root)
     rows = s["prompts"] * s["n"]
@@ -204,7 +205,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 timed iteration, 16 new tokens")
     ap.add_argument("--only", choices=["trl", "trajflow"], help="run one side only (no ratio)")
+    ap.add_argument("--allocator", default="auto", help="resources.allocator for this process and the workers: "
+                    "auto (tcmalloc if installed), system, or a library path")
     args = ap.parse_args()
+    allocator = preload_allocator(args.allocator)
+    print(f"allocator: {allocator}", flush=True)
     if args.quick:
         args.iterations, args.max_new_tokens = 1, 16
     s = shared_settings(args)

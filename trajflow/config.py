@@ -266,6 +266,9 @@ class ResourcesConfig:
     pools: dict = _f({}, "resource pools: name -> {nodes, devices_per_node, device: cpu|gpu|<custom Ray "
                      "resource, e.g. NPU>, num_cpus_per_worker}; empty = one local pool")
     placement_timeout_s: float = _f(300.0, "seconds to wait for a pool's placement groups before failing", gt=0.0)
+    allocator: str = _f("auto", "memory allocator preloaded into the Ray workers: auto (tcmalloc if the system "
+                        "has it, else the system's), system, or the path of a shared library "
+                        "(see trajflow/allocator.py)")
 
 
 @dataclass
@@ -464,6 +467,10 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
+    if cfg.resources.allocator not in ("auto", "system") and not Path(cfg.resources.allocator).is_file():
+        raise ConfigError(f"{source}: resources.allocator={cfg.resources.allocator!r} is not allowed: 'auto', "
+                          f"'system' or the path of an existing shared library (e.g. "
+                          f"/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4)")
     from trajflow.resources import validate_resources  # pools, placement, DeepSpeed ranks
 
     validate_resources(cfg, source)

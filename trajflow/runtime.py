@@ -47,7 +47,12 @@ def start_ray(cfg: DictConfig) -> bool:
 
     if ray.is_initialized():
         return False
+    from trajflow.allocator import worker_env_vars
+
     kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    env_vars = worker_env_vars(str(cfg.resources.get("allocator", "auto")))
+    if env_vars:
+        kwargs["runtime_env"] = {"env_vars": env_vars}
     if cfg.resources.ray_address:
         ray.init(address=cfg.resources.ray_address, **kwargs)
     else:

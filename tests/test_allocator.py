@@ -1,0 +1,71 @@
+"""resources.allocator: which library the Ray workers preload, checked in a real local Ray."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trajflow.allocator import find_tcmalloc, loaded_allocator, resolve_allocator, worker_env_vars
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_resolve_allocator(tmp_path, monkeypatch):
+    assert resolve_allocator("system") is None
+    assert resolve_allocator("auto") == find_tcmalloc()
+    lib = tmp_path / "libfake.so"
+    lib.write_bytes(b"")
+    assert resolve_allocator(str(lib)) == str(lib.resolve())
+    with pytest.raises(ValueError, match=r"resources.allocator='/no/such/lib.so'.*'auto', 'system'"):
+        resolve_allocator("/no/such/lib.so")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert worker_env_vars("system") == {}
+    assert worker_env_vars(str(lib)) == {"LD_PRELOAD": str(lib.resolve())}
+    # A preload the user exported stays, after the allocator (which must come first to serve malloc).
+    monkeypatch.setenv("LD_PRELOAD", "/opt/x/libother.so")
+    assert worker_env_vars(str(lib)) == {"LD_PRELOAD": f"{lib.resolve()}:/opt/x/libother.so"}
+    monkeypatch.setenv("LD_PRELOAD", f"/opt/x/libother.so:{lib.resolve()}")
+    assert worker_env_vars(str(lib)) == {"LD_PRELOAD": f"/opt/x/libother.so:{lib.resolve()}"}
+
+
+def test_bad_allocator_is_a_config_error():
+    from trajflow.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"resources.allocator='/no/such/lib.so' is not allowed"):
+        load_config(None, ["resources.allocator=/no/such/lib.so"])
+
+
+PROBE = """
+import json, sys
+import ray
+from trajflow.config import load_config
+from trajflow.runtime import start_ray, stop_ray
+from trajflow.allocator import loaded_allocator
+
+cfg = load_config(None, sys.argv[1:])
+start_ray(cfg)
+try:
+    probe = ray.remote(num_cpus=0)(lambda: loaded_allocator()).remote()
+    print(json.dumps({"worker": ray.get(probe, timeout=120), "driver": loaded_allocator()}))
+finally:
+    stop_ray()
+"""
+
+
+def _probe(*overrides: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, *overrides], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(find_tcmalloc() is None, reason="no tcmalloc on this machine (.ci/run installs it)")
+def test_ray_workers_preload_tcmalloc_and_the_driver_does_not():
+    seen = _probe()  # resources.allocator=auto
+    assert seen["worker"] is not None and Path(seen["worker"]).name.startswith("libtcmalloc")
+    if "LD_PRELOAD" not in os.environ:  # the driver holds no model and keeps its allocator
+        assert seen["driver"] is None
+    assert _probe("resources.allocator=system")["worker"] is None
