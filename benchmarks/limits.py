@@ -38,13 +38,15 @@ runs):
    nothing after it) / seconds, best of R, as a fraction of the plain forward token rate at batch
    32 x 64. The "slot" rate (rows x longest response / seconds: what a batch that keeps its
    finished rows to the end, like ``generate``, would have processed) is shown too.
-5. **The weight-read bound of that generation.** A decode step with at most 32 rows is bound by
-   reading the weights (4 bytes x parameters in fp32), not by FLOPs: the step of a shrinking batch
-   costs about the same with 32 rows as with 1. Memory read bandwidth = ``tensor.sum()`` over 1 GiB
-   of float32, best of R. A decoder that did nothing but read the weights once per step would
-   need ``longest response x weight bytes / bandwidth`` seconds for the batch, so at most
-   ``real tokens / that`` tok/s: printed as a fraction of the plain forward rate (the ceiling any
-   decode loop has on this batch) and trajflow's rate as a fraction of the bound.
+5. **The weight-read bound of that generation.** Every decode step reads all weights once (4 bytes
+   x parameters in fp32), however few rows are still writing, and the batch needs as many steps as
+   its longest response. Memory read bandwidth = ``tensor.sum()`` over 1 GiB of float32, best of
+   R. A decoder that did nothing but read the weights once per step would need ``longest response
+   x weight bytes / bandwidth`` seconds for the batch, so at most ``real tokens / that`` tok/s:
+   printed as a fraction of the plain forward rate (a ceiling no decode loop over this batch can
+   pass) and trajflow's rate as a fraction of the bound. The bound is optimistic: with many rows a
+   step is limited by small-M matmuls (32 x 576 x 1536 runs at ~150 GFLOP/s on 2 cores), not by
+   the weight read.
 
     .venv/bin/python benchmarks/limits.py [--quick] [--repeats R] [--max-new-tokens 64] [--matmul-n 2048]
 """
