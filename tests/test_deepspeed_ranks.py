@@ -37,10 +37,10 @@ def make_batch(worker, seed: int = 0, rows: int = 10) -> dict:
             "mini_batch_rows": 5}
 
 
-def spawn_ds(model_dir, zero_stage: int, world: int = 2) -> WorkerGroup:
+def spawn_ds(model_dir, zero_stage: int, world: int = 2, **extra) -> WorkerGroup:
     from trajflow.workers.policy import PolicyWorker
 
-    actor = {**ACTOR, "strategy": "deepspeed", "zero_stage": zero_stage, "world_size": world}
+    actor = {**ACTOR, "strategy": "deepspeed", "zero_stage": zero_stage, "world_size": world, **extra}
     group = WorkerGroup.spawn(PolicyWorker, (str(model_dir), actor, MODEL, ROLLOUT, 0, "cpu", 1),
                               [{"num_cpus": 0}] * world, "actor", lockstep=zero_stage == 3)
     group.init_distributed()
@@ -79,6 +79,26 @@ def test_zero2_two_ranks_update_equals_one_rank(ray_local, tiny_model_dir, one_r
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
             assert m[key] == pytest.approx(one_rank["m1"][key], rel=1e-4, abs=1e-6), key
         assert m["policy_version"] == 1
+    finally:
+        group.kill()
+
+
+def test_zero2_token_budget_micro_batches_equal_one_rank(ray_local, tiny_model_dir, one_rank):
+    # Micro-batches by token budget (use_dynamic_bsz): each rank cuts its 3 or 2 rows by tokens, so the
+    # ranks can need different numbers of micro-batches; the shorter one pads with zero-weighted copies.
+    from trajflow.workers.forward import token_budget_slices
+    from trajflow.workers.group import balanced_partition
+
+    b1, budget = one_rank["b1"], 14
+    mini = list(range(5))
+    weights = [len(b1["prompt_ids"][r]) + len(b1["response_ids"][r]) for r in mini]
+    counts = [len(token_budget_slices([b1["prompt_ids"][r] for r in p], [b1["response_ids"][r] for r in p], budget))
+              for p in balanced_partition(weights, 2)]
+    assert counts[0] != counts[1] and max(counts) > 1, counts  # uneven: the padding path runs
+    group = spawn_ds(tiny_model_dir, zero_stage=2, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget)
+    try:
+        group.execute("update_actor", b1, 1.0)
+        assert_close(group.execute("get_weights"), one_rank["w1"])
     finally:
         group.kill()
 

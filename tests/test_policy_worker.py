@@ -102,3 +102,48 @@ def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(tiny_model_
         batch["advantages"] = [[0.0] * len(r) for r in out["response_ids"]]
         norms[coeff] = w.update_actor(batch, temperature=0.7)["actor/grad_norm"]
     assert norms[0.0] == 0.0 and norms[0.01] > 0.0
+
+
+def test_token_budget_slices_by_hand():
+    from trajflow.workers.forward import micro_batch_plan, token_budget_slices
+
+    prompts = [[1, 2, 3]] * 3 + [[4, 5]]
+    responses = [[9, 9], [9, 9, 9], [9], [9, 9, 9, 9]]
+    # Budget 8: row 0 costs 3 + 2 = 5; row 1 shares its prompt, 3 more (8); row 2 would make 9, so a new
+    # micro-batch pays its prompt again, 3 + 1 = 4; row 3 has another prompt, 2 + 4 = 6 -> 10 > 8.
+    assert token_budget_slices(prompts, responses, 8) == [slice(0, 2), slice(2, 3), slice(3, 4)]
+    # A row over the budget on its own still gets a micro-batch (the budget never drops a row).
+    assert token_budget_slices(prompts, responses, 3) == [slice(0, 1), slice(1, 2), slice(2, 3), slice(3, 4)]
+    assert token_budget_slices(prompts, responses, 100) == [slice(0, 4)]
+    assert token_budget_slices([], [], 8) == []
+    with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu must be >= 1"):
+        token_budget_slices(prompts, responses, 0)
+    assert micro_batch_plan(prompts, responses, 3) == [slice(0, 3), slice(3, 4)]
+    assert micro_batch_plan(prompts, responses, 3, max_tokens=8) == [slice(0, 2), slice(2, 3), slice(3, 4)]
+
+
+def test_dynamic_micro_batches_update_like_fixed_ones(tiny_model_dir):
+    # The same batch, one optimizer step: 2-row micro-batches vs token-budget micro-batches (a budget
+    # that cuts the 4 rows into 3 pieces) vs the whole mini-batch at once. Gradient accumulation is
+    # exact, so the weights agree to float rounding; a lost or doubled micro-batch moves them ~1e-3.
+    from trajflow.workers.forward import micro_batch_plan
+
+    weights = {}
+    for name, extra in (("fixed", {}), ("dynamic", {"use_dynamic_bsz": True}), ("whole", {"ppo_micro_batch_size": 4})):
+        w = PolicyWorker(str(tiny_model_dir), {**ACTOR, **extra}, {"dtype": "float32"}, {"micro_batch_size": 4},
+                         seed=0, num_threads=1)
+        before = {k: v.detach().clone() for k, v in w.model.state_dict().items()}
+        rows, out = _rollout(w, temperature=1.0)
+        if name == "dynamic":
+            lens = [len(p) + len(r) for p, r in zip(rows, out["response_ids"])]
+            budget = max(lens) + 1  # room for a row and its group partner's response, rarely more
+            w.actor["ppo_max_token_len_per_gpu"] = budget
+            plan = micro_batch_plan(rows, out["response_ids"], 2, budget)
+            assert len(plan) >= 2 and [sl.stop - sl.start for sl in plan] != [2, 2], plan
+        m = w.update_actor(_batch(rows, out, mini_rows=4), temperature=1.0)
+        assert m["actor/ratio_first_step_max_abs_dev"] == 0.0
+        weights[name] = {k: v.detach().clone() for k, v in w.model.state_dict().items()}
+        assert max(float((weights[name][k] - before[k]).abs().max()) for k in before) > 1e-4  # it did step
+    for name in ("dynamic", "whole"):
+        for k, v in weights["fixed"].items():
+            assert torch.allclose(weights[name][k], v, atol=1e-6, rtol=0), (name, k)

@@ -184,6 +184,10 @@ class ActorConfig:
     betas: list = _f([0.9, 0.999], "AdamW betas")
     ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (rows = this * rollout.n)", ge=1)
     ppo_micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation)", ge=1)
+    use_dynamic_bsz: bool = _f(False, "cut micro-batches by computed tokens (ppo_max_token_len_per_gpu) instead of "
+                               "ppo_micro_batch_size rows")
+    ppo_max_token_len_per_gpu: int = _f(16384, "with use_dynamic_bsz: most tokens a micro-batch computes (each "
+                                        "distinct prompt counted once, plus every response)", ge=1)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", ge=1)
     shuffle: bool = _f(False, "shuffle rows between mini-batches")
     policy_loss: str = _f("vanilla", "policy loss", choices_from="policy_loss")

@@ -35,12 +35,12 @@ import math
 import os
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from trajflow.workers.forward import PackedBatch, forward_micro_batch, micro_batch_slices
+from trajflow.workers.forward import PackedBatch, forward_micro_batch
 from trajflow.workers.group import balanced_partition
 
 #: Metrics that are not sums over rows (everything else in an update's metrics adds up across ranks).
@@ -87,10 +87,11 @@ class LocalBackend:
         """Training forward of one micro-batch: :func:`~trajflow.workers.forward.forward_micro_batch`."""
         return forward_micro_batch(self.model, packed, temperature, compute_entropy, entropy_grad=entropy_grad)
 
-    def micro_batches(self, mini: Sequence[int], micro_batch_size: int,
+    def micro_batches(self, mini: Sequence[int], split: Callable[[list[int]], list[list[int]]],
                       weights: Sequence[float]) -> list[tuple[list[int], bool]]:
-        """``(rows, live)`` per micro-batch: all rows of the mini-batch, in order."""
-        return [([int(r) for r in mini[sl]], True) for sl in micro_batch_slices(len(mini), micro_batch_size)]
+        """``(rows, live)`` per micro-batch: all rows of the mini-batch, in order, cut by ``split``
+        (row ids -> micro-batches of consecutive row ids)."""
+        return [(rows, True) for rows in split([int(r) for r in mini])]
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -263,21 +264,23 @@ class DeepSpeedBackend:
         """Training forward through the DeepSpeed engine (see :class:`PackedLogProbs`)."""
         return self.engine(packed, temperature, compute_entropy, entropy_grad)
 
-    def micro_batches(self, mini: Sequence[int], micro_batch_size: int,
+    def micro_batches(self, mini: Sequence[int], split: Callable[[list[int]], list[list[int]]],
                       weights: Sequence[float]) -> list[tuple[list[int], bool]]:
         """This rank's ``(rows, live)`` micro-batches of a mini-batch; equally many on every rank.
 
         Args:
             mini: the mini-batch's row ids (all ranks pass the same).
-            micro_batch_size: rows per micro-batch.
+            split: row ids -> micro-batches of consecutive row ids (fixed size or token budget).
             weights: weight (tokens) of each entry of ``mini``.
         """
         parts = balanced_partition(list(weights), self.world_size, equal_size=True)
+        # Every rank cuts every rank's share (all see the whole batch), so all agree on the count.
+        chunks = [split([int(mini[i]) for i in p]) for p in parts]
         mine = [int(mini[i]) for i in parts[self.rank]]
-        count = max(math.ceil(len(p) / micro_batch_size) for p in parts)
+        count = max(len(c) for c in chunks)
         out = []
         for i in range(count):
-            rows = mine[i * micro_batch_size:(i + 1) * micro_batch_size]
+            rows = chunks[self.rank][i] if i < len(chunks[self.rank]) else []
             # A rank with fewer rows runs a zero-weighted copy so the collectives line up.
             out.append((rows, True) if rows else ([mine[0] if mine else int(mini[0])], False))
         return out

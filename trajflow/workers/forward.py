@@ -47,6 +47,45 @@ def micro_batch_slices(num_rows: int, micro_batch_size: int) -> list[slice]:
     return [slice(i, min(i + micro_batch_size, num_rows)) for i in range(0, num_rows, micro_batch_size)]
 
 
+def token_budget_slices(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                        max_tokens: int) -> list[slice]:
+    """Consecutive row slices whose computed tokens stay within ``max_tokens`` (verl's
+    ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``).
+
+    A row costs its response, plus its prompt unless a row of the same slice already has that
+    prompt (the forward computes each distinct prompt once per micro-batch; a common prefix shared
+    by different prompts is not subtracted, so the bound is conservative). A row that alone exceeds
+    the budget gets a slice of its own: the budget bounds memory, it never drops a row.
+
+    Raises:
+        ValueError: ``max_tokens < 1``.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"actor.ppo_max_token_len_per_gpu must be >= 1, got {max_tokens}")
+    slices, start, used, seen = [], 0, 0, set()
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        key = tuple(p)
+        cost = len(r) + (0 if key in seen else len(p))
+        if i > start and used + cost > max_tokens:
+            slices.append(slice(start, i))
+            start, used, seen = i, 0, set()
+            cost = len(r) + len(p)
+        used += cost
+        seen.add(key)
+    if len(prompt_ids) > start:
+        slices.append(slice(start, len(prompt_ids)))
+    return slices
+
+
+def micro_batch_plan(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                     micro_batch_size: int, max_tokens: int | None = None) -> list[slice]:
+    """The micro-batches of consecutive rows every forward of a worker uses: by token budget when
+    ``max_tokens`` is set (:func:`token_budget_slices`), else ``micro_batch_size`` rows each."""
+    if max_tokens:
+        return token_budget_slices(prompt_ids, response_ids, int(max_tokens))
+    return micro_batch_slices(len(prompt_ids), micro_batch_size)
+
+
 @dataclass
 class PackedBatch:
     """One micro-batch packed for a forward pass.
@@ -394,17 +433,19 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
 @torch.no_grad()
 def compute_log_probs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                       response_ids: Sequence[Sequence[int]], *, temperature: float, micro_batch_size: int,
-                      pad_id: int, device: str = "cpu", compute_entropy: bool = False) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+                      pad_id: int, device: str = "cpu", compute_entropy: bool = False,
+                      max_tokens: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """Per-token log-probs of every response, as ragged float32 arrays (one per row).
 
-    Micro-batches follow :func:`micro_batch_slices`, the same packing the PPO update uses.
+    Micro-batches follow :func:`micro_batch_plan` (``micro_batch_size`` rows, or a token budget of
+    ``max_tokens``), the same packing the PPO update uses.
     """
     was_training = model.training
     model.eval()
     out: list[np.ndarray] = []
     ent_out: list[np.ndarray] | None = [] if compute_entropy else None
     try:
-        for sl in micro_batch_slices(len(prompt_ids), micro_batch_size):
+        for sl in micro_batch_plan(prompt_ids, response_ids, micro_batch_size, max_tokens):
             packed = pack(prompt_ids[sl], response_ids[sl], pad_id, device)
             logp, ent = forward_micro_batch(model, packed, temperature, compute_entropy)
             for j, r in enumerate(response_ids[sl]):

@@ -23,7 +23,7 @@ from stages.rollout_correction import rollout_is_weights
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
 from trajflow.workers.distributed import LocalBackend, adamw
-from trajflow.workers.forward import compute_log_probs, pack
+from trajflow.workers.forward import compute_log_probs, micro_batch_plan, pack
 from trajflow.workers.group import dispatch, free_address
 
 
@@ -228,8 +228,22 @@ class PolicyWorker:
         """Per-token log-probs under the current policy, packed exactly as :meth:`update_actor` packs."""
         logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
                                     micro_batch_size=self.actor["ppo_micro_batch_size"], pad_id=self.pad_id,
-                                    device=self.device)
+                                    device=self.device, max_tokens=self._max_tokens())
         return logp
+
+    def _max_tokens(self) -> int | None:
+        """The micro-batches' token budget (``actor.use_dynamic_bsz``), or None for fixed-size ones."""
+        if self.actor.get("use_dynamic_bsz"):
+            return int(self.actor.get("ppo_max_token_len_per_gpu") or 16384)
+        return None
+
+    def _split_rows(self, batch: dict):
+        """Row ids -> micro-batches, as :func:`trajflow.workers.forward.micro_batch_plan` cuts them."""
+        def split(rows: list[int]) -> list[list[int]]:
+            plan = micro_batch_plan([batch["prompt_ids"][r] for r in rows], [batch["response_ids"][r] for r in rows],
+                                    int(self.actor["ppo_micro_batch_size"]), self._max_tokens())
+            return [rows[sl] for sl in plan]
+        return split
 
     # ------------------------------------------------------------------ update
     @dispatch("broadcast")
@@ -250,7 +264,8 @@ class PolicyWorker:
         (:mod:`stages.rollout_correction`; metrics ``rollout_corr/*``). ``shuffle_seed`` sets the
         mini-batch order and ``rng_seed`` (optional) seeds torch's global RNG first. The batch is cut into
         mini-batches of ``ppo_mini_batch_size * n`` rows (one optimizer step each) and those into
-        micro-batches of ``ppo_micro_batch_size`` rows (gradient accumulation, exact thanks to the
+        micro-batches of ``ppo_micro_batch_size`` rows, or of at most ``ppo_max_token_len_per_gpu``
+        computed tokens with ``use_dynamic_bsz`` (gradient accumulation, exact thanks to the
         mini-batch-wide denominators of :func:`stages.policy_update.agg_loss`), for ``ppo_epochs``
         passes. Under DeepSpeed every rank gets the whole batch, keeps the mini-batch-wide
         denominators and trains on its token-balanced share of each mini-batch
@@ -313,7 +328,7 @@ class PolicyWorker:
                 self.backend.zero_grad()
                 step_metrics: dict[str, float] = {}
                 tokens = [len(batch["prompt_ids"][r]) + len(batch["response_ids"][r]) for r in mini]
-                for rows, live in self.backend.micro_batches(mini, a["ppo_micro_batch_size"], tokens):
+                for rows, live in self.backend.micro_batches(mini, self._split_rows(batch), tokens):
                     packed = pack([batch["prompt_ids"][r] for r in rows], [batch["response_ids"][r] for r in rows],
                                   self.pad_id, self.device)
                     T = packed.responses.shape[1]
