@@ -45,30 +45,36 @@ def test_tree_pack_by_hand():
     # Rows 0 and 1 share prompt A = [5, 6, 7], row 2 has B = [5, 6, 8, 9]: common prefix [5, 6].
     packed = pack([[5, 6, 7], [5, 6, 7], [5, 6, 8, 9]], [[20, 21, 22], [30], [40, 41]], PAD)
     tree = tree_pack(packed)
-    # prefix 5 6 | A's rest 7 | B's rest 8 9 | row 0's inputs 20 21 | row 1: none | row 2's input 40
-    assert tree.input_ids.tolist() == [[5, 6, 7, 8, 9, 20, 21, 40]]
+    # prefix 5 6 | A's rest 7, row 0's inputs 20 21 (row 1 has none) | B's rest 8 9, row 2's input 40
+    assert tree.input_ids.tolist() == [[5, 6, 7, 20, 21, 8, 9, 40]]
     # Positions are each token's place in its own row prompt + response.
-    assert tree.position_ids.tolist() == [[0, 1, 2, 2, 3, 3, 4, 4]]
+    assert tree.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3, 4]]
     assert tree.attention_mask.shape == (1, 1, 8, 8) and tree.attention_mask.dtype == torch.bool
     assert tree.attention_mask[0, 0].int().tolist() == [
         [1, 0, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0, 0],
         [1, 1, 1, 0, 0, 0, 0, 0],  # A's 7 sees the prefix
-        [1, 1, 0, 1, 0, 0, 0, 0],  # B's 8 sees the prefix, not A
-        [1, 1, 0, 1, 1, 0, 0, 0],
-        [1, 1, 1, 0, 0, 1, 0, 0],  # row 0's 20 sees prefix + A
-        [1, 1, 1, 0, 0, 1, 1, 0],
-        [1, 1, 0, 1, 1, 0, 0, 1],  # row 2's 40 sees prefix + B, not row 0
+        [1, 1, 1, 1, 0, 0, 0, 0],  # row 0's 20 sees prefix + A
+        [1, 1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 1, 0, 0],  # B's 8 sees the prefix, not A or row 0
+        [1, 1, 0, 0, 0, 1, 1, 0],
+        [1, 1, 0, 0, 0, 1, 1, 1],  # row 2's 40 sees prefix + B
     ]
-    # Row 0's tokens 20 21 22 are predicted at A's last token (2), then at 20 (5) and 21 (6); row 1's 30
-    # at A's last token; row 2's 40 41 at B's last token (4) and at 40 (7).
-    assert tree.source.tolist() == [2, 5, 6, 2, 4, 7]
+    # Row 0's tokens 20 21 22 are predicted at A's last token (2), then at 20 (3) and 21 (4); row 1's 30
+    # at A's last token; row 2's 40 41 at B's last token (6) and at 40 (7).
+    assert tree.source.tolist() == [2, 3, 4, 2, 6, 7]
     assert tree_packed_tokens(packed) == tree.num_tokens == 8
+    # Attention blocks: each prompt's rest with its responses, against the prefix's keys and its own.
+    assert tree.common == 2 and tree.blocks == ((2, 5), (5, 8))
+    causal_after_prefix = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert [m[0, 0].int().tolist() for m in tree.block_masks] == [causal_after_prefix, causal_after_prefix]
     # One prompt: no prefix segment, every row's response sees the whole prompt.
     one = tree_pack(pack([[5, 6]], [[7, 8]], PAD))
     assert one.input_ids.tolist() == [[5, 6, 7]] and one.position_ids.tolist() == [[0, 1, 2]]
     assert one.attention_mask[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
     assert one.source.tolist() == [1, 2]
+    assert one.common == 0 and one.blocks == ((0, 3),)
+    assert one.block_masks[0][0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
 
 
 @pytest.fixture(scope="module")

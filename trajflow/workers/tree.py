@@ -9,18 +9,22 @@ with per-path position ids and a tree attention mask, so each distinct prompt to
 once and every linear layer runs one matmul over all of the micro-batch's tokens (its weight
 gradient formed once, not once per decoder call as with a KV cache and response buckets).
 
-The tree's attention runs as one SDPA call with the dense ``(N, N)`` mask: SDPA also computes the
-masked-out scores, ``N^2`` in all where the real attention is ``N`` times the context. For the
-default recipe (32 rows, N ~ 770) that is ~0.6 s of a 3.4 s update; computing it block by block
-(prefix; each prompt with its responses) in one padded SDPA call cut the attention to 0.34 s but
-added as much in gathers and their backward, so it is not done. The hidden states equal the
-plain padded forward's up to float summation order.
+Attention runs block by block (:func:`tree_attention_forward`): the prefix causally on itself, then
+each prompt's rest and its samples' responses, which sit next to each other, on the prefix plus
+themselves. One SDPA call over the whole sequence with the dense ``(N, N)`` mask would also compute
+every masked-out score: ``N^2`` where the tree needs about ``N`` times a row's context (the default
+recipe's 32-row micro-batch: 0.6 of a 2.8 s update). The blocks are slices of the query, key and
+value tensors (the prefix's keys are copied to each block), so their backward is cheap. An earlier
+version gathered the blocks with ``index_select`` into one padded SDPA call; its gathers and
+``index_add`` backward cost as much as the attention it saved. The hidden states equal the plain
+padded forward's up to float summation order.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -51,12 +55,19 @@ class TreePacking:
         source: ``(R,)`` int64: for each real response token of the micro-batch, in row-major order
             (the order of ``packed.response_mask.nonzero()``), the packed position whose hidden
             state predicts it.
+        common: ``c``, the length of the shared prefix (positions ``0 .. c - 1``; 0 if none).
+        blocks: ``(start, end)`` per distinct prompt: its rest followed by its rows' responses.
+        block_masks: per block, ``(1, 1, end - start, c + end - start)`` bool: the block's queries
+            against the prefix's keys then the block's own.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor
     source: torch.Tensor
+    common: int = 0
+    blocks: tuple = ()
+    block_masks: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -105,22 +116,25 @@ def tree_pack(packed: "PackedBatch") -> TreePacking:
     ids: list[int] = list(distinct[0][:c])
     pos: list[int] = list(range(c))
     seg: list[int] = [0] * c  # segment 0: the prefix; 1..k: prompts' rests; k+1..k+b: responses
-    last = []
+    last, starts, blocks = [0] * k, [0] * b, []
     for j, p in enumerate(distinct):
+        begin = len(ids)
         ids.extend(p[c:])
         pos.extend(range(c, len(p)))
         seg.extend([1 + j] * (len(p) - c))
-        last.append(len(ids) - 1)
+        last[j] = len(ids) - 1
+        for i in (i for i in range(b) if inverse[i] == j):
+            n_in = max(int(resp_lens[i]) - 1, 0)
+            starts[i] = len(ids)
+            ids.extend(resp_rows[i][:n_in])
+            pos.extend(range(len(p), len(p) + n_in))
+            seg.extend([1 + k + i] * n_in)
+        blocks.append((begin, len(ids)))
     source: list[int] = []
-    for i in range(b):
-        n_in = max(int(resp_lens[i]) - 1, 0)
-        start = len(ids)
-        ids.extend(resp_rows[i][:n_in])
-        pos.extend(range(len(row_prompts[i]), len(row_prompts[i]) + n_in))
-        seg.extend([1 + k + i] * n_in)
+    for i in range(b):  # row-major, the order of the response mask's real tokens
         if resp_lens[i] > 0:
             source.append(last[inverse[i]])
-            source.extend(range(start, start + n_in))
+            source.extend(range(starts[i], starts[i] + int(resp_lens[i]) - 1))
     S = 1 + k + b
     sees = torch.eye(S, dtype=torch.bool)  # sees[s, t]: segment s may attend to segment t
     if c > 0:
@@ -131,17 +145,90 @@ def tree_pack(packed: "PackedBatch") -> TreePacking:
     N = len(ids)
     mask = sees[seg_t][:, seg_t] & torch.ones(N, N, dtype=torch.bool).tril()
     device = packed.input_ids.device
+    prefix = torch.arange(c)
+    block_masks = tuple(mask[s:e][:, torch.cat([prefix, torch.arange(s, e)])][None, None].to(device)
+                        for s, e in blocks)
     return TreePacking(torch.tensor([ids], dtype=torch.long, device=device),
                        torch.tensor([pos], dtype=torch.long, device=device),
-                       mask[None, None].to(device), torch.tensor(source, dtype=torch.long, device=device))
+                       mask[None, None].to(device), torch.tensor(source, dtype=torch.long, device=device),
+                       c, tuple(blocks), block_masks)
+
+
+#: Name under which :func:`tree_attention_forward` is registered with transformers' AttentionInterface.
+TREE_ATTENTION = "trajflow_tree_sdpa"
+
+
+def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           tree: TreePacking | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Scaled dot-product attention (Vaswani et al. 2017, eq. 1) over a tree-packed sequence, block
+    by block; a transformers attention function (its signature and output layout).
+
+    Args:
+        query: ``(1, H, N, D)``; key, value: ``(1, H_kv, N, D)`` (grouped-query attention: each key/value
+            head serves ``H / H_kv`` query heads).
+        attention_mask: the dense ``(1, 1, N, N)`` tree mask, used (through transformers' SDPA
+            function) only without ``tree``.
+        tree: the packing (:class:`TreePacking`): its prefix and blocks.
+
+    Returns:
+        ``(output, None)``, ``output`` ``(1, N, H, D)``.
+    """
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if tree is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rep = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, rep), repeat_kv(value, rep)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    c = tree.common
+    # The prefix and the blocks tile the sequence in order. One split per tensor (its backward is one
+    # cat) rather than a slice per block (each slice's backward zero-fills a full-size gradient).
+    sizes = ([c] if c else []) + [e - s for s, e in tree.blocks]
+    qs, ks, vs = (torch.split(t, sizes, dim=2) for t in (query, key, value))
+    outs = []
+    if c:
+        outs.append(sdpa(qs[0], ks[0], vs[0], dropout_p=dropout, scale=scaling, is_causal=True))
+        qs, kp, vp, ks, vs = qs[1:], ks[0], vs[0], ks[1:], vs[1:]
+    for q, k, v, m in zip(qs, ks, vs, tree.block_masks):
+        if c:
+            k, v = torch.cat([kp, k], dim=2), torch.cat([vp, v], dim=2)
+        outs.append(sdpa(q, k, v, attn_mask=m, dropout_p=dropout, scale=scaling))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Route the model's attention layers to the registered attention function ``name`` for one call.
+
+    transformers picks the attention function by ``config._attn_implementation`` at every call, and
+    passes the decoder call's extra keyword arguments (here ``tree``) down to it.
+    """
+    from transformers import AttentionInterface
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, tree_attention_forward)
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def tree_hidden_states(model: torch.nn.Module, packed: "PackedBatch") -> torch.Tensor:
     """Final hidden states that predict ``packed``'s real response tokens, from one decoder call
     over :func:`tree_pack`'s sequence: ``(R, hidden)``, model dtype, rows in the row-major order of
     ``packed.response_mask.nonzero()``.
+
+    The attention layers run :func:`tree_attention_forward` during this call. Under gradient
+    checkpointing the recomputation in the backward runs outside it, on SDPA with the dense tree
+    mask: the same values up to rounding, more attention compute.
     """
     tree = tree_pack(packed)
-    out = model.get_decoder()(input_ids=tree.input_ids, attention_mask=tree.attention_mask,
-                              position_ids=tree.position_ids, use_cache=False)
+    with _attention_implementation(model, TREE_ATTENTION):
+        out = model.get_decoder()(input_ids=tree.input_ids, attention_mask=tree.attention_mask,
+                                  position_ids=tree.position_ids, use_cache=False, tree=tree)
     return out.last_hidden_state[0].index_select(0, tree.source)
