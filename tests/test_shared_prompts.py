@@ -193,3 +193,27 @@ def test_prefilled_greedy_generation_equals_single_prompt_generation(model, tiny
             ref = ref[:ref.index(tok.eos_token_id) + 1]
         for s in range(3):
             assert shared.response_ids[i * 3 + s] == ref
+
+
+def test_tree_forward_under_gradient_checkpointing(tiny_model_dir):
+    # The checkpointed layers recompute in the backward, outside the tree forward's call: it then runs
+    # SDPA with the dense tree mask both times (the recomputation must save what the forward saved).
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    packed = _batch(model.config.vocab_size, 6)
+    assert uses_tree_packing(model, packed)
+    m = packed.response_mask
+    results = {}
+    for share in (False, True):
+        model.zero_grad()
+        logp, _ = forward_micro_batch(model, packed, 0.7, share_prompts=share)
+        (-(logp * m).sum() / m.sum()).backward()
+        results[share] = (logp.detach() * m, {k: p.grad.clone() for k, p in model.named_parameters()
+                                              if p.grad is not None})
+    assert torch.allclose(results[False][0], results[True][0], atol=1e-5, rtol=1e-5)
+    assert results[False][1].keys() == results[True][1].keys()
+    for k, g in results[False][1].items():
+        assert torch.allclose(results[True][1][k], g, atol=1e-6, rtol=1e-4), k
+    assert model.config._attn_implementation == "sdpa"  # restored after the tree forward

@@ -223,12 +223,17 @@ def tree_hidden_states(model: torch.nn.Module, packed: "PackedBatch") -> torch.T
     over :func:`tree_pack`'s sequence: ``(R, hidden)``, model dtype, rows in the row-major order of
     ``packed.response_mask.nonzero()``.
 
-    The attention layers run :func:`tree_attention_forward` during this call. Under gradient
-    checkpointing the recomputation in the backward runs outside it, on SDPA with the dense tree
-    mask: the same values up to rounding, more attention compute.
+    The attention layers run :func:`tree_attention_forward` during this call, except under
+    activation checkpointing in training: the backward's recomputation runs outside this call and
+    must save the same tensors as the forward did, so both use SDPA with the dense tree mask.
     """
     tree = tree_pack(packed)
-    with _attention_implementation(model, TREE_ATTENTION):
-        out = model.get_decoder()(input_ids=tree.input_ids, attention_mask=tree.attention_mask,
-                                  position_ids=tree.position_ids, use_cache=False, tree=tree)
+    decoder = model.get_decoder()
+    kwargs = dict(input_ids=tree.input_ids, attention_mask=tree.attention_mask, position_ids=tree.position_ids,
+                  use_cache=False)
+    if model.training and getattr(model, "is_activation_checkpointing", False):
+        out = decoder(**kwargs)
+    else:
+        with _attention_implementation(model, TREE_ATTENTION):
+            out = decoder(**kwargs, tree=tree)
     return out.last_hidden_state[0].index_select(0, tree.source)
