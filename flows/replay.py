@@ -143,8 +143,10 @@ def open_replay(cfg: DictConfig, run_id: str, parent: RunStore, first: int, last
         raise session.RunExistsError(f"run {run_id!r} already exists in {store.run_dir}")
     store.run_dir.mkdir(parents=True, exist_ok=True)
     store.write_config(to_yaml(cfg))
-    start = plan_["start_checkpoint"]
-    start_id = f"{parent.run_id}/{ckpt.checkpoint_id(start)}" if start is not None else "initial"
+    # Without the starting checkpoint the update is skipped (plan's note) and no policy is restored.
+    start = plan_["start_checkpoint"] if plan_["run_update"] else None
+    start_id = (f"{parent.run_id}/{ckpt.checkpoint_id(start)}" if start is not None
+                else "initial" if plan_["run_update"] else "none (update skipped)")
     lineage = {"parent_run_id": parent.run_id, "parent_iteration": first, "parent_iterations": [first, last],
                "from_stage": from_stage}
     store.update_run_meta(run_id=run_id, recipe=str(cfg.recipe), kind="replay", status="running", created=time.time(),

@@ -17,10 +17,14 @@ def test_resolve_allocator(tmp_path, monkeypatch):
     assert resolve_allocator("system") is None
     assert resolve_allocator("auto") == find_tcmalloc()
     lib = tmp_path / "libfake.so"
-    lib.write_bytes(b"")
+    lib.write_bytes(b"\x7fELF\x02\x01\x01")  # what the loader checks first: the ELF magic
     assert resolve_allocator(str(lib)) == str(lib.resolve())
-    with pytest.raises(ValueError, match=r"resources.allocator='/no/such/lib.so'.*'auto', 'system'"):
+    with pytest.raises(ValueError, match=r"resources.allocator='/no/such/lib.so' is not allowed.*no such file"):
         resolve_allocator("/no/such/lib.so")
+    text = tmp_path / "notalib.txt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match=r"not a shared library \(no ELF header\)"):
+        resolve_allocator(str(text))
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert worker_env_vars("system") == {}
     assert worker_env_vars(str(lib)) == {"LD_PRELOAD": str(lib.resolve())}
@@ -29,13 +33,25 @@ def test_resolve_allocator(tmp_path, monkeypatch):
     assert worker_env_vars(str(lib)) == {"LD_PRELOAD": f"{lib.resolve()}:/opt/x/libother.so"}
     monkeypatch.setenv("LD_PRELOAD", f"/opt/x/libother.so:{lib.resolve()}")
     assert worker_env_vars(str(lib)) == {"LD_PRELOAD": f"/opt/x/libother.so:{lib.resolve()}"}
+    # auto leaves an allocator the user preloads alone (the workers inherit it; two would be loaded).
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libjemalloc.so.2")
+    assert worker_env_vars("auto") == {}
 
 
-def test_bad_allocator_is_a_config_error():
+def test_bad_allocator_and_token_budget_are_config_errors(tmp_path):
     from trajflow.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"resources.allocator='/no/such/lib.so' is not allowed"):
         load_config(None, ["resources.allocator=/no/such/lib.so"])
+    text = tmp_path / "notalib.txt"
+    text.write_text("hello")
+    with pytest.raises(ConfigError, match=r"not a shared library"):
+        load_config(None, [f"resources.allocator={text}"])
+    # A token budget below one row (prompt cap + response cap = 512 + 32 in the default recipe).
+    with pytest.raises(ConfigError, match=r"actor.ppo_max_token_len_per_gpu=100 must be >= "
+                                          r"data.max_prompt_length \+ rollout.max_new_tokens = 544"):
+        load_config(None, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=100"])
+    assert load_config(None, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=544"]).actor.use_dynamic_bsz
 
 
 PROBE = """

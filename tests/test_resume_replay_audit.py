@@ -232,6 +232,12 @@ def scenario_reference(lab: Lab) -> dict:
     out["replay_all"] = lab.cli("ref-replay-all", "replay", "ref", "--iterations", "1:3", "--from-stage", "reward",
                                 root, "--run-id", "ref-all")
     out["replay_bad"] = lab.cli("ref-replay-bad", "replay", "ref", "--iteration", "9", "--from-stage", "reward", root)
+    # The same run without checkpoint 1: replaying iteration 2 from the advantages still works, the
+    # update (which needs the policy that generated iteration 2) is skipped with a note.
+    shutil.copytree(store / "ref", store / "refcut")
+    shutil.rmtree(store / "refcut" / "checkpoints" / "000001")
+    out["replay_cut"] = lab.cli("ref-replay-cut", "replay", "refcut", "--iteration", "2", "--from-stage", "advantage",
+                                root, "algorithm.adv_estimator=rloo", "--run-id", "refcut-rloo")
     return out
 
 
@@ -475,6 +481,19 @@ def test_replay_with_another_estimator_writes_new_advantages_with_lineage(scenar
     assert params["overrides"][-1] == "algorithm.adv_estimator=rloo"
     assert "adv_estimator: rloo" in (child / "config.yaml").read_text()
     assert "replay ref-rloo of run ref done" in step.stdout
+
+
+def test_replay_without_the_starting_checkpoint_skips_only_the_update(scenarios):
+    ref = get(scenarios, "ref")
+    ok(ref["replay_cut"])
+    store = ref["store"]
+    it = Path("iterations") / "000002"
+    # The advantages need no policy: the same as the replay of the full run with the same estimator.
+    assert sha(store / "refcut-rloo" / it / "advantage.parquet") == sha(store / "ref-rloo" / it / "advantage.parquet")
+    assert not (store / "refcut-rloo" / it / "update.json").exists()
+    meta = json.loads((store / "refcut-rloo" / "run.json").read_text())
+    assert meta["status"] == "finished" and meta["start_checkpoint"] == "none (update skipped)"
+    assert meta["note"].startswith("policy update skipped: checkpoint 000001 of run 'refcut' is not stored")
 
 
 def test_whole_run_replay_retrains_from_checkpoint_on_stored_rollouts(scenarios):

@@ -39,32 +39,61 @@ def find_tcmalloc() -> str | None:
     return None
 
 
+def is_shared_library(path: str | Path) -> bool:
+    """Whether ``path`` is a file that starts like an ELF object (what the dynamic loader preloads)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+def allocator_error(setting: str) -> str | None:
+    """Why ``resources.allocator = setting`` is not allowed, or None if it is."""
+    if setting in ("auto", "system") or is_shared_library(setting):
+        return None
+    what = "not a shared library (no ELF header)" if Path(setting).is_file() else "no such file"
+    return (f"resources.allocator={setting!r} is not allowed: 'auto', 'system' or the path of a shared library "
+            f"to preload (e.g. /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4); {what}")
+
+
 def resolve_allocator(setting: str) -> str | None:
     """The library to preload for ``resources.allocator = setting``; None for the system allocator.
 
     Raises:
-        ValueError: ``setting`` is neither ``auto``, ``system`` nor an existing file (names the key).
+        ValueError: ``setting`` is neither ``auto``, ``system`` nor a shared library (names the key).
     """
+    error = allocator_error(setting)
+    if error:
+        raise ValueError(error)
     if setting == "system":
         return None
     if setting == "auto":
         return find_tcmalloc()
-    if not Path(setting).is_file():
-        raise ValueError(f"resources.allocator={setting!r}: expected 'auto', 'system' or the path of a shared "
-                         f"library to preload (e.g. /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4); "
-                         f"no such file")
     return str(Path(setting).resolve())
+
+
+def _preloaded_allocator(preload: str) -> str | None:
+    """The tcmalloc/jemalloc/mimalloc entry of an ``LD_PRELOAD`` value, or None."""
+    for entry in filter(None, preload.replace(" ", ":").split(":")):
+        if any(k in Path(entry).name for k in ("tcmalloc", "jemalloc", "mimalloc")):
+            return entry
+    return None
 
 
 def worker_env_vars(setting: str) -> dict[str, str]:
     """Environment variables for the Ray workers' runtime environment (``{}``: nothing to change).
 
-    A ``LD_PRELOAD`` the user exported already is kept, with the allocator put first.
+    An ``LD_PRELOAD`` the user exported reaches the workers anyway (they inherit the driver's
+    environment). With ``auto`` and an allocator already in it, that choice is kept (two allocators
+    in one process would be loaded for nothing); an explicit path is put first, ahead of the rest.
     """
     lib = resolve_allocator(setting)
     if lib is None:
         return {}
     current = os.environ.get("LD_PRELOAD", "")
+    if setting == "auto" and _preloaded_allocator(current):
+        return {}
     if lib in current.split(":"):
         return {"LD_PRELOAD": current}
     return {"LD_PRELOAD": ":".join(x for x in (lib, current) if x)}

@@ -471,10 +471,16 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
-    if cfg.resources.allocator not in ("auto", "system") and not Path(cfg.resources.allocator).is_file():
-        raise ConfigError(f"{source}: resources.allocator={cfg.resources.allocator!r} is not allowed: 'auto', "
-                          f"'system' or the path of an existing shared library (e.g. "
-                          f"/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4)")
+    from trajflow.allocator import allocator_error
+
+    if allocator_error(str(cfg.resources.allocator)):
+        raise ConfigError(f"{source}: {allocator_error(str(cfg.resources.allocator))}")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len_per_gpu < longest:
+        # verl asks the same: a budget below one row would give one-row micro-batches, silently slow.
+        raise ConfigError(f"{source}: actor.ppo_max_token_len_per_gpu={cfg.actor.ppo_max_token_len_per_gpu} must be "
+                          f">= data.max_prompt_length + rollout.max_new_tokens = {longest} with "
+                          f"actor.use_dynamic_bsz=true (a micro-batch must hold the longest row)")
     from trajflow.resources import validate_resources  # pools, placement, DeepSpeed ranks
 
     validate_resources(cfg, source)
