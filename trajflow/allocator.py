@@ -73,12 +73,14 @@ def resolve_allocator(setting: str) -> str | None:
     return str(Path(setting).resolve())
 
 
+def _is_allocator(path: str) -> bool:
+    """Whether a library path names a malloc replacement (tcmalloc, jemalloc, mimalloc)."""
+    return any(k in Path(path).name for k in ("tcmalloc", "jemalloc", "mimalloc"))
+
+
 def _preloaded_allocator(preload: str) -> str | None:
-    """The tcmalloc/jemalloc/mimalloc entry of an ``LD_PRELOAD`` value, or None."""
-    for entry in filter(None, preload.replace(" ", ":").split(":")):
-        if any(k in Path(entry).name for k in ("tcmalloc", "jemalloc", "mimalloc")):
-            return entry
-    return None
+    """The allocator entry of an ``LD_PRELOAD`` value, or None."""
+    return next((e for e in preload.replace(" ", ":").split(":") if e and _is_allocator(e)), None)
 
 
 def worker_env_vars(setting: str) -> dict[str, str]:
@@ -106,8 +108,5 @@ def loaded_allocator(pid: int | None = None) -> str | None:
         text = maps.read_text()
     except OSError:
         return None
-    for line in text.splitlines():
-        path = line.split()[-1] if line.split() else ""
-        if any(k in Path(path).name for k in ("tcmalloc", "jemalloc", "mimalloc")):
-            return path
-    return None
+    paths = (line.split()[-1] for line in text.splitlines() if line.split())
+    return next((p for p in paths if _is_allocator(p)), None)

@@ -473,8 +473,9 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
     from trajflow.allocator import allocator_error
 
-    if allocator_error(str(cfg.resources.allocator)):
-        raise ConfigError(f"{source}: {allocator_error(str(cfg.resources.allocator))}")
+    bad_allocator = allocator_error(str(cfg.resources.allocator))
+    if bad_allocator:
+        raise ConfigError(f"{source}: {bad_allocator}")
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len_per_gpu < longest:
         # verl asks the same: a budget below one row would give one-row micro-batches, silently slow.

@@ -308,14 +308,21 @@ def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_pr
 
     Otherwise, or when there is nothing to share, one forward over the whole padded batch.
     """
+    if uses_tree_packing(model, packed, share_prompts, tree_max_tokens):
+        flat = tree_hidden_states(model, packed)
+        b, T = packed.responses.shape
+        real = packed.response_mask.reshape(-1).nonzero().squeeze(1)
+        return flat.new_zeros(b * T, flat.shape[-1]).index_copy(0, real, flat).reshape(b, T, -1)
+    return _cached_prompt_hidden_states(model, packed, share_prompts, bucket_overhead)
+
+
+def _cached_prompt_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool,
+                                 bucket_overhead: int) -> torch.Tensor:
+    """:func:`response_hidden_states` without tree packing: cached prompts and response buckets,
+    or one padded forward when nothing can be shared."""
     decoder = model.get_decoder()
     P = packed.prompt_width
     T = packed.responses.shape[1]
-    if uses_tree_packing(model, packed, share_prompts, tree_max_tokens):
-        flat = tree_hidden_states(model, packed)
-        b = packed.input_ids.shape[0]
-        real = packed.response_mask.reshape(-1).nonzero().squeeze(1)
-        return flat.new_zeros(b * T, flat.shape[-1]).index_copy(0, real, flat).reshape(b, T, -1)
     can_share = share_prompts and not (model.training and getattr(model, "is_activation_checkpointing", False)) \
         and not zero3_partitioned(model)
     layout = None
@@ -412,7 +419,7 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
     if uses_tree_packing(model, packed, share_prompts, tree_max_tokens):
         flat_h = tree_hidden_states(model, packed)
     else:
-        h = response_hidden_states(model, packed, share_prompts, bucket_overhead, tree_max_tokens=0)
+        h = _cached_prompt_hidden_states(model, packed, share_prompts, bucket_overhead)
         flat_h = h.reshape(b * T, -1).index_select(0, real)
     flat_y = packed.responses.reshape(b * T).index_select(0, real)
     logps, ents = [], []

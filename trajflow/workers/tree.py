@@ -3,7 +3,7 @@
 A micro-batch holds whole groups (a prompt's ``n`` samples) and prompts from one template share a
 long prefix. :func:`tree_pack` lays the micro-batch out as a prompt tree plus responses::
 
-    [common prefix | prompt 1's rest | ... | prompt k's rest | row 1's response | ... | row b's response]
+    [common prefix | prompt 1's rest, its rows' responses | ... | prompt k's rest, its rows' responses]
 
 with per-path position ids and a tree attention mask, so each distinct prompt token is computed
 once and every linear layer runs one matmul over all of the micro-batch's tokens (its weight
@@ -31,10 +31,10 @@ import torch
 if TYPE_CHECKING:
     from trajflow.workers.forward import PackedBatch
 
-# Longest packed sequence run as one decoder call. The dense tree attention grows as N^2 while the
-# real attention grows as N times the context; past this length (long prompts or responses, large
-# micro-batches) the cached-prompt path of trajflow.workers.forward, whose attention is exact per
-# row, is used.
+# Longest packed sequence run as one decoder call. The tree builds a dense (N, N) mask (kept for
+# SDPA under activation checkpointing) and each attention block is dense over its prompt's rows;
+# past this length (long prompts or responses, large micro-batches) the cached-prompt path of
+# trajflow.workers.forward, whose attention is exact per row, is used.
 TREE_MAX_TOKENS = 2048
 
 
