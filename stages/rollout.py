@@ -106,16 +106,6 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     return torch.cat(out).reshape(labels.shape) if out else flat.new_zeros(labels.shape)
 
 
-def entropy_from_logits_t(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)`` along the last axis, ``(...)`` float32."""
-    x = logits.float()
-    if temperature != 1.0:
-        x = x / temperature
-    logz = torch.logsumexp(x, dim=-1)
-    p = torch.softmax(x, dim=-1)
-    return logz - (p * x).sum(-1)
-
-
 def sample_tokens(logits: torch.Tensor, temperature: float, uniform: torch.Tensor, top_p: float = 1.0,
                   top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row by inverting the CDF of the tempered, filtered distribution.

@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.rollout import entropy_from_logits_t, logprobs_from_logits
+from trajflow.workers.token_logprobs import token_logprobs_entropy
 from trajflow.workers.tree import TREE_MAX_TOKENS, common_prefix_length, tree_hidden_states, tree_packed_tokens
 
 
@@ -402,10 +402,9 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
         share_prompts: run each distinct prompt once (see the module doc); same values up to rounding.
         bucket_overhead: see :func:`length_buckets`.
         tree_max_tokens: longest micro-batch run as one tree-packed sequence (:func:`uses_tree_packing`).
-        entropy_grad: build the entropy's autograd graph (only an entropy bonus needs it). Without
-            it the entropy is a metric computed from detached logits, which saves its softmax
-            temporaries' memory (two ``(positions, vocab)`` float32 tensors per chunk kept for the
-            backward) and their backward time.
+        entropy_grad: make the entropy differentiable (only an entropy bonus needs it). Without
+            it the entropy is a metric with no gradient, and the backward keeps only the softmax
+            of each chunk (:class:`trajflow.workers.token_logprobs.LogProbEntropy`).
 
     Returns:
         ``log_probs`` ``(b, T)`` float32 and ``entropy`` ``(b, T)`` float32 or ``None``; 0 at positions
@@ -425,10 +424,10 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
     logps, ents = [], []
     for i in range(0, flat_h.shape[0], logits_chunk):
         logits = head(flat_h[i:i + logits_chunk])
-        logps.append(logprobs_from_logits(logits, flat_y[i:i + logits_chunk], temperature))
+        logp, ent = token_logprobs_entropy(logits, flat_y[i:i + logits_chunk], temperature, entropy_grad)
+        logps.append(logp)
         if compute_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ents.append(entropy_from_logits_t(logits if entropy_grad else logits.detach(), temperature))
+            ents.append(ent)
 
     def unflatten(parts: list[torch.Tensor]) -> torch.Tensor:
         vals = torch.cat(parts) if parts else flat_h.new_zeros(0, dtype=torch.float32)
