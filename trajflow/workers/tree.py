@@ -23,6 +23,7 @@ padded forward's up to float summation order.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
@@ -174,14 +175,13 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     Returns:
         ``(output, None)``, ``output`` ``(1, N, H, D)``.
     """
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if tree is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    rep = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, rep), repeat_kv(value, rep)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention,
+                             enable_gqa=query.shape[1] != key.shape[1])
     c = tree.common
     # The prefix and the blocks tile the sequence in order. One split per tensor (its backward is one
     # cat) rather than a slice per block (each slice's backward zero-fills a full-size gradient).
