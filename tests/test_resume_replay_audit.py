@@ -512,7 +512,7 @@ def test_whole_run_replay_retrains_from_checkpoint_on_stored_rollouts(scenarios)
     assert "error: iteration 9 of run 'ref' is not stored (stored iterations: 1..3)" in bad.stderr
 
 
-def test_audit_filter_and_search_match_the_parquet_files(scenarios):
+def test_audit_filter_and_search_match_the_parquet_files(scenarios, tmp_path):
     from typer.testing import CliRunner
 
     from trajflow.audit import AUDIT_COLUMNS, query_audit
@@ -565,3 +565,15 @@ def test_audit_filter_and_search_match_the_parquet_files(scenarios):
     assert result.exit_code == 2 and "is not valid SQL" in result.output
     result = CliRunner().invoke(app, ["audit", "nope", "--store-root", str(store)])
     assert result.exit_code == 2 and f"no run 'nope' in store root {store}" in result.output
+    # The train loop folds new rows into the full-text index only at checkpoints: rows appended
+    # without it (here iterations 2 and 3 again, on a copy) must still be found by the search.
+    from trajflow.audit import append_iteration
+    from trajflow.store import RunStore
+
+    copy_root = tmp_path / "store"
+    shutil.copytree(run, copy_root / "ref")
+    copy = RunStore(copy_root, "ref")
+    for it in (2, 3):
+        assert append_iteration(copy, it, checkpoint_of[it], optimize=False) == 4
+    table = query_audit(copy_root, "ref", where=where, search="zyzzyva", limit=100)
+    assert sorted(table.column("sample_id").to_pylist()) == sorted(expected)

@@ -158,13 +158,16 @@ def _index_text(table) -> None:
         table.create_index(c, config=FTS(), replace=True)
 
 
-def append_iteration(store: RunStore, iteration: int, checkpoint_id: str | None) -> int:
+def append_iteration(store: RunStore, iteration: int, checkpoint_id: str | None, optimize: bool = True) -> int:
     """Append one iteration's trajectories to the run's audit table (replacing that iteration's rows).
 
     Args:
         store: the run's store.
         iteration: a stored iteration (its rollout output must verify).
         checkpoint_id: the checkpoint the iteration's rollout policy came from (see the module doc).
+        optimize: fold the table's new rows into its full-text index now. Rows not yet indexed are
+            still found (LanceDB searches them flat), so the train loop does it only at checkpoints
+            and at the end: it is most of an append's cost (~37 of ~50 ms per iteration).
 
     Returns:
         Rows appended (= the iteration's rollout rows).
@@ -181,7 +184,8 @@ def append_iteration(store: RunStore, iteration: int, checkpoint_id: str | None)
         return rows.num_rows
     table.delete(f"iteration = {int(iteration)}")
     table.add(rows)
-    table.optimize()  # folds the new rows into the full-text index (unindexed rows are searched flat)
+    if optimize:
+        table.optimize()
     return rows.num_rows
 
 

@@ -393,8 +393,9 @@ def finish_iteration(ctx: RunContext, iteration: int, metrics: dict) -> dict:
         metrics.update(validate_stage(ctx.run_id, iteration))
     ctx.tracker.log_metrics(metrics, step=iteration)
     _log_samples(ctx, iteration)
-    _append_audit(ctx, iteration)
-    if (cfg.trainer.save_freq and iteration % cfg.trainer.save_freq == 0) or last:
+    saving = bool(cfg.trainer.save_freq and iteration % cfg.trainer.save_freq == 0) or last
+    _append_audit(ctx, iteration, optimize=saving)
+    if saving:
         save(ctx, iteration)
     ctx.extra["last_metrics"] = metrics
     ctx.extra.setdefault("trained_iterations", []).append(iteration)
@@ -410,13 +411,14 @@ def rollout_checkpoint_id(ctx: RunContext, iteration: int) -> str:
     return entry.get("meta", {}).get("checkpoint_id") or ctx.extra.get("policy_source") or "initial"
 
 
-def _append_audit(ctx: RunContext, iteration: int) -> None:
+def _append_audit(ctx: RunContext, iteration: int, optimize: bool = True) -> None:
     """Add the iteration's trajectories to the run's LanceDB audit table (a failure only warns:
-    the table is derived data, ``trajflow audit RUN --rebuild`` recreates it from the Parquet files)."""
+    the table is derived data, ``trajflow audit RUN --rebuild`` recreates it from the Parquet files).
+    ``optimize``: see :func:`trajflow.audit.append_iteration`."""
     from trajflow.audit import append_iteration
 
     try:
-        append_iteration(ctx.store, iteration, rollout_checkpoint_id(ctx, iteration))
+        append_iteration(ctx.store, iteration, rollout_checkpoint_id(ctx, iteration), optimize=optimize)
     except Exception as e:
         log.warning("could not append iteration %d to the audit table of %s: %s", iteration, ctx.run_id, e)
         print(f"warning: audit table not updated for iteration {iteration}: {e}", file=sys.stderr, flush=True)
