@@ -4,6 +4,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
@@ -87,3 +88,11 @@ def test_mlflow_run_has_verl_metrics_and_params(run):
     assert steps == [1, 2]
     val_steps = [m.step for m in client.get_metric_history(mlrun.info.run_id, EXPECTED_METRICS[-1])]
     assert val_steps == [0, 1, 2]
+    # The sample table of iteration 2: the first trainer.log_samples (2) rows of its stored outputs.
+    d = Path(summary["run_dir"]) / "iterations" / "000002"
+    rollout, reward = pq.read_table(d / "rollout.parquet"), pq.read_table(d / "reward.parquet")
+    local = client.download_artifacts(mlrun.info.run_id, "samples/iteration_000002.json", str(root / "dl"))
+    table = pd.read_json(local, orient="split")
+    assert table["sample_id"].tolist() == rollout.column("sample_id").to_pylist()[:2]
+    assert table["response_text"].tolist() == rollout.column("response_text").to_pylist()[:2]
+    assert table["score"].tolist() == pytest.approx(reward.column("score").to_pylist()[:2])
