@@ -11,10 +11,12 @@ runs):
 3. **trajflow's training step** (``PolicyWorker.update_actor``, the method the flow's update task calls,
    here in-process without Ray): 8 prompts x 4 samples of the default dataset, sampled by the worker
    itself, with GRPO advantages of their real reasoning-gym scores; best of R updates after one
-   warm-up update (the first one also allocates AdamW's state), at the default recipe's
-   ``actor.ppo_micro_batch_size`` (8 rows: the memory target's setting) and with the whole batch in
-   one micro-batch (32 rows: larger matmuls, the prefix and the embedding gradient once per update,
-   ~0.6 GiB more activation memory). Model FLOPs of one update::
+   warm-up update (the first one also allocates AdamW's state), with the default recipe's
+   micro-batches (``actor.use_dynamic_bsz`` with a 2048-token budget: this batch's ~760 computed
+   tokens in one micro-batch; the target is judged on this setting), and for comparison with
+   8-row micro-batches (the recipe before: more, smaller matmuls, the prompt prefix and the tied
+   embedding's gradient once per micro-batch) and the whole batch in one micro-batch (run only if
+   it cuts the batch differently from the recipe). Model FLOPs of one update::
 
        F = 6 * N_body * T_all                 # decoder layers, forward + backward (Kaplan et al. 2020)
          + 6 * d * V * T_resp                 # LM head, only on response positions (all trajflow computes)
@@ -123,8 +125,9 @@ def model_dims(model) -> dict:
     return dict(L=c.num_hidden_layers, d=c.hidden_size, V=c.vocab_size, n_total=n_total, n_body=n_body, tied=tied)
 
 
-def update_flops(dims: dict, prompts: list[list[int]], resp_lens: list[int], micro_batch_size: int) -> tuple[float, float, dict]:
-    """(F, naive F, parts) for one update over the rows; see the module doc for the formula.
+def update_flops(dims: dict, prompts: list[list[int]], resp_lens: list[int], plan: list[slice]) -> tuple[float, float, dict]:
+    """(F, naive F, parts) for one update over the rows cut into ``plan``'s micro-batches; see the
+    module doc for the formula.
 
     Counts what trajflow computes (:func:`trajflow.workers.tree.tree_pack`): in each micro-batch of
     consecutive rows, the distinct prompts' common prefix once, each distinct prompt's remainder
@@ -132,11 +135,10 @@ def update_flops(dims: dict, prompts: list[list[int]], resp_lens: list[int], mic
     count charges every row its own whole prompt and the LM head on every token (a trainer without
     prompt sharing).
     """
-    from trajflow.workers.forward import micro_batch_slices
     from trajflow.workers.tree import common_prefix_length
 
     t_prompt, attn_sq = 0.0, 0.0
-    for sl in micro_batch_slices(len(prompts), micro_batch_size):
+    for sl in plan:
         distinct = list(dict.fromkeys(tuple(p) for p in prompts[sl]))
         c = common_prefix_length(distinct)
         t_prompt += c + sum(len(p) - c for p in distinct)
@@ -247,31 +249,47 @@ def main() -> None:
     p_lens, r_lens = [len(p) for p in rows_prompt], [len(x) for x in resp]
     print(f"rows {len(resp)} ({prefix}, scores mean {scores.mean():.2f}); mean prompt {np.mean(p_lens):.0f} tokens, "
           f"responses {sum(r_lens)} tokens (mean {np.mean(r_lens):.1f}, max {max(r_lens)})")
-    recipe_mb = int(cfg.actor.ppo_micro_batch_size)
-    # The recipe's micro-batch (memory-bound choice) and the whole mini-batch in one micro-batch
-    # (fewer, larger matmuls; the prompt prefix and the embedding gradient once; more activation memory).
-    results = {}
-    for mb in dict.fromkeys([recipe_mb, len(resp)]):
-        worker.actor["ppo_micro_batch_size"] = mb
+    # The recipe's micro-batching first, then fixed 8-row micro-batches (more, smaller matmuls; the
+    # prompt prefix and the tied embedding's gradient once per micro-batch) and the whole batch in
+    # one micro-batch; settings that cut this batch the same way are run once.
+    from trajflow.workers.forward import micro_batch_plan
+
+    recipe = {k: worker.actor[k] for k in ("use_dynamic_bsz", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size")}
+    budget = int(recipe["ppo_max_token_len_per_gpu"]) if recipe["use_dynamic_bsz"] else None
+    settings = [(f"the default recipe's (token budget {budget})" if budget else
+                 f"the default recipe's ({recipe['ppo_micro_batch_size']}-row micro-batches)", budget,
+                 int(recipe["ppo_micro_batch_size"])),
+                ("8-row micro-batches", None, 8), ("one 32-row micro-batch", None, len(resp))]
+    results, seen = {}, set()
+    for label, max_tokens, mb in settings:
+        plan = micro_batch_plan(rows_prompt, resp, mb, max_tokens)
+        key = tuple((sl.start, sl.stop) for sl in plan)
+        if key in seen:
+            continue
+        seen.add(key)
+        worker.actor.update(use_dynamic_bsz=bool(max_tokens), ppo_micro_batch_size=mb,
+                            ppo_max_token_len_per_gpu=max_tokens or recipe["ppo_max_token_len_per_gpu"])
         upd_times = []
         for r in range(1 + args.repeats):
             t = time.perf_counter()
             m = worker.update_actor(batch, cfg.rollout.temperature)
             upd_times.append(m.get("timing_s/update_actor", time.perf_counter() - t))
-            print(f"micro-batch {mb}: update_actor {'(warm-up) ' if r == 0 else ''}{upd_times[-1]:.2f} s, "
+            print(f"{label}: update_actor {'(warm-up) ' if r == 0 else ''}{upd_times[-1]:.2f} s, "
                   f"grad_norm {m.get('actor/grad_norm', float('nan')):.3f}")
         t_upd = min(upd_times[1:])
-        F, F_naive, parts = update_flops(dims, rows_prompt, r_lens, mb)
-        results[mb] = (t_upd, F, F_naive, parts, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-        print(f"micro-batch {mb}: tokens computed {parts['t_all']:.0f} (responses {parts['t_resp']:.0f}; per "
+        F, F_naive, parts = update_flops(dims, rows_prompt, r_lens, plan)
+        results[label] = (t_upd, F, F_naive, parts, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        print(f"{label}: {len(plan)} micro-batch(es) of {', '.join(str(sl.stop - sl.start) for sl in plan)} rows; "
+              f"tokens computed {parts['t_all']:.0f} (responses {parts['t_resp']:.0f}; per "
               f"micro-batch the common prefix once and each group's rest once; {parts['t_rows']:.0f} if every row ran "
               f"its own prompt); FLOPs body {parts['body'] / 1e12:.3f} + head {parts['head'] / 1e12:.3f} + attention "
               f"{parts['attn'] / 1e12:.3f} = {F / 1e12:.3f} TFLOP (naive 6*N_all*T + attn: {F_naive / 1e12:.3f})")
-        print(f"micro-batch {mb}: update best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {F / t_upd / 1e9 / peak:.1%} "
+        print(f"{label}: update best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {F / t_upd / 1e9 / peak:.1%} "
               f"of {peak:.1f} (naive count: {F_naive / t_upd / 1e9 / peak:.1%}); peak RSS of this process so far "
-              f"{results[mb][4]:.2f} GiB")
-    worker.actor["ppo_micro_batch_size"] = recipe_mb
-    t_upd, F, F_naive, parts, _ = results[recipe_mb]
+              f"{results[label][4]:.2f} GiB")
+    worker.actor.update(recipe)
+    recipe_label = settings[0][0]
+    t_upd, F, F_naive, parts, _ = results[recipe_label]
     F_fwd = (parts["body"] + parts["head"] + parts["attn"]) / 3
     print(f"teacher-forced log-prob forward (compute_log_prob): {t_old:.2f} s -> {F_fwd / t_old / 1e9:.1f} GFLOP/s = {F_fwd / t_old / 1e9 / peak:.1%} of matmul")
     # The load of a shared machine drifts: measure the ceiling again and keep the higher one (lower MFU).
@@ -281,9 +299,9 @@ def main() -> None:
         peak = peak2
         print(f"; ceiling now {peak:.1f} GFLOP/s", end="")
     print()
-    mfus = {mb: res[1] / res[0] / 1e9 / peak for mb, res in results.items()}
-    for mb, v in mfus.items():
-        print(f"update MFU at micro-batch {mb}: {v:.1%}")
+    mfus = {label: res[1] / res[0] / 1e9 / peak for label, res in results.items()}
+    for label, v in mfus.items():
+        print(f"update MFU, {label}: {v:.1%}")
     gen_frac = gen_rate / fwd[(32, 64)]
     print(f"generation at batch 32: best {gen_rate:.1f} real tok/s ({max(slot_rates):.1f} slot tok/s) vs plain forward "
           f"32 x 64 {fwd[(32, 64)]:.0f} tok/s -> {gen_frac:.1%} ({max(slot_rates) / fwd[(32, 64)]:.1%} counting slots)")
@@ -301,9 +319,8 @@ def main() -> None:
           f"= {gen_rates[-1] / bound:.1%} of the bound")
 
     header("targets")
-    for mb, v in mfus.items():
-        label = "the default recipe's" if mb == recipe_mb else "one per update,"
-        verdict(f"training step MFU, {label} micro-batch {mb} (fraction of matmul GFLOP/s)", v, TARGET_MFU, fmt="{:.1%}")
+    verdict(f"training step MFU, {recipe_label} (fraction of matmul GFLOP/s)", mfus[recipe_label], TARGET_MFU,
+            fmt="{:.1%}")
     verdict("generation rate at batch 32 / plain forward tok/s (32 x 64)", gen_frac, TARGET_GEN, fmt="{:.1%}")
 
 
