@@ -8,7 +8,8 @@ Settings shared by both (the default recipe with 64 new tokens):
   model SmolLM2-135M-Instruct (fp32, sdpa), prompts of trajflow's ``basic_arithmetic`` dataset in the
   order trajflow's PromptSampler draws them (seed 42); 8 prompts x 4 samples = 32 completions per
   iteration; 64 new tokens; temperature 1.0, top_p 1.0, top_k off; one PPO epoch, one optimizer step per
-  iteration over micro-batches of 8 rows; clip 0.2; token-mean loss (TRL: ``loss_type="dapo"``);
+  iteration, the recipe's micro-batches (a 2048-token budget: the 32 rows in one micro-batch; TRL,
+  which has no token budget, gets ``per_device_train_batch_size=32``); clip 0.2; token-mean loss (TRL: ``loss_type="dapo"``);
   GRPO advantages normalised by the group std; no KL term (no reference model); AdamW lr 1e-5,
   constant; grad clip 1.0; no gradient checkpointing; reward = ``stages.reward.reasoning_gym_scorer``
   (format bonus 0.1); torch threads = all CPUs. 1 warm-up iteration, then K timed ones.
@@ -18,7 +19,7 @@ What is compared ("s/iter"): the wall time of a whole iteration, steady state.
     reward, gate, advantage, update, Prefect/Ray/Parquet/manifest/MLflow), checkpoint saves excluded
     (``trainer.save_freq=0``: only the final one, which is subtracted). ``timing_s/step`` is shown too.
   * TRL: between consecutive ``on_step_end`` callbacks (one optimizer step = one generation of 32
-    completions + 4 micro-batch forward/backward passes + logging of the previous step).
+    completions + its micro-batches' forward/backward passes + logging of the previous step).
 Ratio = median TRL s/iter / median trajflow s/iter over the K warm iterations (> 1: trajflow faster).
 
 With one PPO epoch and one optimizer step per generation TRL skips the old-log-prob forward (the
@@ -51,7 +52,11 @@ def shared_settings(args: argparse.Namespace) -> dict:
 
     cfg = load_config(None, [f"rollout.max_new_tokens={args.max_new_tokens}"])
     s = dict(prompts=cfg.data.train_batch_size, n=cfg.rollout.n, max_new_tokens=cfg.rollout.max_new_tokens,
-             temperature=cfg.rollout.temperature, lr=cfg.actor.lr, micro=cfg.actor.ppo_micro_batch_size,
+             temperature=cfg.rollout.temperature, lr=cfg.actor.lr,
+             # TRL has no token budget: with the recipe's (which holds the whole batch of 32 rows at 64
+             # new tokens) TRL gets its nearest equivalent, the whole batch in one micro-batch.
+             micro=(cfg.data.train_batch_size * cfg.rollout.n if cfg.actor.use_dynamic_bsz
+                    else cfg.actor.ppo_micro_batch_size),
              mini_prompts=cfg.actor.ppo_mini_batch_size, epochs=cfg.actor.ppo_epochs,
              clip=cfg.actor.clip_ratio_low, clip_high=cfg.actor.clip_ratio_high, grad_clip=cfg.actor.grad_clip,
              kl=cfg.actor.kl_loss_coef, agg=cfg.actor.loss_agg_mode, dataset=cfg.data.dataset, seed=cfg.trainer.seed,
