@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +21,8 @@ from trajflow.env import configure_environment  # noqa: E402
 
 configure_environment()
 
+from _common import scratch_dir  # noqa: E402
+
 STAGES = ["timing_s/gen", "timing_s/old_log_prob", "timing_s/reward", "timing_s/gate", "timing_s/adv",
           "timing_s/update_actor", "timing_s/step"]
 
@@ -29,6 +30,7 @@ STAGES = ["timing_s/gen", "timing_s/old_log_prob", "timing_s/reward", "timing_s/
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--keep", action="store_true", help="keep the run directories (removed at exit otherwise)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     from mlflow.tracking import MlflowClient
@@ -36,7 +38,7 @@ def main() -> None:
     from flows.train import train
     from trajflow.config import load_config
 
-    root = Path(tempfile.mkdtemp(prefix="trajflow-bench-"))
+    root = scratch_dir("trajflow-bench-", args.keep)
     overrides = [f"store.root={root}", f"trainer.total_iterations={args.iterations}", "trainer.test_freq=0",
                  "trainer.save_freq=0", "trainer.progress=false", *args.overrides]
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import GIB, RssSampler, header, median, run_trajflow, verdict
+from _common import GIB, RssSampler, header, median, run_trajflow, scratch_dir, verdict
 
 TARGET_SHARE = 0.05
 # Seconds measured inside model workers; absent ones count 0 (the default recipe has the first three:
@@ -234,6 +234,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3, help="timed iterations after one warm-up (default 3)")
     ap.add_argument("--repeats", type=int, default=5, help="repeats of each probe")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 timed iteration, 16 new tokens, 3 repeats")
+    ap.add_argument("--keep", action="store_true", help="keep the run directories (removed at exit otherwise)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = ap.parse_args()
     extra = list(args.overrides)
@@ -247,7 +248,7 @@ def main() -> None:
     from trajflow.config import load_config
 
     default_cfg = load_config(None, [])
-    root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    root = scratch_dir("bench-overhead-", args.keep)
     overrides = [f"trainer.total_iterations={1 + args.iterations}", "trainer.test_freq=0", "trainer.save_freq=0",
                  "trainer.progress=false", *extra]
     print(f"default recipe with {overrides} in {root}", flush=True)
@@ -339,7 +340,8 @@ def main() -> None:
           f"outside model compute {out_med:.2f} s = {share:.1%} (of timing_s/step: "
           f"{median([(s - mc) / s for s, mc in zip(step, model)]):.1%})")
     mem.report()
-    print(f"wall {run.wall_s:.0f} s including start-up; run dir {run_dir}")
+    print(f"wall {run.wall_s:.0f} s including start-up; run dir {run_dir}"
+          f"{'' if args.keep else ' (removed at exit; --keep keeps it)'}")
 
     header("targets")
     verdict("time outside model compute / iteration (default recipe)", share, TARGET_SHARE, higher_is_better=False, fmt="{:.1%}")

@@ -37,11 +37,10 @@ import argparse
 import gc
 import json
 import math
-import tempfile
 import time
 from pathlib import Path
 
-from _common import preload_allocator, header, median, run_trajflow, set_all_threads, verdict
+from _common import header, median, preload_allocator, run_trajflow, scratch_dir, set_all_threads, verdict
 
 TARGET_RATIO = 2.0
 SEED = 42
@@ -61,7 +60,7 @@ def shared_settings(args: argparse.Namespace) -> dict:
              clip=cfg.actor.clip_ratio_low, clip_high=cfg.actor.clip_ratio_high, grad_clip=cfg.actor.grad_clip,
              kl=cfg.actor.kl_loss_coef, agg=cfg.actor.loss_agg_mode, dataset=cfg.data.dataset, seed=cfg.trainer.seed,
              format_bonus=cfg.reward.format_bonus, norm_std=cfg.algorithm.norm_adv_by_std_in_grpo,
-             iterations=1 + args.iterations, allocator=args.allocator)
+             iterations=1 + args.iterations, allocator=args.allocator, keep=args.keep)
     # The comparison is defined for one optimizer step per iteration, like TRL's default GRPO step.
     assert s["mini_prompts"] == s["prompts"] and s["epochs"] == 1 and s["kl"] == 0, s
     assert s["agg"] == "token-mean", s
@@ -72,7 +71,7 @@ def shared_settings(args: argparse.Namespace) -> dict:
 
 
 def run_trajflow_side(s: dict) -> dict:
-    root = Path(tempfile.mkdtemp(prefix="bench-vs-trl-trajflow-"))
+    root = scratch_dir("bench-vs-trl-trajflow-", s["keep"])
     overrides = [f"rollout.max_new_tokens={s['max_new_tokens']}", f"trainer.total_iterations={s['iterations']}",
                  "trainer.test_freq=0", "trainer.save_freq=0", "trainer.progress=false",
                  f"resources.allocator={s['allocator']}"]
@@ -138,7 +137,7 @@ def run_trl_side(s: dict) -> dict:
     model = load_causal_lm(path, cfg.model.dtype, "cpu", cfg.model.attn_implementation)
     tokenizer = load_tokenizer(path)
     rows = s["prompts"] * s["n"]
-    out_dir = tempfile.mkdtemp(prefix="bench-vs-trl-trl-")
+    out_dir = str(scratch_dir("bench-vs-trl-trl-", s["keep"]))
     args = GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=s["micro"], gradient_accumulation_steps=rows // s["micro"],
@@ -210,6 +209,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 timed iteration, 16 new tokens")
     ap.add_argument("--only", choices=["trl", "trajflow"], help="run one side only (no ratio)")
+    ap.add_argument("--keep", action="store_true", help="keep the run directories (removed at exit otherwise)")
     ap.add_argument("--allocator", default="auto", help="resources.allocator for this process and the workers: "
                     "auto (tcmalloc if installed), system, or a library path")
     args = ap.parse_args()
