@@ -291,8 +291,8 @@ def uses_tree_packing(model: torch.nn.Module, packed: PackedBatch, share_prompts
 def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True,
                            bucket_overhead: int = BUCKET_OVERHEAD,
                            tree_max_tokens: int = TREE_MAX_TOKENS) -> torch.Tensor:
-    """Final hidden states that predict the response tokens: ``(b, T, hidden)``, model dtype
-    (0 at padded response positions).
+    """Final hidden states that predict the real response tokens: ``(n, hidden)``, model dtype, one
+    row per True entry of ``packed.response_mask`` in row-major order (padding is never kept).
 
     With ``share_prompts`` each distinct prompt token is computed once per micro-batch, in one of two
     ways (same values up to float rounding; see the module doc):
@@ -309,17 +309,17 @@ def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_pr
     Otherwise, or when there is nothing to share, one forward over the whole padded batch.
     """
     if uses_tree_packing(model, packed, share_prompts, tree_max_tokens):
-        flat = tree_hidden_states(model, packed)
-        b, T = packed.responses.shape
-        real = packed.response_mask.reshape(-1).nonzero().squeeze(1)
-        return flat.new_zeros(b * T, flat.shape[-1]).index_copy(0, real, flat).reshape(b, T, -1)
-    return _cached_prompt_hidden_states(model, packed, share_prompts, bucket_overhead)
+        return tree_hidden_states(model, packed)
+    h = _cached_prompt_hidden_states(model, packed, share_prompts, bucket_overhead)
+    real = packed.response_mask.reshape(-1).nonzero().squeeze(1)
+    return h.reshape(-1, h.shape[-1]).index_select(0, real)
 
 
 def _cached_prompt_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool,
                                  bucket_overhead: int) -> torch.Tensor:
-    """:func:`response_hidden_states` without tree packing: cached prompts and response buckets,
-    or one padded forward when nothing can be shared."""
+    """:func:`response_hidden_states` without tree packing, as ``(b, T, hidden)`` (0 at padded
+    response positions): cached prompts and response buckets, or one padded forward when nothing
+    can be shared."""
     decoder = model.get_decoder()
     P = packed.prompt_width
     T = packed.responses.shape[1]
@@ -415,16 +415,13 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
     # The LM head (576 x 49k for SmolLM2, a fifth of a token's FLOPs) runs on real response tokens
     # only: right padding up to the micro-batch's longest response never reaches it.
     real = packed.response_mask.reshape(-1).nonzero().squeeze(1)
-    if uses_tree_packing(model, packed, share_prompts, tree_max_tokens):
-        flat_h = tree_hidden_states(model, packed)
-    else:
-        h = _cached_prompt_hidden_states(model, packed, share_prompts, bucket_overhead)
-        flat_h = h.reshape(b * T, -1).index_select(0, real)
+    flat_h = response_hidden_states(model, packed, share_prompts, bucket_overhead, tree_max_tokens)
     flat_y = packed.responses.reshape(b * T).index_select(0, real)
     logps, ents = [], []
     for i in range(0, flat_h.shape[0], logits_chunk):
         logits = head(flat_h[i:i + logits_chunk])
-        logp, ent = token_logprobs_entropy(logits, flat_y[i:i + logits_chunk], temperature, entropy_grad)
+        logp, ent = token_logprobs_entropy(logits, flat_y[i:i + logits_chunk], temperature, entropy_grad,
+                                           compute_entropy)
         logps.append(logp)
         if compute_entropy:
             ents.append(ent)
