@@ -25,7 +25,7 @@ import torch
 class LogProbEntropy(torch.autograd.Function):
     """``(log p_y, H)`` per row of ``(n, vocab)`` logits; see the module doc for the formulas.
 
-    ``apply(logits, labels, temperature, entropy_grad)``:
+    ``apply(logits, labels, temperature, entropy_grad, compute_entropy, for_backward)``:
 
     Args:
         logits: ``(n, vocab)`` float32 raw logits (not divided by the temperature).
@@ -33,13 +33,17 @@ class LogProbEntropy(torch.autograd.Function):
         temperature: ``tau > 0`` of ``softmax(logits / tau)``.
         entropy_grad: whether the entropy is differentiable (an entropy bonus); otherwise it is a
             metric and gets no gradient (nothing extra is saved for it).
+        compute_entropy: ``False`` skips the entropy (its pass over the logits): it is then ``None``.
+        for_backward: whether a backward can follow (grad mode on, logits requiring grad); without
+            it the softmax is neither normalised nor saved.
 
     Returns:
-        ``(log_probs, entropy)``, each ``(n,)`` float32.
+        ``(log_probs, entropy)``, ``(n,)`` float32 each (``entropy`` ``None`` without ``compute_entropy``).
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool):
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, entropy_grad: bool,
+                compute_entropy: bool = True, for_backward: bool = True):
         inv_t = 1.0 / float(temperature)
         z = logits.float() - logits.detach().float().amax(dim=-1, keepdim=True)
         if inv_t != 1.0:
@@ -47,21 +51,27 @@ class LogProbEntropy(torch.autograd.Function):
         z_y = z.gather(-1, labels[:, None]).squeeze(-1)
         p = torch.exp(z)
         s = p.sum(dim=-1)
-        # sum_j e^{z_j} z_j; z is only needed again for the entropy's own gradient.
-        pz = (p * z).sum(dim=-1) if entropy_grad else z.mul_(p).sum(dim=-1)
-        p.div_(s[:, None])
         log_s = s.log()
         logp = z_y - log_s
-        entropy = log_s - pz / s
+        entropy = None
+        entropy_grad = bool(entropy_grad and compute_entropy)
+        if compute_entropy:
+            # sum_j e^{z_j} z_j; z is only needed again for the entropy's own gradient.
+            pz = (p * z).sum(dim=-1) if entropy_grad else z.mul_(p).sum(dim=-1)
+            entropy = log_s - pz / s
+        if not for_backward:
+            return logp, entropy
+        p.div_(s[:, None])
         ctx.inv_t = inv_t
         ctx.logits_dtype = logits.dtype
-        ctx.entropy_grad = bool(entropy_grad)
+        ctx.entropy_grad = entropy_grad
         ctx.used = False
         if ctx.entropy_grad:
             ctx.save_for_backward(p, labels, z, log_s, entropy)
         else:
             ctx.save_for_backward(p, labels)
-            ctx.mark_non_differentiable(entropy)
+            if entropy is not None:
+                ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
@@ -86,11 +96,12 @@ class LogProbEntropy(torch.autograd.Function):
                 grad.add_(g_h)
         if grad is not None and grad.dtype != ctx.logits_dtype:
             grad = grad.to(ctx.logits_dtype)
-        return grad, None, None, None
+        return grad, None, None, None, None, None
 
 
 def token_logprobs_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           entropy_grad: bool = False,
+                           compute_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``labels`` and entropy under ``softmax(logits / temperature)``, row by row.
 
     Args:
@@ -98,9 +109,11 @@ def token_logprobs_entropy(logits: torch.Tensor, labels: torch.Tensor, temperatu
         labels: ``(n,)`` int64, each in ``[0, vocab)``.
         temperature: > 0; must be the sampling temperature for the PPO ratio to start at 1.
         entropy_grad: see :class:`LogProbEntropy`.
+        compute_entropy: ``False`` skips the entropy (returned as ``None``): log-prob-only callers
+            (old and reference log-probs) save a pass over the logits.
 
     Returns:
-        ``(log_probs, entropy)``, each ``(n,)`` float32.
+        ``(log_probs, entropy)``, ``(n,)`` float32 each (``entropy`` ``None`` without ``compute_entropy``).
 
     Raises:
         ValueError: ``temperature <= 0``, or ``logits``/``labels`` shapes that do not match.
@@ -110,4 +123,6 @@ def token_logprobs_entropy(logits: torch.Tensor, labels: torch.Tensor, temperatu
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(f"expected logits (n, vocab) and labels (n,), got {tuple(logits.shape)} and "
                          f"{tuple(labels.shape)}")
-    return LogProbEntropy.apply(logits, labels, float(temperature), bool(entropy_grad))
+    for_backward = torch.is_grad_enabled() and logits.requires_grad
+    return LogProbEntropy.apply(logits, labels, float(temperature), bool(entropy_grad), bool(compute_entropy),
+                                for_backward)
