@@ -20,6 +20,7 @@ import torch
 from stages.policy_update import PolicyLossConfig, agg_loss, compute_policy_loss, kl_loss
 from stages.rollout import SamplingParams
 from stages.rollout_correction import rollout_is_weights
+from trajflow.config import ActorConfig
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
 from trajflow.workers.distributed import LocalBackend, adamw
@@ -234,7 +235,7 @@ class PolicyWorker:
     def _max_tokens(self) -> int | None:
         """The micro-batches' token budget (``actor.use_dynamic_bsz``), or None for fixed-size ones."""
         if self.actor.get("use_dynamic_bsz"):
-            return int(self.actor.get("ppo_max_token_len_per_gpu") or 16384)
+            return int(self.actor.get("ppo_max_token_len_per_gpu", ActorConfig.ppo_max_token_len_per_gpu))
         return None
 
     def _split_rows(self, batch: dict):
