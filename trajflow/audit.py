@@ -205,7 +205,10 @@ def rebuild_audit(store: RunStore) -> int:
         if store.verified_stage(it, "rollout") is None:
             continue
         meta = (store.stage_entry(it, "rollout") or {}).get("meta", {})
-        total += append_iteration(store, it, meta.get("checkpoint_id"))
+        total += append_iteration(store, it, meta.get("checkpoint_id"), optimize=False)
+    table = _open(db)
+    if table is not None:
+        table.optimize()  # once, after every iteration is in
     return total
 
 
