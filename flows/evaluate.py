@@ -28,7 +28,8 @@ from flows.tasks import TASK_OPTS, run_validation  # noqa: E402
 from trajflow import checkpoint as ckpt  # noqa: E402
 from trajflow.config import load_config  # noqa: E402
 from trajflow.runtime import RunContext, ensure_workers, stage_guard, start_ray  # noqa: E402
-from trajflow.store import RunStore, StoreError, atomic_write_json  # noqa: E402
+from trajflow.errors import StoreError  # noqa: E402
+from trajflow.store import RunStore, atomic_write_json  # noqa: E402
 
 #: Live evaluation contexts of this process, by evaluation id (never the training registry: an
 #: evaluation must not disturb a training run of the same id in the same process).

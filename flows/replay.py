@@ -34,6 +34,7 @@ request first (:func:`prepare`), so bad input fails before Prefect or Ray start.
 
 from __future__ import annotations
 
+from trajflow.errors import ReplayError
 from trajflow.env import configure_environment
 
 configure_environment()
@@ -52,14 +53,11 @@ from trajflow import pipeline, session  # noqa: E402
 from trajflow.batch import join_stages  # noqa: E402
 from trajflow.config import load_config, to_yaml  # noqa: E402
 from trajflow.runtime import RunContext, close  # noqa: E402
-from trajflow.store import StageRef, RunStore, StoreError  # noqa: E402
+from trajflow.errors import StoreError  # noqa: E402
+from trajflow.store import StageRef, RunStore  # noqa: E402
 
 FROM_STAGES = ("reward", "advantage", "update")
 _KEPT = {"reward": ("rollout",), "advantage": ("rollout", "reward"), "update": ("rollout", "reward", "advantage")}
-
-
-class ReplayError(StoreError):
-    """A replay that cannot run: unknown run or stage, an iteration or checkpoint that is not stored."""
 
 
 def parse_iterations(iteration: int | None, iterations: str | None) -> tuple[int, int]:

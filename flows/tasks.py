@@ -27,11 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 from prefect import task
 from prefect.cache_policies import NONE
 
+from trajflow.errors import DynamicSamplingError
 from stages.rollout import SamplingParams
 from trajflow import pipeline
 from trajflow.batch import join_stages
 from trajflow.config import TrainerConfig
-from trajflow.data import DataError
+from trajflow.errors import DataError
 from trajflow.faults import fault_point
 from trajflow.pipeline import iteration_seed
 from trajflow.runtime import (RunContext, ensure_workers, get_context, retry_on_transient, stage_guard, stage_timeout,
@@ -45,14 +46,6 @@ _DEFAULTS = TrainerConfig()
 #: Options of every stage task; retries and delay default to ``TrainerConfig``'s (see :func:`stages_for`).
 TASK_OPTS = dict(cache_policy=NONE, persist_result=False, retries=_DEFAULTS.stage_retries,
                  retry_delay_seconds=_DEFAULTS.stage_retry_delay_s, retry_condition_fn=retry_on_transient)
-
-
-class DynamicSamplingError(DataError):
-    """Dynamic sampling found no group with reward variance within its generation-batch budget.
-
-    A :class:`~trajflow.data.DataError`: the data (or the scorer) gives the policy no learning signal,
-    and the CLI reports it in one line with the keys to change.
-    """
 
 
 def _sampling_params(cfg, iteration: int, gen_batch: int = 0) -> SamplingParams:

@@ -154,7 +154,7 @@ def test_reward_model_scores_match_unpadded_forward(rm_dir):
 
 
 def test_reward_model_needs_one_label(tmp_path):
-    from trajflow.models import ModelLoadError
+    from trajflow.errors import ModelLoadError
 
     bad = make_tiny_reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(ModelLoadError, match="2 labels; a reward model needs exactly 1"):

@@ -39,7 +39,8 @@ def test_resolve_allocator(tmp_path, monkeypatch):
 
 
 def test_bad_allocator_and_token_budget_are_config_errors(tmp_path):
-    from trajflow.config import ConfigError, load_config
+    from trajflow.errors import ConfigError
+    from trajflow.config import load_config
 
     with pytest.raises(ConfigError, match=r"resources.allocator='/no/such/lib.so' is not allowed"):
         load_config(None, ["resources.allocator=/no/such/lib.so"])

@@ -4,7 +4,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from trajflow.batch import BatchError, join_stages, pad_ragged, to_ragged
+from trajflow.errors import BatchError
+from trajflow.batch import join_stages, pad_ragged, to_ragged
 
 
 def test_pad_right_and_left():

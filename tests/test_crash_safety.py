@@ -24,7 +24,8 @@ import pytest
 from tests.conftest import REPO
 from trajflow import checkpoint as ckpt
 from trajflow.faults import parse
-from trajflow.store import RunStore, StoreError, atomic_write_parquet
+from trajflow.errors import StoreError
+from trajflow.store import RunStore, atomic_write_parquet
 
 
 def _env(**extra: str) -> dict:
@@ -299,7 +300,8 @@ def _fake_iteration(store: RunStore, it: int, scores: list[float], texts: list[s
 
 
 def test_audit_append_query_and_idempotent_reappend(tmp_path):
-    from trajflow.audit import AUDIT_COLUMNS, AuditError, append_iteration, query_audit, rebuild_audit
+    from trajflow.errors import AuditError
+    from trajflow.audit import AUDIT_COLUMNS, append_iteration, query_audit, rebuild_audit
 
     store = RunStore(tmp_path, "run")
     store.run_dir.mkdir()

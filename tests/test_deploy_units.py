@@ -9,7 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from trajflow.config import ConfigError, load_config
+from trajflow.errors import ConfigError
+from trajflow.config import load_config
 from trajflow.deploy import (DeployError, load_deployments, load_pools, resolve_placeholders, schedule_create,
                              skip_reason)
 
@@ -88,7 +89,7 @@ def test_only_transient_failures_are_retried():
     import ray.exceptions as rex
     from prefect.states import Failed
 
-    from trajflow.gating import GateFailed
+    from trajflow.errors import GateFailed
     from trajflow.runtime import retry_on_transient
 
     def retried(exc: BaseException) -> bool:
@@ -234,7 +235,7 @@ def _fake_run(root: Path, run_id: str, recipe: str, created: float, checkpoints:
 
 def test_evaluate_picks_the_newest_run_and_checkpoint(tmp_path):
     from flows.evaluate import find_run, pick_checkpoint
-    from trajflow.store import StoreError
+    from trajflow.errors import StoreError
 
     _fake_run(tmp_path, "a-old", "grpo_default", 100.0, [5, 10])
     _fake_run(tmp_path, "b-new", "grpo_default", 300.0, [2])

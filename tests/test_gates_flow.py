@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import tiny_overrides
-from trajflow.gating import GateFailed
+from trajflow.errors import GateFailed
 from trajflow.store import RunStore
 
 SCORERS = '''

@@ -113,7 +113,8 @@ def test_sample_ids_continue_across_generation_batches_and_baseline_columns():
 
 
 def test_config_rules_for_the_new_keys():
-    from trajflow.config import ConfigError, load_config
+    from trajflow.errors import ConfigError
+    from trajflow.config import load_config
 
     with pytest.raises(ConfigError, match="reward.reward_model.enable=true needs reward.reward_model.path"):
         load_config(None, ["reward.reward_model.enable=true"])

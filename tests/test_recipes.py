@@ -287,7 +287,7 @@ def test_remax_with_reward_model_and_truncation_mask(env, tmp_path_factory):
 def test_dynamic_sampling_without_any_signal_stops_with_a_clear_error(env):
     """The built-in arithmetic scorer gives a random-weight policy 0 everywhere: no group has accuracy
     variance, so after max_num_gen_batches the iteration stops and says which keys to change."""
-    from flows.tasks import DynamicSamplingError
+    from trajflow.errors import DynamicSamplingError
     from flows.train import train
 
     over = {"trainer.test_freq": 0, "trainer.log_samples": 0, "algorithm.filter_groups.enable": True,

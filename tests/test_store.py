@@ -6,7 +6,8 @@ import json
 import pyarrow as pa
 import pytest
 
-from trajflow.store import RunStore, StoreError
+from trajflow.errors import StoreError
+from trajflow.store import RunStore
 
 
 def _table(n=4):

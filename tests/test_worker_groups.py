@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trajflow.config import ConfigError, load_config
+from trajflow.errors import ConfigError
+from trajflow.config import load_config
 from trajflow.workers.group import WorkerGroup, balanced_partition, dispatch, merge_split
 
 
@@ -154,7 +155,8 @@ def test_default_config_keeps_single_actor_options(tiny_model_dir):
 
 
 def test_pool_larger_than_cluster_fails_at_once(ray_local):
-    from trajflow.resources import DeviceError, Pool, check_capacity
+    from trajflow.errors import DeviceError
+    from trajflow.resources import Pool, check_capacity
 
     gpu = Pool("gpus", 2, 8, "gpu", 4)
     with pytest.raises(DeviceError, match=r"resources.pools.gpus .* needs 16 GPU but the Ray cluster has 0"):
@@ -192,7 +194,8 @@ def test_resource_config_errors_name_the_key(overrides, needle):
 def test_gpu_requests_fail_with_one_clear_line():
     import torch
 
-    from trajflow.resources import DeviceError, require_device, require_vllm
+    from trajflow.errors import DeviceError
+    from trajflow.resources import require_device, require_vllm
     from trajflow.session import preflight
 
     assert not torch.cuda.is_available()  # this test documents the CPU-machine behaviour
@@ -212,7 +215,7 @@ def test_gpu_requests_fail_with_one_clear_line():
 def test_vllm_engine_module_imports_without_vllm_and_refuses_cleanly():
     import importlib
 
-    from trajflow.resources import DeviceError
+    from trajflow.errors import DeviceError
 
     mod = importlib.import_module("trajflow.engines.vllm")
     assert "vllm" not in sys.modules

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from trajflow.errors import AuditError
 from trajflow.batch import join_stages, lengths
 from trajflow.store import RunStore
 
@@ -55,10 +56,6 @@ AUDIT_SCHEMA = pa.schema([
     ("checkpoint_id", pa.string()),
 ])
 AUDIT_COLUMNS = tuple(AUDIT_SCHEMA.names)
-
-
-class AuditError(ValueError):
-    """A bad audit request: unknown run, no audit table, a ``where`` clause that is not valid SQL."""
 
 
 def prompt_text(prompt: str | None) -> str | None:

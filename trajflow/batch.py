@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from trajflow.errors import BatchError
 
 SCHEMA_VERSION = 1
 
@@ -29,10 +30,6 @@ ROLLOUT_COLUMNS = ("sample_id", "prompt_id", "group_id", "iteration", "policy_ve
 REWARD_COLUMNS = ("sample_id", "score", "reward_extra", "reward_error", "token_rewards", "ref_logprobs",
                   "rule_score", "rm_score", "reward_baseline")
 ADVANTAGE_COLUMNS = ("sample_id", "values", "advantages", "returns")
-
-
-class BatchError(ValueError):
-    """Stage tables that do not line up (missing sample ids, missing columns)."""
 
 
 def _as_list_array(col: pa.Array | pa.ChunkedArray) -> pa.ListArray:

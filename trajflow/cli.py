@@ -22,33 +22,18 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                        "as Prefect flows over Ray workers with Arrow trajectories on disk.")
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from trajflow.audit import AuditError
-    from trajflow.batch import BatchError
-    from trajflow.compare import CompareError
-    from trajflow.config import ConfigError
-    from trajflow.dashboard import DashboardError
-    from trajflow.data import DataError
-    from trajflow.models import ModelLoadError
-    from trajflow.session import RunExistsError
-    from trajflow.store import StoreError
-
-    return (ConfigError, DataError, ModelLoadError, RunExistsError, StoreError, BatchError, CompareError,
-            DashboardError, AuditError)
-
-
 def _run(fn, *args, **kwargs):
     """Call ``fn``; turn bad-input errors into one line + exit 2, a failed gate into exit 3."""
-    from trajflow.gating import GateFailed
+    from trajflow.errors import GateFailed, TrajflowError
 
     try:
         return fn(*args, **kwargs)
-    except _user_errors() as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
     except GateFailed as e:
         typer.echo(f"gate failed: {e}", err=True)
         raise typer.Exit(3) from None
+    except TrajflowError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -156,7 +141,8 @@ def audit(run_id: str = typer.Argument(..., help="the run"),
         raise typer.Exit(2)
 
     def go():
-        from trajflow.audit import AuditError, query_audit, rebuild_audit
+        from trajflow.errors import AuditError
+        from trajflow.audit import query_audit, rebuild_audit
         from trajflow.store import RunStore
 
         if rebuild:
@@ -242,7 +228,7 @@ def deploy(server: Optional[str] = typer.Option(None, "--server", help="Prefect 
            pool: Optional[str] = typer.Option(None, "--pool", help="work pool name (default: the one in "
                                               "infra/prefect/work-pools.yaml)")) -> None:
     """Register the Prefect deployments (train, evaluate, replay), their work pool, queues and schedules."""
-    from trajflow.deploy import DeployError
+    from trajflow.errors import DeployError
     from trajflow.deploy import deploy as register_all
 
     try:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from trajflow.errors import CompareError
 from trajflow.plots import metric_series, plot_curves, run_color
 from trajflow.tracking import TAG_FROM_STAGE, TAG_PARENT_ITERATION, TAG_PARENT_RUN, mlflow_metric_name, store_tracking_uri
 
@@ -37,10 +38,6 @@ MISSING = "—"
 _LOWER_IS_BETTER = ("loss", "timing_s/", "ppo_kl", "clipfrac", "clip_ratio", "scorer_errors", "memory",
                     "_gb", "gate/failed", "gate/warnings", "gate/quarantined", "/unexpected_count",
                     "grad_norm")
-
-
-class CompareError(ValueError):
-    """Bad input to ``trajflow compare`` (unknown or ambiguous run, unknown metric, no store)."""
 
 
 def metric_goal(name: str) -> str:

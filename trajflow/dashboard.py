@@ -21,7 +21,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trajflow.store import RunStore, StoreError
+from trajflow.errors import DashboardError
+from trajflow.errors import StoreError
+from trajflow.store import RunStore
 
 APP = Path(__file__).resolve().parents[1] / "dashboards" / "app.py"
 
@@ -29,10 +31,6 @@ APP = Path(__file__).resolve().parents[1] / "dashboards" / "app.py"
 TRAJECTORY_COLUMNS = ("sample_id", "iteration", "group_id", "prompt_id", "data_source", "prompt_text",
                       "response_text", "ground_truth", "score", "reward_extra", "reward_error", "finish_reason",
                       "response_length", "advantage_mean", "policy_version", "checkpoint_id")
-
-
-class DashboardError(ValueError):
-    """Bad input to the dashboard (missing store, unknown run)."""
 
 
 # ----------------------------------------------------------------------------------------- runs

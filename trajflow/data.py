@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import yaml
+from trajflow.errors import DataError
 
 __all__ = [
     "DATASETS_DIR",
@@ -75,10 +76,6 @@ _FILE_KEYS = {
 _SOURCES = {"reasoning_gym": _RG_KEYS, "file": _FILE_KEYS}
 _SPLIT_KEYS = {"validation_size"}
 _MESSAGE_ROLES = {"system", "user", "assistant", "tool"}
-
-
-class DataError(ValueError):
-    """A dataset spec or a data row is invalid. The message names the file, row/key and what was expected."""
 
 
 @dataclass

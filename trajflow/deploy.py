@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+from trajflow.errors import DeployError
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]
 INFRA_DIR = SOURCE_DIR / "infra" / "prefect"
@@ -30,10 +31,6 @@ POOLS_FILE = INFRA_DIR / "work-pools.yaml"
 OPTIONAL_DEPLOYMENTS = ("replay",)
 
 _PLACEHOLDER = re.compile(r"\{\{\s*\$([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
-
-
-class DeployError(ValueError):
-    """A deployment definition is invalid or the Prefect server cannot be used (one line)."""
 
 
 @dataclass

@@ -14,13 +14,10 @@ from types import SimpleNamespace
 
 import pyarrow as pa
 
+from trajflow.errors import GateFailed
 from trajflow.batch import join_stages, lengths
 from trajflow.runtime import RunContext
 from trajflow.store import StageRef
-
-
-class GateFailed(RuntimeError):
-    """A ``fail``-policy expectation failed; the message names each one, its observed value and rows."""
 
 
 def gate_view(rollout: pa.Table, reward: pa.Table) -> pa.Table:
@@ -101,7 +98,8 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
 
     from trajflow.config import load_config
     from trajflow.gates import run_gate
-    from trajflow.store import RunStore, StoreError
+    from trajflow.errors import StoreError
+    from trajflow.store import RunStore
 
     store = RunStore(store_root, run_id)
     if not store.exists():

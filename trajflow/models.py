@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+from trajflow.errors import ModelLoadError
 
 BUILTIN_MODELS = {
     # name -> (python package holding the file, file name inside it)
@@ -23,10 +24,6 @@ BUILTIN_MODELS = {
 }
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-class ModelLoadError(ValueError):
-    """``model.path`` names nothing loadable; the message says what was looked for."""
 
 
 def cache_root(cache_dir: str | None = None) -> Path:

@@ -40,7 +40,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from trajflow.config import ConfigError
+from trajflow.errors import DeviceError
+from trajflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,6 @@ ROLES = ("actor", "reference", "critic", "rollout")
 POOL_KEYS = ("nodes", "devices_per_node", "device", "num_cpus_per_worker")
 DEFAULT_POOL = "default"
 _TORCH_DEVICE_RESOURCE = {"cpu": "cpu", "cuda": "gpu", "npu": "NPU"}
-
-
-class DeviceError(ConfigError):
-    """A requested device (``trainer.device``, a vLLM engine, a GPU pool) is not available here."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,16 +15,14 @@ from typing import Iterator, Sequence
 import ray
 from omegaconf import DictConfig
 
+from trajflow.errors import RunExistsError
 from trajflow import checkpoint as ckpt
 from trajflow.config import to_yaml
 from trajflow.runtime import RunContext, close, create_workers, register, start_ray
-from trajflow.store import STAGES, RunStore, StoreError
+from trajflow.errors import StoreError
+from trajflow.store import STAGES, RunStore
 
 log = logging.getLogger(__name__)
-
-
-class RunExistsError(ValueError):
-    """A new run would overwrite an existing run folder."""
 
 
 def new_run_id(cfg: DictConfig) -> str:

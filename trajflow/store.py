@@ -36,16 +36,13 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from trajflow.errors import StoreError
 from trajflow.batch import SCHEMA_VERSION
 from trajflow.faults import fault_point
 
 log = logging.getLogger(__name__)
 
 STAGES = ("rollout", "reward", "advantage")
-
-
-class StoreError(RuntimeError):
-    """A stored file is missing, truncated, or does not match its manifest."""
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ def test_compare_names_runs_by_mlflow_id_prefix_and_verl_metric(two_runs):
 
 
 def test_compare_bad_input_is_one_line_exit_2(two_runs, tmp_path):
-    from trajflow.compare import CompareError, compare_runs, open_client
+    from trajflow.errors import CompareError
+    from trajflow.compare import compare_runs, open_client
 
     rc, _, err = cli("compare", "lr-hihg", "lr-low", "--store", two_runs.root, "--out", tmp_path)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
@@ -147,7 +148,8 @@ def test_compare_values_by_hand(tmp_path):
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from trajflow.compare import CompareError, compare_runs, open_client
+    from trajflow.errors import CompareError
+    from trajflow.compare import compare_runs, open_client
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     c = MlflowClient(uri)

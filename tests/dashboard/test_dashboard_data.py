@@ -87,7 +87,8 @@ def test_where_clause_for_the_audit_table():
 
 
 def test_gate_reports_match_gate_json(two_runs):
-    from trajflow.dashboard import DashboardError, gate_reports
+    from trajflow.errors import DashboardError
+    from trajflow.dashboard import gate_reports
 
     run = two_runs.names[1]
     reports = gate_reports(two_runs.root, run)

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from trajflow.models import ModelLoadError, _DTYPES, load_tokenizer
+from trajflow.errors import ModelLoadError
+from trajflow.models import _DTYPES, load_tokenizer
 from trajflow.workers.forward import micro_batch_slices
 from trajflow.workers.policy import set_threads
 
