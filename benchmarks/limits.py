@@ -182,7 +182,7 @@ def main() -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from stages.reward import reasoning_gym_scorer
+    from stages.scorers import reasoning_gym_scorer
     from stages.rollout import SamplingParams
     from trajflow.config import load_config
     from trajflow.data import PromptSampler, load_prompt_dataset

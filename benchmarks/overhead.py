@@ -16,7 +16,7 @@ store, MLflow on SQLite) for 1 warm-up + K iterations, then accounts for each wa
 
 Its parts are then measured directly, by re-doing each piece in this process on the run's own data
 after training (same code paths, median of several repeats), times how often an iteration does it:
-reward scoring proper (``pipeline.score_rows``), advantage math (``pipeline.advantage_table``), the
+reward scoring proper (``stages.reward.score_rows``), advantage math (``stages.advantage.advantage_table``), the
 GX gate (``timing_s/gate`` from the run), Parquet writes + fsync + manifest updates, sha256 of
 written/read files, Parquet reads, MLflow ``log_batch``/artifacts, a no-op Prefect task round trip,
 no-op Ray actor calls carrying batch-sized payloads and Ray tasks defined per call (as the flow's
@@ -110,7 +110,8 @@ def probe_compute(run_dir: Path, iteration: int, cfg, repeats: int) -> dict[str,
     import pyarrow.parquet as pq
     from omegaconf import OmegaConf
 
-    from trajflow import pipeline
+    from stages.advantage import advantage_table
+    from stages.reward import score_rows
     from trajflow.batch import join_stages
     from trajflow.store import RunStore
 
@@ -126,8 +127,8 @@ def probe_compute(run_dir: Path, iteration: int, cfg, repeats: int) -> dict[str,
     joined = join_stages([rollout, reward])
     alg = OmegaConf.to_container(cfg.algorithm, resolve=True)
     return {
-        "reward scoring proper (score_rows, in-process)": timeit(lambda: pipeline.score_rows(*cols, reward_cfg), repeats),
-        "advantage math proper (advantage_table, in-process)": timeit(lambda: pipeline.advantage_table(joined, alg), repeats),
+        "reward scoring proper (score_rows, in-process)": timeit(lambda: score_rows(*cols, reward_cfg), repeats),
+        "advantage math proper (advantage_table, in-process)": timeit(lambda: advantage_table(joined, alg), repeats),
     }
 
 

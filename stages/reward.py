@@ -1,383 +1,31 @@
-"""Reward stage: rule-based scorers for sampled responses, and DAPO's overlong shaping.
+"""Reward stage: batch scoring with the registered scorers, DAPO's overlong shaping, and the stage's
+Arrow output (scores, token-level rewards, reference log-probs).
 
-Plain functions over strings and numpy arrays (no Ray, no Prefect). A *scorer* has verl's
-custom-reward signature::
-
-    fn(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None) -> float | dict
-
-and returns either a float score or a dict with a ``"score"`` key plus JSON-serialisable extras.
-Built-in scorers live in the :data:`SCORERS` registry under their config names:
-
-``reasoning_gym``
-    the dataset's own ``score_answer`` on the extracted answer, plus a format bonus for an ``Answer:`` line.
-``math_verify``
-    math-verify's symbolic equivalence (``\\frac{1}{2}`` equals ``0.5``), 1.0 or 0.0.
-``exact_match``
-    normalised string equality, 1.0 or 0.0.
-
-:func:`select_scorer` maps a row's ``data_source`` to a scorer name; :func:`compute_scores` scores a
-batch and never raises because of a scorer (errors become score 0.0 plus an ``"error"`` extra);
-:func:`load_custom_function` loads a user scorer from ``path/to/file.py:name``.
+Plain functions over strings, numpy arrays and Arrow tables (no Ray, no Prefect); the scorers
+themselves are in :mod:`stages.scorers`. :func:`compute_scores` scores a batch and never raises
+because of a scorer (errors become score 0.0 plus an ``"error"`` extra).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import inspect
 import json
 import math
 import numbers
-import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import torch
 
-from stages.registry import Registry
+from stages.kl import apply_kl_penalty_to_rewards
+from stages.scorers import SCORERS, load_custom_function, select_scorer
+from trajflow.batch import json_column, lengths, list_column, pad_ragged, to_ragged
 
-__all__ = [
-    "MATH_DATA_SOURCES",
-    "MATH_DATA_SOURCE_PREFIXES",
-    "SCORERS",
-    "RewardResult",
-    "compute_scores",
-    "exact_match_scorer",
-    "extract_answer",
-    "has_answer_line",
-    "load_custom_function",
-    "math_verify_scorer",
-    "overlong_penalty",
-    "reasoning_gym_scorer",
-    "select_scorer",
-]
-
-#: Reward scorers by config name (``reward.default_scorer``); values have verl's custom-reward signature.
-SCORERS = Registry("reward scorer")
-
-#: Data sources (compared case-insensitively) scored with ``math_verify``.
-MATH_DATA_SOURCES = frozenset(
-    s.lower()
-    for s in (
-        "math",
-        "gsm8k",
-        "openai/gsm8k",
-        "lighteval/MATH",
-        "DigitalLearningGmbH/MATH-lighteval",
-        "HuggingFaceH4/MATH-500",
-        "math500",
-        "math_dapo",
-        "aime",
-        "aime24",
-        "aime25",
-        "amc",
-    )
-)
-#: Data-source prefixes (case-insensitive) scored with ``math_verify``.
-MATH_DATA_SOURCE_PREFIXES = ("numina", "ai-mo/numinamath", "lighteval/math", "aime", "open-r1/openr1-math")
-
-#: Answers longer than this many characters are cut (from the left) before math-verify parses them:
-#: math-verify's own timeout relies on ``signal.alarm`` (main thread only), so it is disabled here
-#: and input size is what bounds parsing time.
-MATH_VERIFY_MAX_CHARS = 1000
-
-_ANSWER_RE = re.compile(r"answer\s*:", re.IGNORECASE)
-_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-
-# --------------------------------------------------------------------------------------------- extraction
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces; None if none is closed."""
-    for m in reversed(list(_BOXED_RE.finditer(text))):
-        depth, start = 1, m.end()
-        for i in range(start, len(text)):
-            c = text[i]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
-    return None
-
-
-def _clean(ans: str) -> str:
-    ans = ans.strip()
-    boxed = _last_boxed(ans)
-    if boxed is not None:
-        ans = boxed
-    ans = ans.strip().strip("*`").strip()
-    if ans.endswith(".") and len(ans) > 1:
-        ans = ans[:-1].rstrip()
-    return ans
-
-
-def _answer_line(text: str) -> str | None:
-    matches = list(_ANSWER_RE.finditer(text))
-    if not matches:
-        return None
-    rest = text[matches[-1].end() :]
-    line = _clean(rest.split("\n", 1)[0])
-    return line or None
-
-
-def has_answer_line(text: str) -> bool:
-    """Whether ``text`` has an ``Answer: <something>`` line (the last ``Answer:`` is followed by text on its line)."""
-    return isinstance(text, str) and _answer_line(text) is not None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer stated in a model response.
-
-    Rules, in order:
-
-    1. the text after the **last** ``Answer:`` (case-insensitive, so ``Final answer:`` counts), first line
-       only, stripped; a ``\\boxed{...}`` in it is unwrapped, then surrounding ``*``/`````
-       (markdown) and one trailing ``.`` are removed. An empty remainder counts as not found.
-    2. otherwise the content of the last ``\\boxed{...}`` (balanced braces, so ``\\boxed{\\frac{1}{2}}``
-       gives ``\\frac{1}{2}``).
-
-    Args:
-        text: the response (decoded, without special tokens).
-
-    Returns:
-        The answer string, or ``None`` when neither rule finds one (also for non-string input).
-
-    Example:
-        >>> extract_answer("7 + 5 = 12\\n\\nThis is the sum.\\nAnswer: 12")
-        '12'
-    """
-    if not isinstance(text, str):
-        return None
-    line = _answer_line(text)
-    if line is not None:
-        return line
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        boxed = _clean(boxed)
-        return boxed or None
-    return None
-
-
-# --------------------------------------------------------------------------------------------- scorers
-
-
-@functools.lru_cache(maxsize=64)
-def _rg_score_fn(name: str, config_json: str) -> Callable[[str | None, dict], float]:
-    """reasoning-gym's ``score_answer`` for dataset ``name``, built with the generator config when known."""
-    import reasoning_gym  # lazy: the import takes seconds
-    from reasoning_gym.factory import DATASETS as RG_DATASETS
-
-    if name not in RG_DATASETS:
-        import difflib
-
-        close = difflib.get_close_matches(name, sorted(RG_DATASETS), n=3)
-        raise ValueError(
-            f"reasoning_gym scorer: unknown reasoning-gym dataset {name!r}"
-            + (f" (close: {close})" if close else "")
-            + "; data_source must be 'reasoning_gym/<dataset name>'"
-        )
-    config = json.loads(config_json)
-    if config:
-        return reasoning_gym.create_dataset(name, seed=0, size=1, **config).score_answer
-    return reasoning_gym.get_score_answer_fn(name)
-
-
-@SCORERS.register("reasoning_gym")
-def reasoning_gym_scorer(
-    data_source: str,
-    solution_str: str,
-    ground_truth: str,
-    extra_info: dict | None = None,
-    *,
-    format_bonus: float = 0.1,
-) -> dict:
-    """Score with the reasoning-gym dataset's own ``score_answer``, plus a format bonus.
-
-    The entry passed to ``score_answer`` is rebuilt as ``{"question": extra_info["question"],
-    "answer": ground_truth, "metadata": extra_info["metadata"]}``. The scorer instance is built
-    with ``extra_info["generator_config"]`` when present (as written by ``trajflow.data``), else
-    with the dataset's default config.
-
-    Args:
-        data_source: ``"reasoning_gym/<dataset name>"`` (e.g. ``"reasoning_gym/basic_arithmetic"``).
-        solution_str: the model response.
-        ground_truth: the generator's answer.
-        extra_info: ``{"question": str, "metadata": dict, "generator_config": dict}`` (all optional).
-        format_bonus: added to the score when the response has an ``Answer: ...`` line (>= 0).
-
-    Returns:
-        ``{"score": acc + format_bonus * format_ok, "acc": float in [0, 1] (``score_answer``;
-        some datasets give partial credit), "format_ok": bool, "extracted": str | None}``.
-
-    Raises:
-        ValueError: ``data_source`` does not name a registered reasoning-gym dataset.
-    """
-    if not isinstance(data_source, str) or not data_source.startswith("reasoning_gym/"):
-        raise ValueError(f"reasoning_gym scorer: data_source must be 'reasoning_gym/<dataset name>', got {data_source!r}")
-    name = data_source.split("/", 1)[1]
-    info = extra_info or {}
-    config = info.get("generator_config") or {}
-    score_fn = _rg_score_fn(name, json.dumps(config, sort_keys=True))
-    extracted = extract_answer(solution_str)
-    entry = {"question": info.get("question", ""), "answer": ground_truth, "metadata": info.get("metadata") or {}}
-    acc = float(score_fn(extracted, entry))
-    format_ok = has_answer_line(solution_str)
-    return {
-        "score": acc + (float(format_bonus) if format_ok else 0.0),
-        "acc": acc,
-        "format_ok": format_ok,
-        "extracted": extracted,
-    }
-
-
-@SCORERS.register("math_verify")
-def math_verify_scorer(
-    data_source: str,
-    solution_str: str,
-    ground_truth: str,
-    extra_info: dict | None = None,
-) -> dict:
-    """Symbolic equivalence of the final answer and the ground truth with math-verify (``parse``/``verify``).
-
-    The extracted answer (:func:`extract_answer`) is parsed; when there is none, math-verify's own
-    extraction runs on the whole response (it takes a boxed or last stated number). math-verify's
-    ``signal.alarm`` timeouts are disabled (``parsing_timeout=None``, ``timeout_seconds=None``) so the
-    scorer works in any thread; inputs are cut to their last :data:`MATH_VERIFY_MAX_CHARS` characters.
-
-    Args:
-        data_source: any (unused beyond error messages).
-        solution_str: the model response.
-        ground_truth: reference answer, plain or LaTeX (``"0.5"``, ``"\\frac{1}{2}"``).
-        extra_info: unused.
-
-    Returns:
-        ``{"score": 1.0 | 0.0, "acc": same, "format_ok": bool (an Answer: line exists), "extracted": str | None}``.
-    """
-    from math_verify import parse, verify  # lazy
-
-    extracted = extract_answer(solution_str)
-    target_text = extracted if extracted is not None else (solution_str or "")
-    gold = parse(str(ground_truth)[-MATH_VERIFY_MAX_CHARS:], parsing_timeout=None)
-    pred = parse(target_text[-MATH_VERIFY_MAX_CHARS:], parsing_timeout=None)
-    ok = bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=None))
-    score = 1.0 if ok else 0.0
-    return {"score": score, "acc": score, "format_ok": has_answer_line(solution_str), "extracted": extracted}
-
-
-def _normalise(s: str) -> str:
-    s = " ".join(str(s).split()).casefold()
-    s = s.strip().strip("$").strip()
-    if s.endswith("."):
-        s = s[:-1].rstrip()
-    return s
-
-
-@SCORERS.register("exact_match")
-def exact_match_scorer(
-    data_source: str,
-    solution_str: str,
-    ground_truth: str,
-    extra_info: dict | None = None,
-) -> dict:
-    """Normalised string equality of the final answer and the ground truth.
-
-    Normalisation: whitespace runs collapsed to one space, case-folded, surrounding ``$`` and one
-    trailing ``.`` removed. The final answer is :func:`extract_answer`'s, or the whole response when
-    there is none.
-
-    Returns:
-        ``{"score": 1.0 | 0.0, "acc": same, "format_ok": bool, "extracted": str | None}``.
-    """
-    extracted = extract_answer(solution_str)
-    target = extracted if extracted is not None else (solution_str or "")
-    score = 1.0 if _normalise(target) == _normalise(ground_truth) else 0.0
-    return {"score": score, "acc": score, "format_ok": has_answer_line(solution_str), "extracted": extracted}
-
-
-def select_scorer(data_source: str, default: str | None = None) -> str:
-    """The scorer name for a data source.
-
-    Mapping: ``reasoning_gym/*`` -> ``reasoning_gym``; the math sets (:data:`MATH_DATA_SOURCES`:
-    ``math``, ``gsm8k``, ``openai/gsm8k``, ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,
-    ...; or a prefix in :data:`MATH_DATA_SOURCE_PREFIXES` such as ``numina*``) -> ``math_verify``;
-    anything else -> ``default``.
-
-    Args:
-        data_source: the row's ``data_source``.
-        default: scorer for unmapped sources (``reward.default_scorer``), or None.
-
-    Returns:
-        A name registered in :data:`SCORERS`.
-
-    Raises:
-        ValueError: ``default`` is not a registered scorer (lists them), or the source is unmapped and
-            ``default`` is None (says how to fix it).
-    """
-    ds = str(data_source)
-    low = ds.lower()
-    if low.startswith("reasoning_gym/"):
-        return "reasoning_gym"
-    if low in MATH_DATA_SOURCES or low.startswith(MATH_DATA_SOURCE_PREFIXES):
-        return "math_verify"
-    if default is not None:
-        SCORERS.get(default)  # raises with the registered names
-        return default
-    raise ValueError(
-        f"no reward scorer for data_source {ds!r}: it is not 'reasoning_gym/<name>' or a known math set. "
-        f"Set reward.default_scorer to one of {SCORERS.names()} or reward.custom_function to 'file.py:function'"
-    )
-
-
-def load_custom_function(spec: str) -> Callable[..., Any]:
-    """Load a user scorer from ``"path/to/file.py:function_name"``.
-
-    The file is imported as a fresh module (relative paths resolve against the working directory).
-    The function should have verl's signature ``(data_source, solution_str, ground_truth, extra_info)``.
-
-    Args:
-        spec: ``"<file>.py:<name>"``.
-
-    Returns:
-        The callable.
-
-    Raises:
-        ValueError: no ``:`` separator, the file does not exist (names the resolved path), importing it
-            failed (names the file and the exception), or the name is missing or not callable (names the
-            function and lists the file's callables).
-    """
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"reward.custom_function must look like 'path/to/file.py:function_name', got {spec!r}")
-    file_part, name = spec.rsplit(":", 1)
-    if not file_part or not name:
-        raise ValueError(f"reward.custom_function must look like 'path/to/file.py:function_name', got {spec!r}")
-    path = Path(file_part).expanduser().resolve()
-    if not path.is_file():
-        raise ValueError(f"reward.custom_function: file {file_part!r} not found (resolved to {path})")
-    mod_name = f"trajflow_custom_reward_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
-    mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-    if mod_spec is None or mod_spec.loader is None:
-        raise ValueError(f"reward.custom_function: cannot import {path} as a Python module")
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules[mod_name] = module  # lets pickling/dataclasses inside the file find their module
-    try:
-        mod_spec.loader.exec_module(module)
-    except Exception as e:
-        sys.modules.pop(mod_name, None)
-        raise ValueError(f"reward.custom_function: importing {path} failed: {type(e).__name__}: {e}") from e
-    fn = getattr(module, name, None)
-    if fn is None or not callable(fn):
-        funcs = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        what = "is not callable" if fn is not None else "not found"
-        raise ValueError(f"reward.custom_function: function {name!r} {what} in {path}; callables there: {funcs}")
-    return fn
-
+__all__ = ["RewardResult", "compute_scores", "final_scores", "overlong_penalty", "reward_table", "score_rows"]
 
 # --------------------------------------------------------------------------------------------- batch scoring
 
@@ -586,3 +234,122 @@ def overlong_penalty(
     expected = max_new_tokens - buffer_len
     frac = np.clip((lengths.astype(np.float64) - expected) / buffer_len, 0.0, 1.0)
     return (-penalty_factor * frac).astype(np.float32)
+
+
+def final_scores(rule_scores: np.ndarray, rm_scores: np.ndarray | None, response_lengths: np.ndarray,
+                 reward_cfg: dict, max_new_tokens: int) -> tuple[np.ndarray, dict[str, float]]:
+    """The sequence score that training uses: rule/RM combination plus DAPO's overlong penalty.
+
+    ``score = rule_weight * rule + rm_weight * rm`` when ``reward.reward_model.enable`` (else
+    ``score = rule``), then ``+ overlong_penalty(len)`` when ``reward.overlong_buffer.enable`` (Yu et
+    al. 2025, eq. 13).
+
+    Args:
+        rule_scores: ``(rows,)`` float, the scorers' scores.
+        rm_scores: ``(rows,)`` float reward-model scores, or ``None`` without a reward model.
+        response_lengths: ``(rows,)`` int response lengths in tokens.
+        reward_cfg: the ``reward`` config section as a dict.
+        max_new_tokens: ``rollout.max_new_tokens``.
+
+    Returns:
+        ``(scores (rows,) float32, metrics)`` with ``reward/overlong_penalty/mean`` when shaping is on
+        and ``reward/rule_score/mean``, ``reward/rm_score/mean`` with a reward model.
+
+    Raises:
+        ValueError: a reward model is enabled but ``rm_scores`` is missing or of the wrong length.
+    """
+    rule = np.asarray(rule_scores, dtype=np.float64)
+    metrics: dict[str, float] = {}
+    rm_cfg = reward_cfg.get("reward_model") or {}
+    if rm_cfg.get("enable"):
+        if rm_scores is None or len(rm_scores) != len(rule):
+            raise ValueError("reward.reward_model.enable is set but reward-model scores are missing for "
+                             f"{len(rule)} rows")
+        rm = np.asarray(rm_scores, dtype=np.float64)
+        score = float(rm_cfg.get("rule_weight", 1.0)) * rule + float(rm_cfg.get("rm_weight", 1.0)) * rm
+        if len(rule):
+            metrics["reward/rule_score/mean"] = float(rule.mean())
+            metrics["reward/rm_score/mean"] = float(rm.mean())
+    else:
+        score = rule
+    ob = reward_cfg.get("overlong_buffer") or {}
+    if ob.get("enable"):
+        pen = overlong_penalty(np.asarray(response_lengths), max_new_tokens, ob["len"], ob["penalty_factor"])
+        score = score + pen
+        metrics["reward/overlong_penalty/mean"] = float(np.mean(pen)) if len(pen) else 0.0
+    return score.astype(np.float32), metrics
+
+
+def score_rows(data_sources: list[str], solutions: list[str], ground_truths: list[str],
+               extra_infos: list[str | None], reward_cfg: dict) -> Any:
+    """Score responses with the configured scorers (runs on a Ray worker); returns ``RewardResult``."""
+    custom = load_custom_function(reward_cfg["custom_function"]) if reward_cfg.get("custom_function") else None
+    infos = [json.loads(x) if x else None for x in extra_infos]
+    return compute_scores(data_sources, solutions, ground_truths, infos, custom_function=custom,
+                          default_scorer=reward_cfg.get("default_scorer"),
+                          scorer_kwargs={"format_bonus": reward_cfg.get("format_bonus", 0.1)})
+
+
+def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
+                 ref_logprobs: list[np.ndarray] | None, reward_cfg: dict, algorithm_cfg: dict,
+                 max_new_tokens: int, kl_coef: float, rm_scores: np.ndarray | None = None,
+                 reward_baselines: np.ndarray | None = None) -> tuple[pa.Table, dict]:
+    """The reward stage's output: scores, token-level rewards and (with a reference) ref log-probs.
+
+    The sequence score (:func:`final_scores`: rule scores, combined with the reward model's when
+    one is enabled, plus DAPO's soft overlong punishment, Yu et al. 2025, eq. 13) sits on the last
+    response token (outcome reward). With ``algorithm.use_kl_in_reward`` the per-token penalty
+    ``kl_coef * KL`` is subtracted (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2).
+
+    Args:
+        rollout: the rollout table.
+        scores: ``(rows,)`` rule-based scores from :func:`score_rows`.
+        extras: per-row scorer extras.
+        ref_logprobs: reference log-probs per row (ragged), or ``None``.
+        reward_cfg, algorithm_cfg: config sections as dicts.
+        max_new_tokens: ``rollout.max_new_tokens``.
+        kl_coef: the KL controller's current coefficient.
+        rm_scores: ``(rows,)`` reward-model scores (with ``reward.reward_model.enable``).
+        reward_baselines: ``(rows,)`` ReMax baseline score (the greedy response's final score) per row.
+
+    Returns:
+        The table (``score``, ``rule_score``/``rm_score`` with a reward model, ``reward_baseline``
+        for ReMax, ``token_rewards``, ...) and metrics (``critic/kl``, ``reward/*``).
+    """
+    resp_len = lengths(rollout.column("response_ids"))
+    rule = np.asarray(scores, dtype=np.float32).copy()
+    scores, metrics = final_scores(rule, rm_scores, resp_len, reward_cfg, max_new_tokens)
+    B, T = len(scores), max(int(resp_len.max()) if len(resp_len) else 1, 1)
+    token_scores = torch.zeros((B, T), dtype=torch.float32)
+    last = torch.from_numpy(np.maximum(resp_len - 1, 0))
+    token_scores[torch.arange(B), last] = torch.from_numpy(scores)
+    mask = torch.arange(T)[None, :] < torch.from_numpy(resp_len)[:, None]
+    token_scores = token_scores * mask
+    token_rewards = token_scores
+    if algorithm_cfg.get("use_kl_in_reward"):
+        if ref_logprobs is None:
+            raise ValueError("algorithm.use_kl_in_reward needs reference log-probs")
+        old = pad_ragged(rollout.column("old_logprobs"), 0.0, torch.float32, length=T)
+        ref = pad_ragged(pa.array([list(map(float, r)) for r in ref_logprobs], pa.list_(pa.float32())), 0.0,
+                         torch.float32, length=T)
+        token_rewards, mean_kl = apply_kl_penalty_to_rewards(token_scores, old, ref, mask, kl_coef,
+                                                             algorithm_cfg["kl_penalty"])
+        metrics["critic/kl"] = float(mean_kl)
+        metrics["critic/kl_coef"] = float(kl_coef)
+    errors = [e.get("error") if isinstance(e, dict) else None for e in extras]
+    cols = {
+        "sample_id": rollout.column("sample_id"),
+        "score": pa.array(scores, pa.float32()),
+        "reward_extra": json_column(extras),
+        "reward_error": pa.array([None if e is None else str(e) for e in errors], pa.string()),
+        "token_rewards": to_ragged(token_rewards, resp_len),
+    }
+    if ref_logprobs is not None:
+        cols["ref_logprobs"] = list_column(ref_logprobs, pa.float32())
+    if (reward_cfg.get("reward_model") or {}).get("enable"):
+        cols["rule_score"] = pa.array(rule, pa.float32())
+        cols["rm_score"] = pa.array(np.asarray(rm_scores, dtype=np.float32), pa.float32())
+    if reward_baselines is not None:
+        cols["reward_baseline"] = pa.array(np.asarray(reward_baselines, dtype=np.float32), pa.float32())
+        metrics["reward/baseline/mean"] = float(np.mean(reward_baselines)) if len(reward_baselines) else 0.0
+    return pa.table(cols), metrics

@@ -6,9 +6,12 @@ Plain tensor functions used by the rollout engines and the policy worker. No Ray
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
+import pyarrow as pa
 import torch
+
+from trajflow.batch import json_column, list_column
 
 
 @dataclass(frozen=True)
@@ -159,3 +162,79 @@ def sample_tokens(logits: torch.Tensor, temperature: float, uniform: torch.Tenso
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=x.shape[-1] - 1)
     logprobs = (x.gather(-1, tokens[:, None]) - logz).squeeze(-1)
     return tokens, logprobs
+
+
+def sample_ids(iteration: int, num_prompts: int, n: int, offset: int = 0) -> tuple[list[str], list[str]]:
+    """``sample_id`` and ``group_id`` per row, prompt-major: ``it000003-p0005-s2`` / ``it000003-p0005``.
+
+    ``offset`` numbers the prompts from ``offset`` on (the later generation batches of dynamic
+    sampling continue the numbering, so ids stay unique within an iteration).
+    """
+    groups = [f"it{iteration:06d}-p{j:04d}" for j in range(offset, offset + num_prompts) for _ in range(n)]
+    samples = [f"{g}-s{k}" for g, k in zip(groups, [k for _ in range(num_prompts) for k in range(n)])]
+    return samples, groups
+
+
+def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[Sequence[int]], gen: dict,
+                  n: int, offset: int = 0) -> pa.Table:
+    """The rollout stage's output.
+
+    Args:
+        iteration: iteration number.
+        prompts: ``PromptRecord`` per prompt (``prompt_id``, ``data_source``, ``messages``,
+            ``ground_truth``, ``extra_info``).
+        prompt_ids: token ids per prompt.
+        gen: the policy worker's ``generate_sequences`` result (``n`` rows per prompt, prompt-major).
+        n: samples per prompt.
+        offset: number of the first prompt (see :func:`sample_ids`).
+    """
+    sids, gids = sample_ids(iteration, len(prompts), n, offset)
+    rep = [p for p in prompts for _ in range(n)]
+    rep_ids = [ids for ids in prompt_ids for _ in range(n)]
+    cols = {
+        "sample_id": pa.array(sids, pa.string()),
+        "prompt_id": pa.array([str(p.prompt_id) for p in rep], pa.string()),
+        "group_id": pa.array(gids, pa.string()),
+        "iteration": pa.array([iteration] * len(sids), pa.int64()),
+        "policy_version": pa.array([int(gen["policy_version"])] * len(sids), pa.int64()),
+        "prompt": json_column([p.messages for p in rep]),
+        "prompt_ids": list_column(rep_ids, pa.int32()),
+        "response_ids": list_column(gen["response_ids"], pa.int32()),
+        "response_text": pa.array(gen["response_text"], pa.string()),
+        "old_logprobs": list_column(gen.get("old_logprobs") or [[] for _ in sids], pa.float32()),
+        "finish_reason": pa.array(gen["finish_reason"], pa.string()),
+        "ground_truth": pa.array([str(p.ground_truth) for p in rep], pa.string()),
+        "data_source": pa.array([p.data_source for p in rep], pa.string()),
+        "extra_info": json_column([p.extra_info for p in rep]),
+    }
+    return pa.table(cols)
+
+
+def baseline_columns(prompt_rows: Sequence[int], greedy: dict) -> dict[str, pa.Array]:
+    """ReMax's greedy baseline responses as rollout columns (one greedy response per prompt, repeated on
+    every row of the prompt's group).
+
+    Args:
+        prompt_rows: for each row, the index of its prompt in ``greedy``'s order.
+        greedy: ``generate_sequences`` output with one greedy response per prompt.
+    """
+    ids = [greedy["response_ids"][k] for k in prompt_rows]
+    return {"baseline_response_ids": list_column(ids, pa.int32()),
+            "baseline_response_text": pa.array([greedy["response_text"][k] for k in prompt_rows], pa.string())}
+
+
+def sampling_params(rollout_cfg: Any, seed: int, *, n: int | None = None, temperature: float | None = None,
+                    top_p: float | None = None, top_k: int | None = None) -> SamplingParams:
+    """Sampling parameters from the ``rollout`` config section (attributes or keys), with overrides.
+
+    Args:
+        rollout_cfg: the ``rollout`` section (``n``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``).
+        seed: the generation's seed (:func:`stages.seeds.iteration_seed`).
+        n, temperature, top_p, top_k: replace the section's value (validation, greedy baselines).
+    """
+    def get(key: str):
+        return rollout_cfg[key] if isinstance(rollout_cfg, dict) else getattr(rollout_cfg, key)
+
+    return SamplingParams(n=get("n") if n is None else n, temperature=get("temperature") if temperature is None else temperature,
+                          top_p=get("top_p") if top_p is None else top_p, top_k=get("top_k") if top_k is None else top_k,
+                          max_new_tokens=get("max_new_tokens"), seed=seed)

@@ -8,6 +8,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from stages import advantage as advantage_stage
+from stages import dynamic_sampling, seeds
+from stages import reward as reward_stage
+from stages import rollout as rollout_stage
 from trajflow import pipeline
 
 ALGO = {"adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True,
@@ -35,23 +39,23 @@ def test_final_scores_combine_rule_and_rm_then_shape():
     rm = np.array([2.0, -1.0, 0.0])
     lengths = np.array([3, 6, 8])
     # weights 0.5 / 2: [0.5 + 4, 0 - 2, 0.25 + 0]
-    s, m = pipeline.final_scores(rule, rm, lengths, reward_cfg(rm=True, rule_weight=0.5, rm_weight=2.0), 8)
+    s, m = reward_stage.final_scores(rule, rm, lengths, reward_cfg(rm=True, rule_weight=0.5, rm_weight=2.0), 8)
     np.testing.assert_allclose(s, [4.5, -2.0, 0.25])
     assert m["reward/rule_score/mean"] == pytest.approx(0.5) and m["reward/rm_score/mean"] == pytest.approx(1 / 3)
     # overlong buffer 4 of cap 8: lengths 3 -> 0, 6 -> -(6 - 4) / 4 = -0.5, 8 -> -1
-    s2, m2 = pipeline.final_scores(rule, rm, lengths, reward_cfg(rm=True, overlong=True, rule_weight=0.5, rm_weight=2.0), 8)
+    s2, m2 = reward_stage.final_scores(rule, rm, lengths, reward_cfg(rm=True, overlong=True, rule_weight=0.5, rm_weight=2.0), 8)
     np.testing.assert_allclose(s2, [4.5, -2.5, -0.75])
     assert m2["reward/overlong_penalty/mean"] == pytest.approx(-0.5)
     # without a reward model the rule score is the score, rm scores are ignored
-    s3, _ = pipeline.final_scores(rule, None, lengths, reward_cfg(), 8)
+    s3, _ = reward_stage.final_scores(rule, None, lengths, reward_cfg(), 8)
     np.testing.assert_allclose(s3, rule)
     with pytest.raises(ValueError, match="reward-model scores are missing"):
-        pipeline.final_scores(rule, None, lengths, reward_cfg(rm=True), 8)
+        reward_stage.final_scores(rule, None, lengths, reward_cfg(rm=True), 8)
 
 
 def test_reward_table_stores_rule_rm_and_baseline_columns():
     t = rollout([[5, 6, 7], [5], [8, 9], [8, 9, 10, 11]])
-    out, m = pipeline.reward_table(t, np.array([1.0, 0.0, 1.0, 1.0]), [{}] * 4, ref_logprobs=None,
+    out, m = reward_stage.reward_table(t, np.array([1.0, 0.0, 1.0, 1.0]), [{}] * 4, ref_logprobs=None,
                                    reward_cfg=reward_cfg(rm=True, rule_weight=1.0, rm_weight=0.5),
                                    algorithm_cfg=ALGO, max_new_tokens=8, kl_coef=0.0,
                                    rm_scores=np.array([2.0, 4.0, -2.0, 0.0]),
@@ -67,7 +71,7 @@ def test_reward_table_stores_rule_rm_and_baseline_columns():
 
 def test_remax_advantage_is_return_minus_greedy_baseline():
     t = rollout([[5, 6, 7], [5, 6]], extra={"token_rewards": pa.array([[0.0, 0.0, 1.0], [0.0, 0.25]], pa.list_(pa.float32()))})
-    adv = pipeline.advantage_table(t, {**ALGO, "adv_estimator": "remax"}, reward_baselines=np.array([0.75, 0.75]))
+    adv = advantage_stage.advantage_table(t, {**ALGO, "adv_estimator": "remax"}, reward_baselines=np.array([0.75, 0.75]))
     # ReMax: A_t = sum_{s >= t} r_s - b, b = the greedy response's score
     assert adv.column("advantages").to_pylist() == [[0.25, 0.25, 0.25], [-0.5, -0.5]]
     assert adv.column("returns").to_pylist() == [[1.0, 1.0, 1.0], [0.25, 0.25]]
@@ -76,7 +80,7 @@ def test_remax_advantage_is_return_minus_greedy_baseline():
 def test_gae_advantage_table_stores_the_critic_values():
     t = rollout([[5, 6], [7]], extra={"token_rewards": pa.array([[0.0, 1.0], [2.0]], pa.list_(pa.float32()))})
     values = [np.array([0.5, 0.25], np.float32), np.array([1.0], np.float32)]
-    out = pipeline.advantage_table(t, {**ALGO, "adv_estimator": "gae"}, values=values)
+    out = advantage_stage.advantage_table(t, {**ALGO, "adv_estimator": "gae"}, values=values)
     assert out.column("values").to_pylist() == [[0.5, 0.25], [1.0]]
     # gamma = lam = 1: returns = sum of future rewards; raw A = R - V = [0.5, 0.75], [1.0], then whitened
     assert out.column("returns").to_pylist() == [[1.0, 1.0], [2.0]]
@@ -99,15 +103,15 @@ def test_actor_loss_mask_zeroes_truncated_rows_and_keeps_quarantine():
 def test_filter_metric_prefers_the_scorers_acc():
     scores = np.array([1.1, 0.1, -0.5])
     extras = [{"acc": 1.0}, {"acc": 0.0}, {"error": "boom"}]
-    np.testing.assert_allclose(pipeline.filter_metric(scores, extras, "acc"), [1.0, 0.0, -0.5])
-    np.testing.assert_allclose(pipeline.filter_metric(scores, extras, "score"), scores)
+    np.testing.assert_allclose(dynamic_sampling.filter_metric(scores, extras, "acc"), [1.0, 0.0, -0.5])
+    np.testing.assert_allclose(dynamic_sampling.filter_metric(scores, extras, "score"), scores)
 
 
 def test_sample_ids_continue_across_generation_batches_and_baseline_columns():
-    sids, gids = pipeline.sample_ids(3, 2, 2, offset=4)
+    sids, gids = rollout_stage.sample_ids(3, 2, 2, offset=4)
     assert sids == ["it000003-p0004-s0", "it000003-p0004-s1", "it000003-p0005-s0", "it000003-p0005-s1"]
     assert gids == ["it000003-p0004"] * 2 + ["it000003-p0005"] * 2
-    cols = pipeline.baseline_columns([0, 0, 1, 1], {"response_ids": [[4, 2], [9]], "response_text": ["a", "b"]})
+    cols = rollout_stage.baseline_columns([0, 0, 1, 1], {"response_ids": [[4, 2], [9]], "response_text": ["a", "b"]})
     assert cols["baseline_response_ids"].to_pylist() == [[4, 2], [4, 2], [9], [9]]
     assert cols["baseline_response_text"].to_pylist() == ["a", "a", "b", "b"]
 
@@ -144,10 +148,10 @@ def test_update_and_critic_batches_carry_the_new_options():
     b = pipeline.update_batch(t, 5, **pipeline.update_batch_options(cfg))
     assert b["loss_mask"] == [[1.0, 1.0], [0.0, 0.0, 0.0]]  # the truncated row is out of the policy loss
     assert (b["rollout_is"], b["rollout_is_threshold"]) == ("sequence", 3.0)
-    assert b["mini_batch_rows"] == 4 and b["shuffle_seed"] == pipeline.iteration_seed(7, 5, 1)
+    assert b["mini_batch_rows"] == 4 and b["shuffle_seed"] == seeds.iteration_seed(7, 5, 1)
     plain = pipeline.update_batch(t, 5, seed=7, n=2, ppo_mini_batch_size=2, use_ref_logprobs=False)
     assert "loss_mask" not in plain and "rollout_is" not in plain
     c = pipeline.critic_batch(t, 5, cfg)
     assert c["values"] == [[pytest.approx(0.1), pytest.approx(0.2)], [0.0, 0.0, pytest.approx(0.3)]]
     assert c["returns"] == [[1.0, 1.0], [0.0, 0.0, 0.0]] and "loss_mask" not in c  # truncation: actor only
-    assert c["mini_batch_rows"] == 4 and c["shuffle_seed"] == pipeline.iteration_seed(7, 5, 4)
+    assert c["mini_batch_rows"] == 4 and c["shuffle_seed"] == seeds.iteration_seed(7, 5, 4)

@@ -24,12 +24,11 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from stages.names import STAGE_NAMES
 from trajflow.errors import ConfigError
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "flows" / "configs"
 DEFAULT_RECIPE = "grpo_default"
-#: Stage task names of the train flow (keys of ``trainer.stage_timeouts``).
-STAGE_NAMES = ("rollout", "reward", "gate", "advantage", "update_actor", "validate")
 
 
 def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,

@@ -190,7 +190,7 @@ def load_spec(spec_name_or_path: str | Path, overrides: Mapping[str, Any] | None
 
     Raises:
         DataError: unreadable YAML, unknown ``source``, an unknown key (named, with the allowed keys), a
-            ``scorer`` that is not registered in ``stages.reward.SCORERS``,
+            ``scorer`` that is not registered in ``stages.scorers.SCORERS``,
             or a value of the wrong type or range (named, with what was expected).
     """
     path = resolve_spec_path(spec_name_or_path)
@@ -220,7 +220,7 @@ def load_spec(spec_name_or_path: str | Path, overrides: Mapping[str, Any] | None
     if not isinstance(spec["name"], str) or not spec["name"]:
         raise DataError(f"{where}: 'name' must be a non-empty string, got {spec['name']!r}")
     if spec.get("scorer") is not None:
-        from stages.reward import SCORERS
+        from stages.scorers import SCORERS
 
         try:
             SCORERS.get(spec["scorer"])

@@ -37,12 +37,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajflow.errors import StoreError
+from stages.names import STORED_STAGES
 from trajflow.batch import SCHEMA_VERSION
 from trajflow.faults import fault_point
 
 log = logging.getLogger(__name__)
 
-STAGES = ("rollout", "reward", "advantage")
+#: The stages whose outputs are Parquet files, in join order.
+STAGES = STORED_STAGES
 
 
 @dataclass(frozen=True)

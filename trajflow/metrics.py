@@ -1,0 +1,70 @@
+"""verl's data metrics of an iteration's joined batch (scores, advantages, lengths, tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from trajflow.batch import lengths
+
+
+def batch_metrics(joined: pa.Table) -> dict[str, float]:
+    """verl's data metrics over one iteration's joined batch."""
+    score = joined.column("score").to_numpy(zero_copy_only=False).astype(np.float64)
+    resp_len = lengths(joined.column("response_ids"))
+    prompt_len = lengths(joined.column("prompt_ids"))
+    m: dict[str, float] = {}
+
+    def stats(prefix: str, x: np.ndarray) -> None:
+        finite = x[np.isfinite(x)]
+        if len(finite):
+            m[f"{prefix}/mean"] = float(finite.mean())
+            m[f"{prefix}/max"] = float(finite.max())
+            m[f"{prefix}/min"] = float(finite.min())
+
+    stats("critic/score", score)
+    if "token_rewards" in joined.column_names:
+        tr = joined.column("token_rewards")
+        stats("critic/rewards", np.array([float(np.sum(r)) if r is not None else 0.0 for r in tr.to_pylist()]))
+    for col, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"), ("values", "critic/values")):
+        if col in joined.column_names:
+            flat = joined.column(col).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            stats(name, flat.astype(np.float64))
+    stats("response_length", resp_len.astype(np.float64))
+    stats("prompt_length", prompt_len.astype(np.float64))
+    fr = joined.column("finish_reason").to_pylist()
+    m["response_length/clip_ratio"] = float(np.mean([f == "length" for f in fr])) if fr else 0.0
+    total = resp_len + prompt_len
+    m["global_seqlen/min"] = float(total.sum())
+    m["global_seqlen/max"] = float(total.sum())
+    m["global_seqlen/minmax_diff"] = 0.0
+    m["perf/total_num_tokens"] = float(total.sum())
+    if "reward_error" in joined.column_names:
+        m["reward/scorer_errors"] = float(joined.column("reward_error").null_count * -1 + joined.num_rows)
+    return m
+
+
+def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list, response_ids: list[list[int]],
+                       n: int) -> dict[str, float]:
+    """verl's validation metrics of ``n`` responses per held-out prompt.
+
+    Args:
+        data_sources: per row.
+        scores: ``(rows,)`` the scorers' scores.
+        extras: per-row scorer extras; a row's accuracy is its ``acc`` extra where the scorer reports
+            one, else its score.
+        response_ids: per-row response token ids.
+        n: responses per prompt (the ``@n`` of the names).
+
+    Returns:
+        ``val-core/<source>/acc/mean@<n>``, ``val-aux/<source>/reward/mean@<n>`` and ``val-aux/response_length/mean``.
+    """
+    metrics: dict[str, float] = {}
+    sources = np.array(data_sources)
+    acc = np.array([float(e.get("acc", s)) if isinstance(e, dict) else float(s) for e, s in zip(extras, scores)])
+    for src in sorted(set(sources)):
+        sel = sources == src
+        metrics[f"val-core/{src}/acc/mean@{n}"] = float(np.nanmean(acc[sel]))
+        metrics[f"val-aux/{src}/reward/mean@{n}"] = float(np.nanmean(scores[sel]))
+    metrics["val-aux/response_length/mean"] = float(np.mean([len(r) for r in response_ids]))
+    return metrics
