@@ -183,7 +183,7 @@ class TrajflowRun:
 def run_trajflow(overrides: Sequence[str], root: Path) -> TrajflowRun:
     """Run the real ``train`` flow in this process and collect per-iteration timings.
 
-    The flow is not changed: ``trajflow.session.finish_iteration`` and ``trajflow.session.save``
+    The flow is not changed: ``trajflow.run.lifecycle.log_iteration`` and ``trajflow.run.lifecycle.save``
     are wrapped (module attributes, looked up by the flow at call time) to record when each
     iteration's bookkeeping ends and how long checkpoint saves take.
 
@@ -197,14 +197,14 @@ def run_trajflow(overrides: Sequence[str], root: Path) -> TrajflowRun:
     from mlflow.tracking import MlflowClient
 
     import flows.train as ftrain
-    from trajflow import session
+    from trajflow.run import lifecycle as session
     from trajflow.config import load_config
 
     overrides = [f"store.root={root}", *overrides]
     cfg = load_config(None, overrides)
     ends: dict[int, float] = {}
     saves: dict[int, float] = {}
-    orig_finish, orig_save = session.finish_iteration, session.save
+    orig_finish, orig_save = session.log_iteration, session.save
 
     def timed_save(ctx, iteration):
         t = time.perf_counter()
@@ -218,18 +218,18 @@ def run_trajflow(overrides: Sequence[str], root: Path) -> TrajflowRun:
         ends[iteration] = time.perf_counter()
         return out
 
-    session.finish_iteration, session.save = timed_finish, timed_save
+    session.log_iteration, session.save = timed_finish, timed_save
     t0 = time.perf_counter()
     try:
         summary = ftrain.train(None, overrides)
     finally:
-        session.finish_iteration, session.save = orig_finish, orig_save
+        session.log_iteration, session.save = orig_finish, orig_save
     wall = time.perf_counter() - t0
     n = int(cfg.trainer.total_iterations)
     cycle = [float("nan")]
     for it in range(2, n + 1):
         if it in ends and it - 1 in ends:
-            cycle.append(ends[it] - ends[it - 1] - saves.get(it, 0.0))
+            cycle.append(ends[it] - ends[it - 1] - saves.get(it - 1, 0.0))  # the save follows the log
         else:
             cycle.append(float("nan"))
     client = MlflowClient(tracking_uri=f"sqlite:///{Path(root).resolve() / 'mlflow.db'}")

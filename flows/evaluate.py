@@ -24,16 +24,14 @@ from omegaconf import OmegaConf  # noqa: E402
 from prefect import flow, task  # noqa: E402
 
 from flows.reporting import artifact_key, metrics_markdown, mlflow_run_url, publish, rename_flow_run  # noqa: E402
-from flows.tasks import TASK_OPTS, run_validation  # noqa: E402
+from flows.tasks import TASK_OPTS  # noqa: E402
 from trajflow import checkpoint as ckpt  # noqa: E402
 from trajflow.config import load_config  # noqa: E402
-from trajflow.runtime import RunContext, ensure_workers, stage_guard, start_ray  # noqa: E402
 from trajflow.errors import StoreError  # noqa: E402
+from trajflow.run.context import RunContext, get_context, register  # noqa: E402
+from trajflow.run.validation import run_validation  # noqa: E402
+from trajflow.runtime import close, ensure_workers, stage_guard, start_ray  # noqa: E402
 from trajflow.store import RunStore, atomic_write_json  # noqa: E402
-
-#: Live evaluation contexts of this process, by evaluation id (never the training registry: an
-#: evaluation must not disturb a training run of the same id in the same process).
-_EVALS: dict[str, RunContext] = {}
 
 
 def find_run(store_root: str | Path, run_id: str | None = None, recipe: str | None = None) -> RunStore:
@@ -91,7 +89,7 @@ def pick_checkpoint(store: RunStore, checkpoint: int | None) -> int:
 @task(name="validate-checkpoint", task_run_name="validate-{run_id}-ckpt{checkpoint}", **TASK_OPTS)
 def validate_checkpoint(eval_id: str, run_id: str, checkpoint: int) -> dict:
     """Load the checkpoint into a policy worker (recreated if one died) and score the held-out prompts."""
-    ctx = _EVALS[eval_id]
+    ctx = get_context(eval_id)
     with stage_guard(ctx, "validate"):
         ensure_workers(ctx, through=checkpoint)
         return run_validation(ctx, checkpoint)
@@ -137,13 +135,14 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
     cfg = load_config(base=OmegaConf.create(store.config_path.read_text()),
                       overrides=layers + list(overrides or []))
     rename_flow_run(f"evaluate-{store.run_id}-ckpt{step}")
+    # Its own registry key: an evaluation must not disturb a training run of the same id in this process.
     ctx = RunContext(cfg=cfg, store=store, model_path=str(resolve_model_path(cfg.model.path, cfg.model.cache_dir)),
-                     datasets=load_prompt_dataset(cfg.data.dataset))
-    ctx.extra["policy_only"] = True
+                     datasets=load_prompt_dataset(cfg.data.dataset), context_id=f"eval-{uuid.uuid4().hex}")
+    ctx.state.policy_only = True
     ctx.policy_version = int(ckpt.read_trainer_state(store, step)["policy_version"]) if step else 0
-    eval_id = uuid.uuid4().hex
-    _EVALS[eval_id] = ctx
-    started_ray = start_ray(cfg)
+    eval_id = ctx.key
+    register(ctx)
+    ctx.started_ray = start_ray(cfg)
     tracker = None
     status = "FAILED"
     try:
@@ -170,18 +169,4 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
     finally:
         if tracker is not None:
             tracker.finish(status)
-        _EVALS.pop(eval_id, None)
-        _stop(ctx, started_ray)
-
-
-def _stop(ctx: RunContext, started_ray: bool) -> None:
-    import ray
-
-    if ctx.actor is not None:
-        try:
-            ray.kill(ctx.actor)
-        except Exception:  # already gone
-            pass
-        ctx.actor = None
-    if started_ray:
-        ray.shutdown()
+        close(ctx)  # every rank, the placement groups, and Ray if this flow started it

@@ -34,13 +34,13 @@ request first (:func:`prepare`), so bad input fails before Prefect or Ray start.
 
 from __future__ import annotations
 
-from trajflow.errors import ReplayError
 from trajflow.env import configure_environment
 
 configure_environment()
 
 import secrets  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -48,16 +48,49 @@ from prefect import flow  # noqa: E402
 
 from flows import tasks  # noqa: E402
 from flows.reporting import iteration_artifact, rename_flow_run  # noqa: E402
+from stages.names import REPLAY_FROM, STORED_STAGES  # noqa: E402
 from trajflow import checkpoint as ckpt  # noqa: E402
-from trajflow import pipeline, session  # noqa: E402
 from trajflow.batch import join_stages  # noqa: E402
-from trajflow.config import load_config, to_yaml  # noqa: E402
-from trajflow.runtime import RunContext, close  # noqa: E402
+from trajflow.config import load_config  # noqa: E402
+from trajflow.errors import ReplayError, RunExistsError  # noqa: E402
+from trajflow.metrics import batch_metrics  # noqa: E402
+from trajflow.run import lifecycle as run  # noqa: E402
+from trajflow.run.context import RunContext  # noqa: E402
+from trajflow.runtime import close  # noqa: E402
 from trajflow.errors import StoreError  # noqa: E402
 from trajflow.store import StageRef, RunStore  # noqa: E402
 
-FROM_STAGES = ("reward", "advantage", "update")
-_KEPT = {"reward": ("rollout",), "advantage": ("rollout", "reward"), "update": ("rollout", "reward", "advantage")}
+#: ``--from-stage`` choices.
+FROM_STAGES = tuple(REPLAY_FROM)
+#: The stored stages copied from the parent, per ``--from-stage``: those before it.
+_KEPT = {"reward": STORED_STAGES[:1], "advantage": STORED_STAGES[:2], "update": STORED_STAGES}
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What a replay can do with what the parent holds.
+
+    Attributes:
+        start_checkpoint: the parent's checkpoint the policy starts from (None = the initial model).
+        run_update: whether the policy update runs (its starting checkpoint is stored).
+        note: why the update is skipped, or empty.
+    """
+
+    start_checkpoint: int | None
+    run_update: bool
+    note: str
+
+
+@dataclass(frozen=True)
+class ReplayJob:
+    """A checked replay request: the new run's config and id, the parent, the iterations, the plan."""
+
+    cfg: DictConfig
+    parent: RunStore
+    first: int
+    last: int
+    plan: ReplayPlan
+    run_id: str
 
 
 def parse_iterations(iteration: int | None, iterations: str | None) -> tuple[int, int]:
@@ -83,8 +116,8 @@ def parse_iterations(iteration: int | None, iterations: str | None) -> tuple[int
     return first, last
 
 
-def plan(parent: RunStore, first: int, last: int, from_stage: str) -> dict:
-    """Check that the parent holds what the replay needs; returns ``{"start_checkpoint", "run_update", "note"}``.
+def plan(parent: RunStore, first: int, last: int, from_stage: str) -> ReplayPlan:
+    """Check that the parent holds what the replay needs.
 
     Raises:
         ReplayError: unknown parent run (names the store root) or stage; an iteration of
@@ -95,7 +128,7 @@ def plan(parent: RunStore, first: int, last: int, from_stage: str) -> dict:
         raise ReplayError(f"--from-stage {from_stage!r}: choose one of {', '.join(FROM_STAGES)}")
     if not parent.exists():
         try:
-            session.check_resumable(parent)
+            run.check_resumable(parent)
         except StoreError as e:
             raise ReplayError(str(e)) from None
     stored = parent.iterations()
@@ -117,7 +150,7 @@ def plan(parent: RunStore, first: int, last: int, from_stage: str) -> dict:
         if from_stage == "update" or last > first:
             raise ReplayError(f"{why}; replaying {'the update' if from_stage == 'update' else 'iterations'} needs it")
         note = f"policy update skipped: {why}"
-    return {"start_checkpoint": start, "run_update": have, "note": note}
+    return ReplayPlan(start_checkpoint=start, run_update=have, note=note)
 
 
 def _parent_gate(parent: RunStore, iteration: int) -> dict:
@@ -127,47 +160,43 @@ def _parent_gate(parent: RunStore, iteration: int) -> dict:
             "metrics": {}}
 
 
-def open_replay(cfg: DictConfig, run_id: str, parent: RunStore, first: int, last: int, from_stage: str,
-                plan_: dict, overrides: Sequence[str]) -> RunContext:
+def open_replay(job: ReplayJob, from_stage: str, overrides: Sequence[str]) -> RunContext:
     """Create the replay run, start its workers and restore the parent's starting checkpoint.
 
     Raises:
-        trajflow.session.RunExistsError: ``run_id`` exists.
+        RunExistsError: the new run id exists.
     """
     from trajflow.tracking import Tracker, lineage_tags
 
-    store = RunStore(cfg.store.root, run_id)
-    if store.exists():
-        raise session.RunExistsError(f"run {run_id!r} already exists in {store.run_dir}")
-    store.run_dir.mkdir(parents=True, exist_ok=True)
-    store.write_config(to_yaml(cfg))
+    cfg, parent, first, last, plan_ = job.cfg, job.parent, job.first, job.last, job.plan
+    store = RunStore(cfg.store.root, job.run_id)
     # Without the starting checkpoint the update is skipped (plan's note) and no policy is restored.
-    start = plan_["start_checkpoint"] if plan_["run_update"] else None
+    start = plan_.start_checkpoint if plan_.run_update else None
     start_id = (f"{parent.run_id}/{ckpt.checkpoint_id(start)}" if start is not None
-                else "initial" if plan_["run_update"] else "none (update skipped)")
+                else "initial" if plan_.run_update else "none (update skipped)")
     lineage = {"parent_run_id": parent.run_id, "parent_iteration": first, "parent_iterations": [first, last],
                "from_stage": from_stage}
-    store.update_run_meta(run_id=run_id, recipe=str(cfg.recipe), kind="replay", status="running", created=time.time(),
-                          overrides=list(overrides), start_checkpoint=start_id, note=plan_["note"], **lineage)
-    print(f"trajflow replay {run_id}: {store.run_dir} (run {parent.run_id}, iterations {first}..{last}, "
+    run.create_run_folder(store, cfg, recipe=str(cfg.recipe), kind="replay", overrides=list(overrides),
+                          start_checkpoint=start_id, note=plan_.note, **lineage)
+    print(f"trajflow replay {job.run_id}: {store.run_dir} (run {parent.run_id}, iterations {first}..{last}, "
           f"from stage {from_stage}, policy from {start_id})", flush=True)
-    if plan_["note"]:
-        print(f"note: {plan_['note']}", flush=True)
-    session._preload_audit()
-    ctx = session.build_context(cfg, store)
-    session.start_workers(ctx)
+    if plan_.note:
+        print(f"note: {plan_.note}", flush=True)
+    run.preload_audit()
+    ctx = run.build_context(cfg, store)
+    run.start_workers(ctx)
     try:
         if start is not None:
-            session.restore_checkpoint(ctx, start, source=parent)
+            run.restore_checkpoint(ctx, start, source=parent)
             # A worker lost mid-replay is rebuilt from here plus this run's stored updates.
-            ctx.extra["initial_checkpoint"] = str(ckpt.checkpoint_dir(parent, start) / "actor")
-        ctx.extra.update(policy_source=start_id, last_iteration=last, start_iteration=first)
+            ctx.state.initial_checkpoint = str(ckpt.checkpoint_dir(parent, start) / "actor")
+        ctx.state.policy_source, ctx.state.start_iteration, ctx.state.last_iteration = start_id, first, last
         tags = lineage_tags(parent.run_id, first, from_stage)
         tags.update({"trajflow.parent_iterations": f"{first}:{last}", "trajflow.kind": "replay"})
         parent_mlflow = parent.read_run_meta().get("mlflow_run_id")
         if parent_mlflow:
             tags["trajflow.parent_mlflow_run_id"] = parent_mlflow
-        ctx.tracker = Tracker(cfg, run_id, tags=tags)
+        ctx.tracker = Tracker(cfg, job.run_id, tags=tags)
         store.update_run_meta(mlflow_run_id=ctx.tracker.run_id, tracking_uri=ctx.tracker.uri)
     except BaseException:
         close(ctx)
@@ -195,18 +224,17 @@ def replay_flow(run_id: str, from_stage: str, iteration: Optional[int] = None, i
     Raises:
         ReplayError: see :func:`parse_iterations` and :func:`plan`.
         trajflow.config.ConfigError: a bad override.
-        trajflow.session.RunExistsError: ``new_run_id`` exists.
+        trajflow.errors.RunExistsError: ``new_run_id`` exists.
     """
     job = prepare(run_id, from_stage, iteration, iterations, overrides or [], new_run_id)
-    cfg, parent, first, last, plan_ = job["cfg"], job["parent"], job["first"], job["last"], job["plan"]
-    new_id = job["run_id"]
+    parent, new_id = job.parent, job.run_id
     rename_flow_run(f"replay-{new_id}")
-    stage = tasks.stages_for(cfg)  # the stage tasks with this run's retries and timeouts
-    ctx = open_replay(cfg, new_id, parent, first, last, from_stage, plan_, overrides or [])
+    stage = tasks.stages_for(job.cfg)  # the stage tasks with this run's retries and timeouts
+    ctx = open_replay(job, from_stage, overrides or [])
     status = "FAILED"
     try:
-        for it in range(first, last + 1):
-            ctx.extra["iteration_start"] = time.perf_counter()
+        for it in run.iterations(ctx):
+            run.begin_iteration(ctx, it, prompts=[])  # the prompts are in the copied rollout
             kept = {s: ctx.store.copy_stage_from(parent, it, s) for s in _KEPT[from_stage]}
             rollout = kept["rollout"]
             if "reward" in kept:
@@ -214,30 +242,36 @@ def replay_flow(run_id: str, from_stage: str, iteration: Optional[int] = None, i
             reward = kept.get("reward") or stage.reward(new_id, it, rollout)
             gate = _parent_gate(parent, it) if from_stage == "update" else stage.gate(new_id, it, rollout, reward)
             advantage = kept.get("advantage") or stage.advantage(new_id, it, rollout, reward, gate)
-            if plan_["run_update"]:
+            if job.plan.run_update:
                 metrics = stage.update(new_id, it, rollout, reward, advantage, gate)
             else:
                 metrics = _data_metrics(ctx, it, rollout, reward, advantage)
-            metrics = session.finish_iteration(ctx, it, metrics)
+            metrics = run.record(ctx, it, metrics)
+            if run.validation_due(ctx, it):
+                metrics |= stage.validate(new_id, it)
+            run.log_iteration(ctx, it, metrics)
+            if run.checkpoint_due(ctx, it):
+                run.save(ctx, it)
             iteration_artifact(ctx, it, metrics)
-        if plan_["run_update"]:
-            summary = session.finish_run(ctx)
+        if job.plan.run_update:
+            summary = run.finish_run(ctx)
         else:
             ctx.store.update_run_meta(status="finished", finished=time.time())
             summary = {"run_id": new_id, "run_dir": str(ctx.store.run_dir), "mlflow_run_id": ctx.tracker.run_id,
-                       "metrics": ctx.extra.get("last_metrics", {})}
-        summary.update(parent_run_id=run_id, parent_iterations=[first, last], from_stage=from_stage, note=plan_["note"])
+                       "metrics": ctx.state.last_metrics}
+        summary.update(parent_run_id=run_id, parent_iterations=[job.first, job.last], from_stage=from_stage,
+                       note=job.plan.note)
         status = "FINISHED"
         return summary
     finally:
-        session.close_run(ctx, status)
+        run.close_run(ctx, status)
 
 
 def _data_metrics(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef, advantage: StageRef) -> dict:
     """verl's data metrics of an iteration whose update is not replayed."""
     joined = join_stages([ctx.store.read_ref(r) for r in (rollout, reward, advantage)])
-    metrics = pipeline.batch_metrics(joined)
-    metrics.update(ctx.extra.get("reward_metrics", {}).get(iteration, {}))
+    metrics = batch_metrics(joined)
+    metrics.update(ctx.iteration(iteration).reward_metrics)
     return metrics
 
 
@@ -247,26 +281,23 @@ def replay_run_id(parent_run_id: str, first: int, last: int, from_stage: str) ->
 
 
 def prepare(parent_run_id: str, from_stage: str, iteration: int | None, iterations: str | None,
-            overrides: Sequence[str], run_id: str | None) -> dict:
+            overrides: Sequence[str], run_id: str | None) -> ReplayJob:
     """Check a replay request and build its config; starts nothing.
 
-    Returns:
-        ``{"cfg", "parent" (RunStore), "first", "last", "plan", "run_id"}``.
-
     Raises:
-        ReplayError, trajflow.config.ConfigError, trajflow.session.RunExistsError,
+        ReplayError, trajflow.config.ConfigError, trajflow.errors.RunExistsError,
         trajflow.data.DataError, trajflow.models.ModelLoadError.
     """
     first, last = parse_iterations(iteration, iterations)
-    parent = RunStore(session.store_root_from(overrides), parent_run_id)
+    parent = RunStore(run.store_root_from(overrides), parent_run_id)
     plan_ = plan(parent, first, last, from_stage)
     cfg = load_config(base=OmegaConf.load(parent.config_path), overrides=list(overrides))
-    session.preflight(cfg)
+    run.preflight(cfg)
     run_id = run_id or replay_run_id(parent_run_id, first, last, from_stage)
     target = RunStore(cfg.store.root, run_id)
     if target.exists():
-        raise session.RunExistsError(f"run {run_id!r} already exists in {target.run_dir}")
-    return {"cfg": cfg, "parent": parent, "first": first, "last": last, "plan": plan_, "run_id": run_id}
+        raise RunExistsError(f"run {run_id!r} already exists in {target.run_dir}")
+    return ReplayJob(cfg=cfg, parent=parent, first=first, last=last, plan=plan_, run_id=run_id)
 
 
 def replay(parent_run_id: str, from_stage: str, iteration: int | None = None, iterations: str | None = None,
@@ -281,4 +312,4 @@ def replay(parent_run_id: str, from_stage: str, iteration: int | None = None, it
     """
     job = prepare(parent_run_id, from_stage, iteration, iterations, overrides, run_id)
     return replay_flow(run_id=parent_run_id, from_stage=from_stage, iteration=iteration, iterations=iterations,
-                       overrides=list(overrides), new_run_id=job["run_id"])
+                       overrides=list(overrides), new_run_id=job.run_id)

@@ -18,7 +18,7 @@ from prefect import flow  # noqa: E402
 
 from flows import tasks  # noqa: E402
 from flows.reporting import iteration_artifact, rename_flow_run  # noqa: E402
-from trajflow import session  # noqa: E402
+from trajflow.run import lifecycle as run  # noqa: E402
 from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402
 from trajflow.store import RunStore  # noqa: E402
 
@@ -34,22 +34,33 @@ def train_flow(config_yaml: str, run_id: str, resume: bool = False) -> dict:
     """
     cfg = load_config(base=OmegaConf.create(config_yaml))
     stage = tasks.stages_for(cfg)  # the stage tasks with this run's retries and timeouts
-    ctx = session.open_run(cfg, run_id, resume=resume)
+    ctx = run.open_run(cfg, run_id, resume=resume)
     status = "FAILED"
     try:
-        for it in session.pending_iterations(ctx):
+        if run.validation_before_training_due(ctx):
+            ctx.tracker.log_metrics(stage.validate(run_id, 0), step=0)
+        for it in run.iterations(ctx):
+            prompts = ctx.sampler.next_batch()  # the data cursor moves past gated iterations too
+            if run.was_gated(ctx, it):
+                continue
+            run.begin_iteration(ctx, it, prompts)
             rollout = stage.rollout(run_id, it)
             reward = stage.reward(run_id, it, rollout)
             gate = stage.gate(run_id, it, rollout, reward)
             advantage = stage.advantage(run_id, it, rollout, reward, gate)
             metrics = stage.update(run_id, it, rollout, reward, advantage, gate)
-            metrics = session.finish_iteration(ctx, it, metrics)
+            metrics = run.record(ctx, it, metrics)  # timings, KL controller, score history, manifest complete
+            if run.validation_due(ctx, it):
+                metrics |= stage.validate(run_id, it)
+            run.log_iteration(ctx, it, metrics)  # MLflow, samples, audit table, progress
+            if run.checkpoint_due(ctx, it):
+                run.save(ctx, it)
             iteration_artifact(ctx, it, metrics)
-        summary = session.finish_run(ctx)
+        summary = run.finish_run(ctx)
         status = "FINISHED"
         return summary
     finally:
-        session.close_run(ctx, status)
+        run.close_run(ctx, status)
 
 
 def train(recipe: str | None = None, overrides: Sequence[str] = (), run_id: str | None = None) -> dict:
@@ -62,8 +73,8 @@ def train(recipe: str | None = None, overrides: Sequence[str] = (), run_id: str 
         ConfigError, DataError, ModelLoadError, RunExistsError: bad input, before anything is written.
     """
     cfg = load_config(recipe, overrides)
-    session.preflight(cfg)
-    run_id, resume = session.choose_run_id(cfg, run_id)
+    run.preflight(cfg)
+    run_id, resume = run.choose_run_id(cfg, run_id)
     return _train_unless_done(cfg, run_id, resume)
 
 
@@ -71,8 +82,8 @@ def _train_unless_done(cfg, run_id: str, resume: bool) -> dict:
     """Run :func:`train_flow`, except for a resumed run with nothing left to do (its summary, with
     ``nothing_to_do=True``, without starting Ray)."""
     if resume:
-        session.check_resumable(RunStore(cfg.store.root, run_id))
-        done = session.finished_summary(cfg, run_id)
+        run.check_resumable(RunStore(cfg.store.root, run_id))
+        done = run.finished_summary(cfg, run_id)
         if done is not None:
             return done
     return train_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, resume=resume)
@@ -98,8 +109,8 @@ def train_recipe(recipe: str = DEFAULT_RECIPE, overrides: Optional[list[str]] = 
         ConfigError, DataError, ModelLoadError, RunExistsError: bad input, before anything is written.
     """
     cfg = load_config(recipe, list(overrides or []))
-    session.preflight(cfg)
-    run_id, resume = session.choose_run_id(cfg, run_id)
+    run.preflight(cfg)
+    run_id, resume = run.choose_run_id(cfg, run_id)
     rename_flow_run(f"train-recipe-{run_id}")
     return _train_unless_done(cfg, run_id, resume)
 
@@ -116,6 +127,6 @@ def resume(run_id: str, overrides: Sequence[str] = ()) -> dict:
         trajflow.config.ConfigError: a bad override.
         trajflow.data.DataError, trajflow.models.ModelLoadError: the dataset or model is gone or bad.
     """
-    cfg = session.resume_config(run_id, overrides)
-    session.preflight(cfg)
+    cfg = run.resume_config(run_id, overrides)
+    run.preflight(cfg)
     return _train_unless_done(cfg, run_id, True)

@@ -134,7 +134,8 @@ def test_stage_deadline_drops_a_stuck_worker_and_keeps_a_healthy_one(tmp_path, r
     import ray
 
     import trajflow.runtime as runtime
-    from trajflow.runtime import RunContext, stage_guard, wait
+    from trajflow.run.context import RunContext
+    from trajflow.runtime import stage_guard, wait
     from trajflow.store import RunStore
 
     @ray.remote(num_cpus=0)
@@ -154,7 +155,7 @@ def test_stage_deadline_drops_a_stuck_worker_and_keeps_a_healthy_one(tmp_path, r
     assert wait(ctx, ctx.reference.work.remote(0.0)) == 0.0  # no deadline outside a stage
     with stage_guard(ctx, "reward"):
         assert wait(ctx, ctx.reference.work.remote(0.1)) == 0.1
-    assert ctx.reference is not None and ctx.extra["deadline"] is None
+    assert ctx.reference is not None and ctx.state.deadline is None
     stuck = ctx.reference
     old = runtime.PING_TIMEOUT_S
     runtime.PING_TIMEOUT_S = 2.0
@@ -166,7 +167,7 @@ def test_stage_deadline_drops_a_stuck_worker_and_keeps_a_healthy_one(tmp_path, r
     finally:
         runtime.PING_TIMEOUT_S = old
     assert time.monotonic() - t0 < 20  # 1.5 s deadline + 2 s ping, not the 60 s call
-    assert ctx.reference is None and ctx.extra["workers_lost"] == ["reference"]
+    assert ctx.reference is None and ctx.state.workers_lost == ["reference"]
     with pytest.raises(ray.exceptions.RayActorError):  # it was killed, not left computing
         ray.get(stuck.pid.remote(), timeout=30)
 
@@ -175,7 +176,8 @@ def test_stage_deadline_drops_a_stuck_worker_and_keeps_a_healthy_one(tmp_path, r
 
 
 def test_update_batch_and_loss_mask_match_the_formulas():
-    from trajflow.pipeline import iteration_seed, update_batch, with_loss_mask
+    from stages.seeds import iteration_seed
+    from trajflow.pipeline import update_batch, with_loss_mask
 
     joined = pa.table({"sample_id": ["a", "b", "c"], "prompt_ids": [[1, 2], [1, 2], [3]],
                        "response_ids": [[5, 6, 7], [8], [9, 9]],

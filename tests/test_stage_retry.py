@@ -138,3 +138,30 @@ def test_evaluate_flow_reproduces_the_runs_validation(killed_run):
     assert run.info.experiment_id == client.get_run(meta["mlflow_run_id"]).info.experiment_id
     name = core[0].replace("@", "_at_")
     assert run.data.metrics[name] == pytest.approx(in_run[core[0]])
+
+
+def test_evaluate_releases_its_policy_ranks_and_placement_groups(killed_run):
+    """On a Ray the flow did not start (here the test session's; in production a cluster), the
+    evaluation must kill its policy ranks and remove its placement groups when it ends."""
+    import ray
+
+    from flows.evaluate import evaluate_flow
+
+    def live_policy_actors() -> set[str]:
+        return {a["ActorID"] for a in ray._private.state.actors().values()
+                if a["State"] != "DEAD" and a["ActorClassName"].endswith("PolicyWorker")}
+
+    def live_placement_groups() -> set[str]:
+        return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"}
+
+    actors_before, groups_before = live_policy_actors(), live_placement_groups()
+    pool = "resources.pools={evalpool: {nodes: 1, devices_per_node: 1, device: cpu, num_cpus_per_worker: 1}}"
+    result = evaluate_flow(run_id=killed_run["summary"]["run_id"], store_root=str(killed_run["root"]),
+                           overrides=[pool, "actor.pool=evalpool"])
+    assert result["checkpoint"] == 2
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (live_policy_actors() - actors_before
+                                           or live_placement_groups() - groups_before):
+        time.sleep(0.5)
+    assert live_policy_actors() - actors_before == set()
+    assert live_placement_groups() - groups_before == set()

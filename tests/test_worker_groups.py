@@ -196,7 +196,7 @@ def test_gpu_requests_fail_with_one_clear_line():
 
     from trajflow.errors import DeviceError
     from trajflow.resources import require_device, require_vllm
-    from trajflow.session import preflight
+    from trajflow.run.lifecycle import preflight
 
     assert not torch.cuda.is_available()  # this test documents the CPU-machine behaviour
     for overrides in (["trainer.device=cuda"], ["trainer.device=cuda", "rollout.engine=vllm"],

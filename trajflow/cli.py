@@ -43,10 +43,7 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help="config ove
     """Train a policy with a recipe (default: grpo_default) and key=value overrides."""
 
     def go():
-        from trajflow.config import load_config
-
-        load_config(config, overrides or [])  # fail fast on bad config, before Prefect/Ray start
-        from flows.train import train as train_entry
+        from flows.train import train as train_entry  # checks config, data and model before Prefect/Ray start
 
         return train_entry(config, overrides or [], run_id)
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from trajflow.errors import GateFailed
 from trajflow.batch import join_stages, lengths
-from trajflow.runtime import RunContext
+from trajflow.run.context import RunContext
 from trajflow.store import StageRef
 
 
@@ -53,7 +53,7 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
     """
     cfg = ctx.cfg
     if not cfg.gates.enabled:
-        return {"success": True, "quarantined_sample_ids": [], "metrics": {}}
+        return {"success": True, "quarantined_sample_ids": [], "metrics": {}, "score_mean": None}
     from trajflow.gates import run_gate, write_data_docs
 
     t0 = time.perf_counter()
@@ -75,14 +75,13 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
                 ctx.tracker.log_artifact(Path(docs).parent, f"gates/iteration_{iteration:06d}/data_docs")
             except Exception:  # data docs are a convenience; the JSON result is already stored
                 pass
-    ctx.extra.setdefault("gate_metrics", {})[iteration] = metrics
-    if report.score_mean is not None:
-        # The drift check's history: mean over finite scores of rows whose scorer did not raise.
-        ctx.extra.setdefault("gate_score_mean", {})[iteration] = float(report.score_mean)
     if not report.success:
         ctx.store.mark(iteration, "gated", gate=result["failures"])
         raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate:\n{report.failure_message()}")
-    return {k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}
+    out = {k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}
+    # The drift check's history: mean over finite scores of rows whose scorer did not raise.
+    out["score_mean"] = None if report.score_mean is None else float(report.score_mean)
+    return out
 
 
 def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suite: str | None = None) -> list:

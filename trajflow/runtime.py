@@ -18,17 +18,14 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from trajflow.store import RunStore
+from trajflow.run.context import RunContext, unregister
 
 log = logging.getLogger(__name__)
 
-_CONTEXTS: dict[str, "RunContext"] = {}
 _RAY_WATCH: dict[str, Any] = {}  # the watcher of the local Ray this process started (trajflow.raywatch)
 
 #: Advantage estimators that need a critic's values (a critic worker is created for them).
@@ -94,63 +91,6 @@ def stop_ray() -> None:
         watcher.close()
 
 
-@dataclass
-class RunContext:
-    """Everything a running ``train`` flow needs between tasks."""
-
-    cfg: DictConfig
-    store: RunStore
-    model_path: str
-    actor: Any = None            # WorkerGroup of PolicyWorker ranks (called like one Ray actor handle)
-    reference: Any = None        # WorkerGroup of ReferenceWorker ranks (None without KL)
-    critic: Any = None           # Ray handle of CriticWorker (None unless the estimator needs values)
-    reward_model: Any = None     # Ray handle of RewardModelWorker (None unless reward.reward_model.enable)
-    tracker: Any = None          # trajflow.tracking.Tracker
-    sampler: Any = None          # trajflow.data.PromptSampler
-    datasets: Any = None         # trajflow.data.PromptDatasets
-    kl_ctrl: Any = None          # stages.kl controller (KL in reward)
-    score_history: list[float] = field(default_factory=list)
-    policy_version: int = 0
-    started_ray: bool = False
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def run_id(self) -> str:
-        return self.store.run_id
-
-    def plain(self, section: str) -> dict:
-        """A config section as a plain dict (what Ray workers receive)."""
-        out = OmegaConf.to_container(self.cfg[section], resolve=True)
-        if section == "reward" and not out.get("default_scorer") and self.datasets is not None:
-            # A dataset spec may name the scorer for its data sources (e.g. a custom file dataset).
-            out["default_scorer"] = self.datasets.spec.get("scorer")
-        return out  # type: ignore[return-value]
-
-    def needs_reference(self) -> bool:
-        return self.cfg.actor.kl_loss_coef > 0 or bool(self.cfg.algorithm.use_kl_in_reward)
-
-    def needs_critic(self) -> bool:
-        return self.cfg.algorithm.adv_estimator in VALUE_ESTIMATORS
-
-    def needs_reward_model(self) -> bool:
-        return bool(self.cfg.reward.reward_model.enable)
-
-
-def register(ctx: RunContext) -> None:
-    _CONTEXTS[ctx.run_id] = ctx
-
-
-def get_context(run_id: str) -> RunContext:
-    try:
-        return _CONTEXTS[run_id]
-    except KeyError:
-        raise RuntimeError(f"no live run context for run {run_id!r} in this process") from None
-
-
-def unregister(run_id: str) -> None:
-    _CONTEXTS.pop(run_id, None)
-
-
 #: Run this class instead of :class:`trajflow.workers.policy.PolicyWorker` (a subclass: extensions,
 #: instrumented workers in tests). ``None``: the stock worker.
 policy_worker_cls: type | None = None
@@ -160,9 +100,9 @@ def placement(ctx: RunContext) -> Any:
     """The run's :class:`trajflow.resources.Placement` (pools -> placement groups -> actor options), made once."""
     from trajflow.resources import Placement
 
-    if ctx.extra.get("placement") is None:
-        ctx.extra["placement"] = Placement(ctx.cfg)
-    return ctx.extra["placement"]
+    if ctx.placement is None:
+        ctx.placement = Placement(ctx.cfg)
+    return ctx.placement
 
 
 def create_policy_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
@@ -203,17 +143,17 @@ def finish_policy_worker(ctx: RunContext) -> None:
     if cfg.actor.strategy == "deepspeed":
         ctx.actor.init_distributed()
     if cfg.rollout.pool is not None:
-        if ctx.extra.get("rollout") is None:
+        if ctx.rollout is None:
             from trajflow.workers.group import WorkerGroup
             from trajflow.workers.rollout import RolloutWorker
 
             place = placement(ctx)
-            ctx.extra["rollout"] = WorkerGroup.spawn(
+            ctx.rollout = WorkerGroup.spawn(
                 RolloutWorker, (ctx.model_path, ctx.plain("rollout"), ctx.plain("model"), int(cfg.trainer.seed),
                                 cfg.trainer.device, int(cfg.trainer.num_threads)),
                 [place.actor_options("rollout", r) for r in range(place.world_size("rollout"))], "rollout")
-        ray.get([h.pid.remote() for h in ctx.extra["rollout"].handles])
-        ctx.actor.execute("attach_rollout", ctx.extra["rollout"].handles)
+        ray.get([h.pid.remote() for h in ctx.rollout.handles])
+        ctx.actor.execute("attach_rollout", ctx.rollout.handles)
     ray.get(ctx.actor.info.remote())
 
 
@@ -297,7 +237,7 @@ def create_workers(ctx: RunContext) -> None:
     for handle in (ctx.critic, ctx.reward_model):
         if handle is not None:
             ray.get(handle.pid.remote())
-    groups = {"actor": ctx.actor, "reference": ctx.reference, "rollout": ctx.extra.get("rollout")}
+    groups = {"actor": ctx.actor, "reference": ctx.reference, "rollout": ctx.rollout}
     ctx.store.update_run_meta(worker_nodes={role: g.node_ids() for role, g in groups.items() if g is not None})
     try:
         watch_new_ray_processes()
@@ -357,19 +297,19 @@ def stage_guard(ctx: RunContext, stage: str) -> Iterator[None]:
         stage: the stage name (a key of ``trainer.stage_timeouts``).
     """
     limit = stage_timeout(ctx.cfg, stage)
-    ctx.extra["deadline"] = (time.monotonic() + limit) if limit else None
+    ctx.state.deadline = (time.monotonic() + limit) if limit else None
     try:
         yield
     except BaseException as e:
         if is_transient(e):
             dropped = drop_unresponsive_workers(ctx)
             if dropped:
-                ctx.extra["workers_lost"] = dropped
+                ctx.state.workers_lost = dropped
             log.warning("run %s: stage %s failed (%s: %s); dropped workers: %s", ctx.run_id, stage,
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "", dropped or "none")
         raise
     finally:
-        ctx.extra["deadline"] = None
+        ctx.state.deadline = None
 
 
 def wait(ctx: RunContext, refs: Any) -> Any:
@@ -381,7 +321,7 @@ def wait(ctx: RunContext, refs: Any) -> Any:
     """
     import ray
 
-    deadline = ctx.extra.get("deadline")
+    deadline = ctx.state.deadline
     timeout = None if deadline is None else max(0.01, deadline - time.monotonic())
     return ray.get(refs, timeout=timeout)
 
@@ -427,7 +367,7 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
     """Recreate the workers a failed stage attempt dropped; a no-op when all are alive.
 
     The policy worker comes back in the state after iteration ``through``: the run's newest checkpoint
-    at or before it (else ``ctx.extra["initial_checkpoint"]``, an actor checkpoint folder a derived run
+    at or before it (else ``ctx.state.initial_checkpoint``, an actor checkpoint folder a derived run
     starts from, else the initial model), then the stored updates of every later iteration up to
     ``through`` that recorded an update (``update.json``), re-applied in order from the run store. Those
     batches and shuffle seeds are what the original updates used, so the recreated policy equals the
@@ -447,13 +387,13 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
             incomplete, e.g. a derived run that did not set ``initial_checkpoint``).
     """
     created = []
-    if ctx.reference is None and ctx.needs_reference() and not ctx.extra.get("policy_only"):
+    if ctx.reference is None and ctx.needs_reference() and not ctx.state.policy_only:
         create_reference_worker(ctx)
         created.append("reference")
-    if ctx.reward_model is None and ctx.needs_reward_model() and not ctx.extra.get("policy_only"):
+    if ctx.reward_model is None and ctx.needs_reward_model() and not ctx.state.policy_only:
         create_reward_model_worker(ctx)
         created.append("reward_model")
-    if ctx.critic is None and ctx.needs_critic() and not ctx.extra.get("policy_only"):
+    if ctx.critic is None and ctx.needs_critic() and not ctx.state.policy_only:
         create_critic_worker(ctx)
         restore_critic(ctx, through)
         created.append("critic")
@@ -462,7 +402,7 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
         restore_policy(ctx, through)
         created.append("policy")
     if created:
-        lost = ctx.extra.pop("workers_lost", None)
+        lost, ctx.state.workers_lost = ctx.state.workers_lost, []
         (log.warning if lost else log.info)("run %s: %s %s worker(s) in the state after iteration %d", ctx.run_id,
                                             "recreated" if lost else "started", " and ".join(created), through)
     return created
@@ -481,8 +421,8 @@ def restore_policy(ctx: RunContext, through: int) -> int:
     base = saved[-1] if saved else None
     if base is not None:
         wait(ctx, ctx.actor.load_checkpoint.remote(str(ckpt.checkpoint_dir(store, base) / "actor")))
-    elif ctx.extra.get("initial_checkpoint"):
-        wait(ctx, ctx.actor.load_checkpoint.remote(str(ctx.extra["initial_checkpoint"])))
+    elif ctx.state.initial_checkpoint:
+        wait(ctx, ctx.actor.load_checkpoint.remote(str(ctx.state.initial_checkpoint)))
     replayed = 0
     for it in store.iterations():
         # Iterations without update.json changed no weights (a replay that stops before the update).
@@ -521,10 +461,9 @@ def restore_critic(ctx: RunContext, through: int) -> int:
     if base is not None:
         wait(ctx, ctx.critic.load_checkpoint.remote(str(ckpt.checkpoint_dir(store, base) / "critic")))
     replayed = 0
-    done = ctx.extra.setdefault("critic_updates", {})
-    for it in list(done):
-        if it > through:  # updates of the recreated critic's future: the caller's stage redoes them
-            del done[it]
+    for state in ctx.iterations.values():
+        if state.iteration > through:  # updates of the recreated critic's future: the caller's stage redoes them
+            state.critic_update = None
     for it in store.iterations():
         if it <= (base or 0) or it > through or store.read_iteration_json(it, "update.json") is None:
             continue
@@ -540,17 +479,13 @@ def close(ctx: RunContext) -> None:
     """Stop the run's actors, release its placement groups (and stop Ray, if this run started it)."""
     from trajflow.workers.group import kill_workers
 
-    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model, ctx.extra.pop("rollout", None)):
+    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model, ctx.rollout):
         kill_workers(handle)
-    ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = None
-    place = ctx.extra.pop("placement", None)
+    ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = ctx.rollout = None
+    place, ctx.placement = ctx.placement, None
     if place is not None:
         place.close()
-    unregister(ctx.run_id)
+    unregister(ctx)
     if ctx.started_ray:
         stop_ray()
         ctx.started_ray = False
-
-
-def run_dir_for(cfg: DictConfig, run_id: str) -> Path:
-    return Path(cfg.store.root).expanduser().resolve() / run_id

@@ -1,5 +1,8 @@
-"""A training run's lifecycle around the flow's iteration loop: open, resume, per-iteration
-bookkeeping (manifest, metrics, validation, checkpoint, progress), finish, close.
+"""A run's lifecycle around the flow's loop: pick the id, open or resume, begin and record each
+iteration, decide validation and checkpoints, save, finish, close.
+
+Every step the ``train`` flow takes is one call here or one stage task (:mod:`flows.tasks`); none
+of these functions runs a stage or decides what the next stage is.
 """
 
 from __future__ import annotations
@@ -10,16 +13,17 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import ray
 from omegaconf import DictConfig
 
-from trajflow.errors import RunExistsError
 from trajflow import checkpoint as ckpt
 from trajflow.config import to_yaml
-from trajflow.runtime import RunContext, close, create_workers, register, start_ray
-from trajflow.errors import StoreError
+from trajflow.errors import RunExistsError, StoreError
+from trajflow.run.context import IterationState, RunContext, register
+from trajflow.run.progress import Progress
+from trajflow.runtime import close, create_workers, start_ray
 from trajflow.store import STAGES, RunStore
 
 log = logging.getLogger(__name__)
@@ -67,39 +71,6 @@ def preflight(cfg: DictConfig) -> None:
     resolve_model_path(cfg.model.path, cfg.model.cache_dir)
 
 
-class Progress:
-    """One live line per iteration: stage, reward mean, response length, seconds (tqdm)."""
-
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=total, initial=start - 1, desc="train", unit="it", disable=not enabled,
-                        dynamic_ncols=True, file=sys.stderr)
-        self.t0 = time.perf_counter()
-        self.last: dict = {}
-
-    def stage(self, iteration: int, name: str) -> None:
-        self.bar.set_description(f"it {iteration} {name}")
-        self.bar.set_postfix(self.last, refresh=True)
-
-    def done(self, iteration: int, metrics: dict) -> None:
-        self.last = {"score": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
-                     "len": f"{metrics.get('response_length/mean', float('nan')):.1f}",
-                     "s": f"{metrics.get('timing_s/step', 0.0):.1f}"}
-        self.bar.set_description(f"it {iteration} done")
-        self.bar.set_postfix(self.last)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def progress_stage(ctx: RunContext, iteration: int, name: str) -> None:
-    bar = ctx.extra.get("progress")
-    if bar is not None:
-        bar.stage(iteration, name)
-
-
 def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     """Create (or reopen) the run folder, start Ray and the workers, restore a checkpoint on resume.
 
@@ -121,11 +92,7 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     # Load inputs first: a bad dataset or model must not leave a half-created run behind.
     ctx = build_context(cfg, store)
     if not resume:
-        if store.exists():
-            raise RunExistsError(f"run {run_id!r} already exists in {store.run_dir}")
-        store.run_dir.mkdir(parents=True, exist_ok=True)
-        store.write_config(to_yaml(cfg))
-        store.update_run_meta(run_id=run_id, recipe=str(cfg.recipe), status="running", created=time.time())
+        create_run_folder(store, cfg, recipe=str(cfg.recipe))
     else:
         check_resumable(store)
         removed = store.cleanup_temp() + ckpt.cleanup(store)
@@ -139,7 +106,7 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         store.update_run_meta(status="running")
     print(f"trajflow run {run_id}: {store.run_dir}", flush=True)
 
-    _preload_audit()
+    preload_audit()
     try:
         start_workers(ctx)
         start = 1
@@ -148,8 +115,9 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         if latest is not None:
             restore_checkpoint(ctx, latest)
             start = latest + 1
-        ctx.extra["policy_source"] = ckpt.checkpoint_id(latest)
-        ctx.extra["start_iteration"] = start
+        ctx.state.policy_source = ckpt.checkpoint_id(latest)
+        ctx.state.start_iteration = start
+        ctx.state.last_iteration = int(cfg.trainer.total_iterations)
         if resume:
             _report_resume(ctx, latest, start)
         ctx.tracker = Tracker(cfg, run_id, mlflow_run_id=mlflow_run)
@@ -160,10 +128,31 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     except BaseException:
         close(ctx)
         raise
+    if start > ctx.state.last_iteration:
+        print(f"run {run_id} already finished all {ctx.state.last_iteration} iterations; nothing to do", flush=True)
+        ctx.state.nothing_to_do = True
     return ctx
 
 
-def _preload_audit() -> None:
+def create_run_folder(store: RunStore, cfg: DictConfig, **meta) -> None:
+    """Create a new run's folder with its resolved ``config.yaml`` and ``run.json`` (``status: running``).
+
+    Args:
+        store: the new run's store.
+        cfg: its resolved config.
+        meta: more ``run.json`` fields (``recipe``, a replay's lineage, ...).
+
+    Raises:
+        RunExistsError: the folder holds a run already.
+    """
+    if store.exists():
+        raise RunExistsError(f"run {store.run_id!r} already exists in {store.run_dir}")
+    store.run_dir.mkdir(parents=True, exist_ok=True)
+    store.write_config(to_yaml(cfg))
+    store.update_run_meta(run_id=store.run_id, status="running", created=time.time(), **meta)
+
+
+def preload_audit() -> None:
     """Import LanceDB in the background: it takes seconds (its generated REST client), and the driver
     is only waiting for Ray and the workers meanwhile; the audit table is written after iteration 1."""
     import threading
@@ -322,39 +311,41 @@ def restore_checkpoint(ctx: RunContext, iteration: int, source: RunStore | None 
     log.info("%s: restored checkpoint %06d of %s", ctx.run_id, iteration, store.run_id)
 
 
-def pending_iterations(ctx: RunContext) -> Iterator[int]:
-    """Iterations still to train, drawing each one's prompts from the data cursor just before it.
+def iterations(ctx: RunContext) -> range:
+    """The iterations this process is to go through: from the resume point to the run's last."""
+    return range(ctx.state.start_iteration, ctx.state.last_iteration + 1)
 
-    Validation runs first when due (before training, on a fresh run). An iteration whose manifest
-    says ``gated`` (its reward gate stopped it) is not trained again: its prompts are drawn, so the
-    data cursor moves past it, and it is skipped. An iteration re-entered after a crash is marked
-    ``in_progress`` again (its manifest may still say ``complete`` from the crashed session).
-    """
-    from flows.tasks import validate_stage
 
-    cfg = ctx.cfg
-    start = ctx.extra["start_iteration"]
-    total = cfg.trainer.total_iterations
-    if start > total:
-        print(f"run {ctx.run_id} already finished all {total} iterations; nothing to do", flush=True)
-        ctx.extra["nothing_to_do"] = True
-        return
-    if start == 1 and cfg.trainer.test_freq > 0 and cfg.trainer.val_before_train:
-        ctx.tracker.log_metrics(validate_stage(ctx.run_id, 0), step=0)
-    ctx.extra["progress"] = Progress(total, start, cfg.trainer.progress)
-    stored = set(ctx.store.iterations())
-    for it in range(start, total + 1):
-        batch = ctx.sampler.next_batch()
-        status = ctx.store.read_manifest(it).get("status") if it in stored else None
-        if status == "gated":
-            print(f"iteration {it} of run {ctx.run_id} was stopped by its gate; skipped", flush=True)
-            ctx.extra.setdefault("skipped_iterations", []).append(it)
-            continue
-        if status is not None and status != "in_progress":
-            ctx.store.mark(it, "in_progress")
-        ctx.extra.setdefault("batches", {})[it] = batch
-        ctx.extra["iteration_start"] = time.perf_counter()
-        yield it
+def validation_before_training_due(ctx: RunContext) -> bool:
+    """Validate the initial policy: a fresh run with ``trainer.test_freq > 0`` and ``val_before_train``."""
+    t = ctx.cfg.trainer
+    return ctx.state.start_iteration == 1 and t.test_freq > 0 and bool(t.val_before_train) \
+        and not ctx.state.nothing_to_do
+
+
+def was_gated(ctx: RunContext, iteration: int) -> bool:
+    """Whether an earlier session's reward gate stopped ``iteration`` (its manifest says ``gated``):
+    such an iteration is not trained again (say so on the console)."""
+    if iteration not in ctx.store.iterations() or ctx.store.read_manifest(iteration).get("status") != "gated":
+        return False
+    print(f"iteration {iteration} of run {ctx.run_id} was stopped by its gate; skipped", flush=True)
+    ctx.state.skipped_iterations.append(iteration)
+    return True
+
+
+def begin_iteration(ctx: RunContext, iteration: int, prompts: list) -> IterationState:
+    """Start ``iteration`` with its drawn ``prompts``: its live state (with the data cursor as it is
+    now, where every rollout attempt starts), and its manifest back to ``in_progress`` when a crashed
+    session left it marked otherwise."""
+    if ctx.state.progress is None:
+        ctx.state.progress = Progress(ctx.state.last_iteration, iteration, ctx.cfg.trainer.progress)
+    if iteration in ctx.store.iterations() and ctx.store.read_manifest(iteration).get("status") not in (
+            None, "in_progress"):
+        ctx.store.mark(iteration, "in_progress")
+    state = IterationState(iteration=iteration, prompts=list(prompts), started=time.perf_counter(),
+                           sampler_before_rollout=ctx.sampler.state_dict())
+    ctx.iterations[iteration] = state
+    return state
 
 
 def _memory_metrics(ctx: RunContext) -> dict[str, float]:
@@ -369,44 +360,58 @@ def _memory_metrics(ctx: RunContext) -> dict[str, float]:
     return m
 
 
-def finish_iteration(ctx: RunContext, iteration: int, metrics: dict) -> dict:
-    """Mark the iteration complete, log its metrics, validate and checkpoint when due."""
-    from flows.tasks import validate_stage
+def record(ctx: RunContext, iteration: int, metrics: dict) -> dict:
+    """Close the iteration's books: stage timings, ``timing_s/step``, throughput and memory into its
+    metrics, the KL controller and the score history updated, its manifest marked ``complete``.
 
-    cfg = ctx.cfg
-    step_s = time.perf_counter() - ctx.extra["iteration_start"]
+    Returns:
+        The iteration's metrics with those added.
+    """
+    cfg, state = ctx.cfg, ctx.iteration(iteration)
+    step_s = time.perf_counter() - state.started
     metrics = dict(metrics)
-    metrics.update(ctx.extra.get("timing", {}).get(iteration, {}))
+    metrics.update(state.timing)
     metrics["timing_s/step"] = step_s
     metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / step_s
     metrics.update(_memory_metrics(ctx))
     if ctx.kl_ctrl is not None and "critic/kl" in metrics:
         ctx.kl_ctrl.update(metrics["critic/kl"], cfg.data.train_batch_size * cfg.rollout.n)
-    gate_mean = ctx.extra.get("gate_score_mean", {}).get(iteration)
-    if gate_mean is not None or "critic/score/mean" in metrics:
-        ctx.score_history.append(gate_mean if gate_mean is not None else metrics["critic/score/mean"])
+    if state.gate_score_mean is not None or "critic/score/mean" in metrics:
+        ctx.score_history.append(state.gate_score_mean if state.gate_score_mean is not None
+                                 else metrics["critic/score/mean"])
     ctx.store.mark(iteration, "complete", policy_version_after=ctx.policy_version)
-    last = iteration == ctx.extra.get("last_iteration", cfg.trainer.total_iterations)
-    if cfg.trainer.test_freq > 0 and (iteration % cfg.trainer.test_freq == 0 or last):
-        metrics.update(validate_stage(ctx.run_id, iteration))
+    return metrics
+
+
+def validation_due(ctx: RunContext, iteration: int) -> bool:
+    """Validate after ``iteration``: every ``trainer.test_freq`` iterations and after the last."""
+    freq = ctx.cfg.trainer.test_freq
+    return freq > 0 and (iteration % freq == 0 or iteration == ctx.state.last_iteration)
+
+
+def checkpoint_due(ctx: RunContext, iteration: int) -> bool:
+    """Checkpoint after ``iteration``: every ``trainer.save_freq`` iterations and after the last."""
+    freq = ctx.cfg.trainer.save_freq
+    return bool(freq and iteration % freq == 0) or iteration == ctx.state.last_iteration
+
+
+def log_iteration(ctx: RunContext, iteration: int, metrics: dict) -> None:
+    """Publish a recorded iteration: metrics and sample responses to MLflow, its trajectories to the
+    audit table, the progress line; its live state is dropped."""
     ctx.tracker.log_metrics(metrics, step=iteration)
     _log_samples(ctx, iteration)
-    saving = bool(cfg.trainer.save_freq and iteration % cfg.trainer.save_freq == 0) or last
-    _append_audit(ctx, iteration, optimize=saving)
-    if saving:
-        save(ctx, iteration)
-    ctx.extra["last_metrics"] = metrics
-    ctx.extra.setdefault("trained_iterations", []).append(iteration)
-    bar = ctx.extra.get("progress")
-    if bar is not None:
-        bar.done(iteration, metrics)
-    return metrics
+    _append_audit(ctx, iteration, optimize=checkpoint_due(ctx, iteration))
+    ctx.state.last_metrics = metrics
+    ctx.state.trained_iterations.append(iteration)
+    if ctx.state.progress is not None:
+        ctx.state.progress.done(iteration, metrics)
+    ctx.iterations.pop(iteration, None)
 
 
 def rollout_checkpoint_id(ctx: RunContext, iteration: int) -> str:
     """The checkpoint the iteration's rollout policy came from (recorded when the rollout was stored)."""
     entry = ctx.store.stage_entry(iteration, "rollout") or {}
-    return entry.get("meta", {}).get("checkpoint_id") or ctx.extra.get("policy_source") or "initial"
+    return entry.get("meta", {}).get("checkpoint_id") or ctx.state.policy_source
 
 
 def _append_audit(ctx: RunContext, iteration: int, optimize: bool = True) -> None:
@@ -448,14 +453,14 @@ def save(ctx: RunContext, iteration: int) -> Path:
         ray.get(futures)
 
     path = ckpt.save_checkpoint(ctx.store, iteration, state, save_workers, ctx.cfg.trainer.max_checkpoints)
-    ctx.extra["policy_source"] = ckpt.checkpoint_id(iteration)
+    ctx.state.policy_source = ckpt.checkpoint_id(iteration)
     return path
 
 
 def finish_run(ctx: RunContext) -> dict:
     """Export the final policy to ``<run>/final`` and return the run summary."""
     store = ctx.store
-    if not ctx.extra.get("nothing_to_do") or not store.final_dir.exists():
+    if not ctx.state.nothing_to_do or not store.final_dir.exists():
         tmp = store.run_dir / ".final-tmp"
         ray.get(ctx.actor.export_hf.remote(str(tmp)))
         if store.final_dir.exists():
@@ -467,9 +472,8 @@ def finish_run(ctx: RunContext) -> dict:
     meta = store.update_run_meta(status="finished", finished=time.time(), policy_version=ctx.policy_version)
     print(f"trajflow run {ctx.run_id} finished: {store.run_dir}", flush=True)
     return {"run_id": ctx.run_id, "run_dir": str(store.run_dir), "mlflow_run_id": meta.get("mlflow_run_id"),
-            "metrics": ctx.extra.get("last_metrics", {}), "policy_version": ctx.policy_version,
-            "trained_iterations": list(ctx.extra.get("trained_iterations", [])),
-            "nothing_to_do": bool(ctx.extra.get("nothing_to_do"))}
+            "metrics": ctx.state.last_metrics, "policy_version": ctx.policy_version,
+            "trained_iterations": list(ctx.state.trained_iterations), "nothing_to_do": ctx.state.nothing_to_do}
 
 
 def finished_summary(cfg: DictConfig, run_id: str) -> dict | None:
@@ -499,9 +503,8 @@ def _log_end_of_run_plots(ctx: RunContext) -> None:
 
 def close_run(ctx: RunContext, status: str) -> None:
     """Close progress, MLflow run and workers; a failed run says where its files are."""
-    bar = ctx.extra.get("progress")
-    if bar is not None:
-        bar.close()
+    if ctx.state.progress is not None:
+        ctx.state.progress.close()
     if ctx.tracker is not None:
         try:
             ctx.tracker.finish(status)
@@ -511,8 +514,8 @@ def close_run(ctx: RunContext, status: str) -> None:
     sessions = meta.get("sessions") or []
     if sessions:
         sessions[-1].update(ended=time.time(), status=status,
-                            trained_iterations=list(ctx.extra.get("trained_iterations", [])),
-                            skipped_iterations=list(ctx.extra.get("skipped_iterations", [])))
+                            trained_iterations=list(ctx.state.trained_iterations),
+                            skipped_iterations=list(ctx.state.skipped_iterations))
         ctx.store.update_run_meta(sessions=sessions)
     if status != "FINISHED":
         ctx.store.update_run_meta(status="failed")

@@ -1,0 +1,77 @@
+"""The driver's calls into the role workers that the stage tasks share: tokenize and generate on the
+policy (or rollout) workers, and score responses on Ray tasks (rules) plus the reward-model worker.
+
+Every wait is bounded by the running stage's deadline (:func:`trajflow.runtime.wait`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from stages.reward import score_rows
+from stages.rollout import SamplingParams, baseline_columns
+from trajflow.faults import fault_point
+from trajflow.run.context import RunContext
+from trajflow.runtime import wait
+
+
+def generate(ctx: RunContext, prompts: list, params: SamplingParams, iteration: int | None = None) -> tuple[list, dict]:
+    """Tokenize the prompts' messages and sample ``params.n`` responses per prompt with the engine's log-probs.
+
+    Returns:
+        ``(prompt_ids, generation)``: token ids per prompt, and the policy worker's generation result.
+    """
+    cfg = ctx.cfg
+    prompt_ids = wait(ctx, ctx.actor.tokenize_prompts.remote([p.messages for p in prompts], cfg.data.max_prompt_length))
+    pending = ctx.actor.generate_sequences.remote(prompt_ids, params)
+    fault_point("rollout", iteration)
+    return prompt_ids, wait(ctx, pending)
+
+
+def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
+          ) -> tuple[np.ndarray, list, int, np.ndarray | None]:
+    """Score a rollout table's responses: rule scorers on ``reward.num_workers`` Ray tasks and, in
+    parallel, the reward model when enabled.
+
+    Args:
+        ctx: the run.
+        table: rollout rows (``data_source``, ``ground_truth``, ``extra_info``, ``prompt`` and ``text_column``).
+        text_column: the column holding the responses (``baseline_response_text`` for ReMax's baseline).
+
+    Returns:
+        ``(rule_scores (rows,) float32, extras, num_errors, rm_scores (rows,) float32 or None)``.
+    """
+    cols = [table.column(c).to_pylist() for c in ("data_source", text_column, "ground_truth", "extra_info")]
+    rows = len(cols[1])
+    k = max(1, min(ctx.cfg.reward.num_workers, rows))
+    bounds = np.linspace(0, rows, k + 1).astype(int)
+    remote_score = ray.remote(num_cpus=0)(score_rows)
+    reward_cfg = ctx.reward_settings()
+    futures = [remote_score.remote(*[c[a:b] for c in cols], reward_cfg) for a, b in zip(bounds[:-1], bounds[1:])]
+    rm_future = None
+    if ctx.reward_model is not None:
+        messages = [json.loads(p) if isinstance(p, str) else p for p in table.column("prompt").to_pylist()]
+        rm_future = ctx.reward_model.compute_rm_score.remote(messages, cols[1])
+    results = wait(ctx, futures)
+    rule = np.concatenate([r.scores for r in results]).astype(np.float32) if results else np.zeros(0, np.float32)
+    extras = [e for r in results for e in r.extras]
+    rm = np.asarray(wait(ctx, rm_future), dtype=np.float32) if rm_future is not None else None
+    return rule, extras, int(sum(r.num_errors for r in results)), rm
+
+
+def greedy_baseline(ctx: RunContext, table: pa.Table, params: SamplingParams) -> pa.Table:
+    """ReMax's baseline: one greedy response per prompt, added to every row of its group as
+    ``baseline_response_ids`` / ``baseline_response_text``."""
+    gids = table.column("group_id").to_pylist()
+    first = {g: i for i, g in reversed(list(enumerate(gids)))}
+    order = list(dict.fromkeys(gids))
+    prompt_ids = table.column("prompt_ids").to_pylist()
+    greedy = wait(ctx, ctx.actor.generate_sequences.remote([prompt_ids[first[g]] for g in order], params))
+    index = {g: k for k, g in enumerate(order)}
+    for name, col in baseline_columns([index[g] for g in gids], greedy).items():
+        table = table.append_column(name, col)
+    return table

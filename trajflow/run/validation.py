@@ -1,0 +1,48 @@
+"""Validation: the live policy scored on the held-out prompts (shared by the train and evaluate flows)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from stages.reward import score_rows
+from stages.rollout import sampling_params
+from stages.seeds import Salt, iteration_seed
+from trajflow.metrics import validation_metrics
+from trajflow.run.context import RunContext
+from trajflow.runtime import wait
+
+
+def run_validation(ctx: RunContext, step: int) -> dict[str, float]:
+    """Score the policy worker's current policy on the held-out prompts.
+
+    Samples ``rollout.val_n`` responses per prompt (the first ``data.val_max_prompts``, 0 = all) at
+    ``rollout.val_temperature`` with a seed derived from ``step``, and scores them with the reward
+    scorers.
+
+    Args:
+        ctx: a context with ``cfg``, ``actor`` (a live policy worker) and ``datasets``.
+        step: the iteration the policy comes from (0 = before training); seeds the sampling.
+
+    Returns:
+        ``val-core/<data_source>/acc/mean@<n>`` (accuracy in [0, 1]), ``val-aux/<data_source>/reward/mean@<n>``,
+        ``val-aux/response_length/mean`` (tokens) and ``timing_s/testing`` (seconds); empty without prompts.
+    """
+    cfg = ctx.cfg
+    prompts = ctx.datasets.validation
+    if cfg.data.val_max_prompts:
+        prompts = prompts[:cfg.data.val_max_prompts]
+    if not prompts:
+        return {}
+    t0 = time.perf_counter()
+    n = cfg.rollout.val_n
+    params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, step, Salt.VALIDATION), n=n,
+                             temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0)
+    prompt_ids = wait(ctx, ctx.actor.tokenize_prompts.remote([p.messages for p in prompts], cfg.data.max_prompt_length))
+    gen = wait(ctx, ctx.actor.generate_sequences.remote(prompt_ids, params, False))
+    rows = [p for p in prompts for _ in range(n)]
+    result = score_rows([p.data_source for p in rows], gen["response_text"], [str(p.ground_truth) for p in rows],
+                        [json.dumps(p.extra_info, default=str) for p in rows], ctx.reward_settings())
+    metrics = validation_metrics([p.data_source for p in rows], result.scores, result.extras, gen["response_ids"], n)
+    metrics["timing_s/testing"] = time.perf_counter() - t0
+    return metrics
