@@ -40,6 +40,7 @@ from stages.registry import Registry
 __all__ = [
     "ADV_ESTIMATORS",
     "AdvantageConfig",
+    "EstimatorMeta",
     "compute_advantage",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
@@ -51,9 +52,25 @@ __all__ = [
     "compute_gpg_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
     "masked_whiten",
+    "needs_greedy_baseline",
+    "needs_values",
 ]
 
-ADV_ESTIMATORS = Registry("advantage estimator")
+
+@dataclass(frozen=True)
+class EstimatorMeta:
+    """What an advantage estimator needs besides rewards (read by placement and the rollout stage).
+
+    Attributes:
+        needs_values: it takes the critic's ``values=``, so the run creates a critic worker.
+        needs_greedy_baseline: it takes ``reward_baselines=`` scored from a greedy rollout of each prompt.
+    """
+
+    needs_values: bool = False
+    needs_greedy_baseline: bool = False
+
+
+ADV_ESTIMATORS = Registry("advantage estimator", meta=EstimatorMeta)
 
 #: Variance floor inside the square root of :func:`masked_whiten` (verl's value).
 WHITEN_EPS = 1e-8
@@ -240,7 +257,7 @@ def _returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> t
 # --------------------------------------------------------------------------------------------
 
 
-@ADV_ESTIMATORS.register("gae")
+@ADV_ESTIMATORS.register("gae", needs_values=True)
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -437,7 +454,7 @@ def compute_reinforce_plus_plus_baseline_advantage(
     return adv, adv.clone()
 
 
-@ADV_ESTIMATORS.register("remax")
+@ADV_ESTIMATORS.register("remax", needs_greedy_baseline=True)
 def compute_remax_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -599,6 +616,24 @@ def compute_grpo_passk_outcome_advantage(
             adv[block[int(top.indices[0])]] = gap
     out = _broadcast(torch.tensor(adv, dtype=torch.float64, device=mask.device), mask)
     return out, out.clone()
+
+
+def needs_values(name: str) -> bool:
+    """Whether the estimator registered as ``name`` needs a critic's values.
+
+    Raises:
+        ValueError: unknown ``name`` (lists the registered ones).
+    """
+    return ADV_ESTIMATORS.meta(name).needs_values
+
+
+def needs_greedy_baseline(name: str) -> bool:
+    """Whether the estimator registered as ``name`` needs a greedy-rollout baseline reward per prompt.
+
+    Raises:
+        ValueError: unknown ``name`` (lists the registered ones).
+    """
+    return ADV_ESTIMATORS.meta(name).needs_greedy_baseline
 
 
 def compute_advantage(
