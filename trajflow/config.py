@@ -479,7 +479,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: actor.ppo_max_token_len_per_gpu={cfg.actor.ppo_max_token_len_per_gpu} must be "
                           f">= data.max_prompt_length + rollout.max_new_tokens = {longest} with "
                           f"actor.use_dynamic_bsz=true (a micro-batch must hold the longest row)")
-    from trajflow.resources import validate_resources  # pools, placement, DeepSpeed ranks
+    from trajflow.infra.placement import validate_resources  # pools, placement, DeepSpeed ranks
 
     validate_resources(cfg, source)
 

@@ -158,7 +158,7 @@ policy_worker_cls: type | None = None
 
 def placement(ctx: RunContext) -> Any:
     """The run's :class:`trajflow.resources.Placement` (pools -> placement groups -> actor options), made once."""
-    from trajflow.resources import Placement
+    from trajflow.infra.placement import Placement
 
     if ctx.extra.get("placement") is None:
         ctx.extra["placement"] = Placement(ctx.cfg)
