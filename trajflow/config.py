@@ -468,7 +468,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
-    from trajflow.allocator import allocator_error
+    from trajflow.infra.allocator import allocator_error
 
     bad_allocator = allocator_error(str(cfg.resources.allocator))
     if bad_allocator:

@@ -47,7 +47,7 @@ def start_ray(cfg: DictConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    from trajflow.allocator import worker_env_vars
+    from trajflow.infra.allocator import worker_env_vars
 
     kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     env_vars = worker_env_vars(str(cfg.resources.get("allocator", "auto")))
@@ -56,7 +56,7 @@ def start_ray(cfg: DictConfig) -> bool:
     if cfg.resources.ray_address:
         ray.init(address=cfg.resources.ray_address, **kwargs)
     else:
-        from trajflow import raywatch
+        from trajflow.infra import raywatch
 
         before = raywatch.descendants()
         ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
@@ -72,7 +72,7 @@ def watch_new_ray_processes() -> None:
     """Hand Ray processes started since the last call (agents, workers) to the watcher."""
     if "known" not in _RAY_WATCH:
         return
-    from trajflow import raywatch
+    from trajflow.infra import raywatch
 
     now = raywatch.descendants()
     new = raywatch.ray_processes(now - _RAY_WATCH["known"])

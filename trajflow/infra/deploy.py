@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import yaml
 from trajflow.errors import DeployError
 
-SOURCE_DIR = Path(__file__).resolve().parents[1]
+SOURCE_DIR = Path(__file__).resolve().parents[2]
 INFRA_DIR = SOURCE_DIR / "infra" / "prefect"
 PREFECT_FILE = INFRA_DIR / "prefect.yaml"
 POOLS_FILE = INFRA_DIR / "work-pools.yaml"

@@ -97,10 +97,10 @@ class Watcher:
 
 def start(procs: Iterable[tuple[int, float]]) -> Watcher:
     """Start a watcher for ``procs`` (it outlives this process by design; see the module docstring)."""
-    pkg_root = str(Path(__file__).resolve().parents[1])
+    pkg_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen([sys.executable, "-m", "trajflow.raywatch", str(os.getpid())], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "trajflow.infra.raywatch", str(os.getpid())], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
                             close_fds=True)
     w = Watcher(proc)
