@@ -59,7 +59,7 @@ PROBE = """
 import json, sys
 import ray
 from trajflow.config import load_config
-from trajflow.runtime import start_ray, stop_ray
+from trajflow.infra.ray_cluster import start_ray, stop_ray
 from trajflow.infra.allocator import loaded_allocator
 
 cfg = load_config(None, sys.argv[1:])
