@@ -1,4 +1,4 @@
-"""Infrastructure code: devices, Ray placement and the local Ray cluster, worker environment, deployments.
+"""Infrastructure code: devices, Ray placement, the Ray cluster, process environments, deployments.
 
 It mirrors the top-level ``infra/`` folder (the files Prefect, Ray and Docker read); see
 ``infra/README.md`` for which module reads which file.
