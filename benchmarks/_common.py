@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from trajflow.env import configure_environment  # noqa: E402
+from trajflow.infra.env import configure_environment  # noqa: E402
 
 configure_environment()
 
@@ -261,7 +261,7 @@ def preload_allocator(setting: str = "auto") -> str:
     vs_trl.py) re-executes itself once with the same ``LD_PRELOAD``, so both sides of a comparison
     and the in-process measurements see the allocator the pipeline uses. Returns what is loaded.
     """
-    from trajflow.allocator import loaded_allocator, worker_env_vars
+    from trajflow.infra.allocator import loaded_allocator, worker_env_vars
 
     env = worker_env_vars(setting)
     if env and loaded_allocator() is None and not os.environ.get("TRAJFLOW_BENCH_REEXEC"):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trajflow.env import configure_environment  # noqa: E402
+from trajflow.infra.env import configure_environment  # noqa: E402
 
 configure_environment()
 

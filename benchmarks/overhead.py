@@ -245,7 +245,7 @@ def main() -> None:
     import pyarrow.parquet as pq
     import ray
 
-    from trajflow.allocator import worker_env_vars
+    from trajflow.infra.allocator import worker_env_vars
     from trajflow.config import load_config
 
     default_cfg = load_config(None, [])

@@ -8,7 +8,7 @@ Query parameters make views linkable: ``/?runs=a,b&metrics=critic/score/mean``,
 
 from __future__ import annotations
 
-from trajflow.env import configure_environment
+from trajflow.infra.env import configure_environment
 
 configure_environment()
 

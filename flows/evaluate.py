@@ -11,7 +11,7 @@ Deployed as ``evaluate`` (nightly, ``infra/prefect/prefect.yaml``); callable dir
 
 from __future__ import annotations
 
-from trajflow.env import configure_environment
+from trajflow.infra.env import configure_environment
 
 configure_environment()
 

@@ -34,7 +34,7 @@ request first (:func:`prepare`), so bad input fails before Prefect or Ray start.
 
 from __future__ import annotations
 
-from trajflow.env import configure_environment
+from trajflow.infra.env import configure_environment
 
 configure_environment()
 

@@ -7,7 +7,7 @@ by default (a temporary local one); set ``PREFECT_API_URL`` to use a real server
 
 from __future__ import annotations
 
-from trajflow.env import configure_environment
+from trajflow.infra.env import configure_environment
 
 configure_environment()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trajflow.allocator import find_tcmalloc, loaded_allocator, resolve_allocator, worker_env_vars
+from trajflow.infra.allocator import find_tcmalloc, loaded_allocator, resolve_allocator, worker_env_vars
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,8 +59,8 @@ PROBE = """
 import json, sys
 import ray
 from trajflow.config import load_config
-from trajflow.runtime import start_ray, stop_ray
-from trajflow.allocator import loaded_allocator
+from trajflow.infra.ray_cluster import start_ray, stop_ray
+from trajflow.infra.allocator import loaded_allocator
 
 cfg = load_config(None, sys.argv[1:])
 start_ray(cfg)

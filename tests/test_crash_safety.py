@@ -212,7 +212,7 @@ def test_killed_checkpoint_write_is_not_a_checkpoint_and_is_cleaned_up(tmp_path)
 def test_watcher_reaps_listed_processes_when_the_pipe_closes():
     import psutil
 
-    from trajflow import raywatch
+    from trajflow.infra import raywatch
 
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -237,7 +237,7 @@ def test_watcher_reaps_what_a_raylet_starts_after_it_was_listed(tmp_path):
     unmarked in their environment; the watcher must find them by polling the raylet's descendants."""
     import psutil
 
-    from trajflow import raywatch
+    from trajflow.infra import raywatch
 
     raylet_exe = tmp_path / "raylet"  # the process name the watcher recognises a raylet by
     raylet_exe.symlink_to(sys.executable)

@@ -11,7 +11,7 @@ import pytest
 
 from trajflow.errors import ConfigError
 from trajflow.config import load_config
-from trajflow.deploy import (DeployError, load_deployments, load_pools, resolve_placeholders, schedule_create,
+from trajflow.infra.deploy import (DeployError, load_deployments, load_pools, resolve_placeholders, schedule_create,
                              skip_reason)
 
 # ---------------------------------------------------------------- definitions (infra/prefect)
@@ -73,7 +73,7 @@ def test_optional_replay_is_skipped_until_its_flow_exists(tmp_path):
 def test_deploy_without_a_server_is_an_error(monkeypatch):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from trajflow.deploy import api_url
+    from trajflow.infra.deploy import api_url
 
     assert api_url("http://10.0.0.5:4200") == "http://10.0.0.5:4200/api"
     assert api_url("http://h:4200/api/") == "http://h:4200/api"

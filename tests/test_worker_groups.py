@@ -125,7 +125,7 @@ POOLS = "resources.pools={p: {nodes: 1, devices_per_node: 2, device: cpu, num_cp
 def test_colocated_pool_shares_bundles(ray_local, tiny_model_dir):
     from ray.util.placement_group import placement_group_table
 
-    from trajflow.resources import Placement
+    from trajflow.infra.placement import Placement
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", POOLS, "actor.pool=p", "actor.strategy=deepspeed",
                              "actor.world_size=2", "actor.kl_loss_coef=0.1"])
@@ -145,7 +145,7 @@ def test_colocated_pool_shares_bundles(ray_local, tiny_model_dir):
 
 
 def test_default_config_keeps_single_actor_options(tiny_model_dir):
-    from trajflow.resources import Placement
+    from trajflow.infra.placement import Placement
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}"])
     p = Placement(cfg)
@@ -156,7 +156,7 @@ def test_default_config_keeps_single_actor_options(tiny_model_dir):
 
 def test_pool_larger_than_cluster_fails_at_once(ray_local):
     from trajflow.errors import DeviceError
-    from trajflow.resources import Pool, check_capacity
+    from trajflow.infra.placement import Pool, check_capacity
 
     gpu = Pool("gpus", 2, 8, "gpu", 4)
     with pytest.raises(DeviceError, match=r"resources.pools.gpus .* needs 16 GPU but the Ray cluster has 0"):
@@ -195,7 +195,7 @@ def test_gpu_requests_fail_with_one_clear_line():
     import torch
 
     from trajflow.errors import DeviceError
-    from trajflow.resources import require_device, require_vllm
+    from trajflow.infra.devices import require_device, require_vllm
     from trajflow.run.lifecycle import preflight
 
     assert not torch.cuda.is_available()  # this test documents the CPU-machine behaviour

@@ -6,7 +6,7 @@ traceback; anything else is a bug or an infrastructure failure and keeps its tra
 
 from __future__ import annotations
 
-from trajflow.env import configure_environment
+from trajflow.infra.env import configure_environment
 
 configure_environment()
 
@@ -226,7 +226,7 @@ def deploy(server: Optional[str] = typer.Option(None, "--server", help="Prefect 
                                               "infra/prefect/work-pools.yaml)")) -> None:
     """Register the Prefect deployments (train, evaluate, replay), their work pool, queues and schedules."""
     from trajflow.errors import DeployError
-    from trajflow.deploy import deploy as register_all
+    from trajflow.infra.deploy import deploy as register_all
 
     try:
         out = register_all(server, source, pool, echo=typer.echo)

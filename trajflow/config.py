@@ -467,7 +467,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
-    from trajflow.allocator import allocator_error
+    from trajflow.infra.allocator import allocator_error
 
     bad_allocator = allocator_error(str(cfg.resources.allocator))
     if bad_allocator:
@@ -478,7 +478,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: actor.ppo_max_token_len_per_gpu={cfg.actor.ppo_max_token_len_per_gpu} must be "
                           f">= data.max_prompt_length + rollout.max_new_tokens = {longest} with "
                           f"actor.use_dynamic_bsz=true (a micro-batch must hold the longest row)")
-    from trajflow.resources import validate_resources  # pools, placement, DeepSpeed ranks
+    from trajflow.infra.placement import validate_resources  # pools, placement, DeepSpeed ranks
 
     validate_resources(cfg, source)
 

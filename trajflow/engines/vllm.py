@@ -83,7 +83,7 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_path: str, rollout: dict, model_cfg: dict, eos_ids: Sequence[int], seed: int = 0,
                  colocated: bool = True) -> None:
-        from trajflow.resources import require_device, require_vllm
+        from trajflow.infra.devices import require_device, require_vllm
 
         require_vllm()
         require_device("cuda", "this Ray worker's node (the vLLM engine)")

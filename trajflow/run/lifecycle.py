@@ -62,7 +62,7 @@ def preflight(cfg: DictConfig) -> None:
     """
     from trajflow.data import load_prompt_dataset, load_spec
     from trajflow.models import resolve_model_path
-    from trajflow.resources import preflight_devices
+    from trajflow.infra.devices import preflight_devices
 
     preflight_devices(cfg)
 

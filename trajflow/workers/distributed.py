@@ -251,7 +251,7 @@ class DeepSpeedBackend:
 
     def __init__(self, model: torch.nn.Module, actor: dict, dtype: str, device: str, rank: int,
                  world_size: int) -> None:
-        from trajflow.resources import collective_backend
+        from trajflow.infra.devices import collective_backend
 
         if device == "cpu":
             _skip_cpu_op_builds()

@@ -80,7 +80,7 @@ class PolicyWorker:
 
     def __init__(self, model_path: str, actor: dict, model_cfg: dict, rollout: dict, seed: int,
                  device: str = "cpu", num_threads: int = 0) -> None:
-        from trajflow.resources import require_device
+        from trajflow.infra.devices import require_device
 
         require_device(device, "this Ray worker's node")
         self.threads = set_threads(num_threads)

@@ -30,7 +30,7 @@ class ReferenceWorker:
 
     def __init__(self, model_path: str, model_cfg: dict, micro_batch_size: int, device: str = "cpu",
                  num_threads: int = 0) -> None:
-        from trajflow.resources import require_device
+        from trajflow.infra.devices import require_device
 
         require_device(device, "this Ray worker's node")
         set_threads(num_threads)

@@ -38,7 +38,7 @@ class RolloutWorker:
         import torch
 
         from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
-        from trajflow.resources import require_device
+        from trajflow.infra.devices import require_device
         from trajflow.workers.policy import set_threads
 
         require_device(device, "this Ray worker's node")

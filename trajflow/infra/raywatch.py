@@ -1,25 +1,10 @@
 """Reap a local Ray cluster whose driver died without shutting it down.
 
-``ray.init()`` without an address starts a local cluster (GCS, raylet, agents, workers) as children
-of the driver. When the driver is SIGKILLed, the raylet and GCS go with it and Ray kills the
-driver's actors, but Ray's dashboard and runtime-env agents linger for a minute or more (measured
-with Ray 2.60: 60-90 s, ~100 MB each), and a crashed run that is resumed at once starts a second
-cluster beside them.
-
-:func:`start` launches this module as a small watcher process in its own session. The driver sends
-it the ``(pid, create_time)`` of the processes its ``ray.init`` started, one JSON list per line, and
-keeps the pipe open. When the pipe closes (the driver exited, however it exited), the watcher waits
-``GRACE_S`` for Ray's own teardown, then terminates the listed processes that are still alive *and*
-still have the recorded create time (so a reused pid is never touched), plus the worker processes
-the cluster's raylet started later, and kills those that ignore ``SIGTERM``. It imports nothing but
-the standard library and psutil.
-
-The raylet's later processes are found two ways, because neither alone sees all of them: while the
-pipe is open the watcher lists the raylet's descendants every ``POLL_S`` (this is how the dashboard
-and runtime-env agents are seen: the raylet may start them after ``ray.init`` returns, and they carry
-no mark in their environment), and at reap time it adds processes whose environment names the raylet
-(``RAY_RAYLET_PID``; workers started between the last poll and the driver's death), created after that
-raylet and before the driver died.
+:func:`start` launches this module as a watcher process in its own session; the driver sends it the
+``(pid, create_time)`` of the Ray processes it started and keeps the pipe open. When the pipe
+closes, however the driver exited, the watcher terminates (then kills) those still running with
+their recorded create time, plus the workers their raylet started later. It imports nothing but the
+standard library and psutil. Why, and how it finds the later ones: docs/scaling.md ("The Ray watcher").
 """
 
 from __future__ import annotations
@@ -97,10 +82,10 @@ class Watcher:
 
 def start(procs: Iterable[tuple[int, float]]) -> Watcher:
     """Start a watcher for ``procs`` (it outlives this process by design; see the module docstring)."""
-    pkg_root = str(Path(__file__).resolve().parents[1])
+    pkg_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.Popen([sys.executable, "-m", "trajflow.raywatch", str(os.getpid())], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "trajflow.infra.raywatch", str(os.getpid())], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
                             close_fds=True)
     w = Watcher(proc)

@@ -1,49 +1,19 @@
-"""Resource pools, placement of roles on them, and device checks.
+"""Resource pools (``resources.pools``) and the placement of roles on them as Ray placement groups.
 
-A *resource pool* is a set of identical worker slots declared in config (``resources.pools``)::
-
-    resources:
-      placement: split            # or colocated
-      pools:
-        train: {nodes: 1, devices_per_node: 2, device: gpu, num_cpus_per_worker: 4}
-        ref:   {nodes: 1, devices_per_node: 1, device: NPU, num_cpus_per_worker: 2}
-    actor: {pool: train, world_size: 2}
-    reference: {pool: ref}
-
-Each slot is one Ray placement-group *bundle* (``{"CPU": num_cpus_per_worker, <device>: 1}``);
-a pool holds ``nodes`` placement groups (one per node, ``STRICT_PACK``) of ``devices_per_node``
-bundles each, so a pool's slots on one node stay on one node. ``device`` is ``cpu`` (CPUs only),
-``gpu`` (Ray's ``num_gpus``) or the name of any custom Ray resource (``NPU`` for Ascend nodes, or
-a label of your own: a role on a custom-resource pool computes on ``trainer.device``).
-
-*Placement* decides which roles (``actor``, ``reference``, ``critic``, ``rollout``) share slots:
-
-- ``colocated``: every role runs on the actor's pool; rank ``i`` of every role shares bundle ``i``,
-  each role taking ``1/k`` of the bundle's CPUs and device (``k`` roles on the pool), as verl's
-  colocated worker groups do;
-- ``split``: every role has its own pool and takes whole bundles.
-
-With no pools declared and ``actor.world_size == 1`` nothing changes from a single-machine run:
-no placement group is made and the workers are created with exactly the options they always had.
-
-Device checks live here too: ``trainer.device`` picks the torch device and the collective backend
-(:func:`collective_backend`), and :func:`require_device` raises one clear :class:`DeviceError`
-when the device is absent, before any CUDA/NPU call can fail with a driver traceback.
+Each slot of a pool is one Ray bundle and a pool holds one ``STRICT_PACK`` placement group per node;
+``colocated`` shares every slot among the roles on the actor's pool, ``split`` gives each role a pool
+of its own. With no pools and one actor rank no placement group is made at all. docs/scaling.md
+("Resource pools and placement") describes the config and its rules.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from trajflow.errors import DeviceError
-from trajflow.errors import ConfigError
-
-log = logging.getLogger(__name__)
+from trajflow.errors import ConfigError, DeviceError
 
 #: Roles that can be placed on pools (the config sections carrying a ``pool`` key).
 ROLES = ("actor", "reference", "critic", "rollout")
@@ -51,87 +21,6 @@ ROLES = ("actor", "reference", "critic", "rollout")
 POOL_KEYS = ("nodes", "devices_per_node", "device", "num_cpus_per_worker")
 DEFAULT_POOL = "default"
 _TORCH_DEVICE_RESOURCE = {"cpu": "cpu", "cuda": "gpu", "npu": "NPU"}
-
-
-# --------------------------------------------------------------------------------------------
-# devices
-
-
-def collective_backend(device: str) -> str:
-    """The torch.distributed backend for ``trainer.device``: gloo (cpu), nccl (cuda), hccl (npu)."""
-    try:
-        return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device]
-    except KeyError:
-        raise DeviceError(f"trainer.device={device!r} is not allowed: choose one of cpu, cuda, npu") from None
-
-
-def device_available(device: str) -> bool:
-    """Whether this process can use ``device`` (``torch_npu`` must be installed for ``npu``)."""
-    import torch
-
-    if device == "cpu":
-        return True
-    if device == "cuda":
-        return bool(torch.cuda.is_available())
-    if device == "npu":
-        if importlib.util.find_spec("torch_npu") is None:
-            return False
-        import torch_npu  # noqa: F401  (registers torch.npu)
-
-        return bool(torch.npu.is_available())  # type: ignore[attr-defined]
-    return False
-
-
-def require_device(device: str, where: str = "this machine") -> None:
-    """Raise :class:`DeviceError` unless ``device`` can be used here.
-
-    Args:
-        device: ``cpu``, ``cuda`` or ``npu`` (``trainer.device``).
-        where: how to name the place in the message (e.g. a Ray node id).
-
-    Raises:
-        DeviceError: one line naming ``trainer.device`` and what is missing.
-    """
-    if device_available(device):
-        return
-    if device == "cuda":
-        raise DeviceError(f"trainer.device='cuda' but no CUDA GPU is visible on {where} "
-                          "(torch.cuda.is_available() is False); use trainer.device=cpu or run on a GPU node")
-    if device == "npu":
-        missing = "torch_npu is not installed" if importlib.util.find_spec("torch_npu") is None \
-            else "torch.npu.is_available() is False"
-        raise DeviceError(f"trainer.device='npu' but no Ascend NPU is usable on {where} ({missing}); "
-                          "install torch_npu on NPU nodes or use trainer.device=cpu")
-    collective_backend(device)  # raises for unknown names
-
-
-def require_vllm() -> None:
-    """Raise :class:`DeviceError` unless vLLM can be imported (it has no CPU build)."""
-    if importlib.util.find_spec("vllm") is None:
-        raise DeviceError("rollout.engine='vllm' needs vLLM, which is not installed here: run "
-                          "pip install 'trajflow[gpu]' on a GPU machine (vLLM has no CPU build), "
-                          "or use rollout.engine=hf")
-
-
-def preflight_devices(cfg: Any) -> None:
-    """Check ``trainer.device`` and ``rollout.engine`` before anything starts.
-
-    When ``resources.ray_address`` names a cluster the driver may well have no GPU while the
-    workers do, so then only the cluster's resources are checked (when the workers start) and
-    every worker checks its own device (:func:`require_device`).
-
-    Raises:
-        DeviceError: the device or vLLM is missing on this machine.
-    """
-    if cfg.resources.ray_address:
-        return
-    require_device(cfg.trainer.device)
-    if cfg.rollout.engine == "vllm":
-        require_vllm()
-
-
-# --------------------------------------------------------------------------------------------
-# pools
 
 
 @dataclass(frozen=True)
@@ -213,9 +102,10 @@ def role_enabled(cfg: Any, role: str) -> bool:
     if role == "reference":
         return cfg.actor.kl_loss_coef > 0 or bool(cfg.algorithm.use_kl_in_reward)
     if role == "critic":
-        from trajflow.runtime import VALUE_ESTIMATORS
+        # Lazy: stages.advantage imports torch, and the config layer stays importable without it.
+        from stages.advantage import needs_values
 
-        return cfg.algorithm.adv_estimator in VALUE_ESTIMATORS
+        return needs_values(cfg.algorithm.adv_estimator)
     if role == "rollout":
         return cfg.rollout.pool is not None
     raise KeyError(role)
@@ -300,10 +190,6 @@ def validate_resources(cfg: Any, source: str = "config") -> None:
         if device_resource == "cpu" and pool.device == "gpu":
             raise ConfigError(f"{source}: resources.pools.{name}.device='gpu' needs trainer.device='cuda' "
                               "(got 'cpu'): the role would hold a GPU and compute on the CPU")
-
-
-# --------------------------------------------------------------------------------------------
-# placement
 
 
 def _share(value: float, k: int) -> float:

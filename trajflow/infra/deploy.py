@@ -1,14 +1,11 @@
 """Register trajflow's Prefect deployments, work pools and queues on a Prefect server.
 
 The definitions are files, not code: ``infra/prefect/prefect.yaml`` (deployments in Prefect's own
-format: entrypoints, parameters, schedules, work pool and queue, pull steps) and
-``infra/prefect/work-pools.yaml`` (work pools and their queues with concurrency limits).
-:func:`deploy` (``trajflow deploy``) creates or updates the pools and queues, then creates or updates
-each deployment through the Prefect API; running it again is harmless (an existing deployment is
-replaced in place, schedules included).
-
-Placeholders ``{{ $VAR }}`` are read from the environment; ``TRAJFLOW_SOURCE`` defaults to the
-source folder (``--source``, else this checkout).
+format) and ``infra/prefect/work-pools.yaml`` (work pools and queues with concurrency limits).
+:func:`deploy` (``trajflow deploy``) creates or updates the pools and queues, then each deployment;
+running it again is harmless (an existing deployment is replaced in place, schedules included).
+Placeholders ``{{ $VAR }}`` come from the environment; ``TRAJFLOW_SOURCE`` defaults to the source
+folder (``--source``, else this checkout).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from typing import Any, Mapping
 import yaml
 from trajflow.errors import DeployError
 
-SOURCE_DIR = Path(__file__).resolve().parents[1]
+SOURCE_DIR = Path(__file__).resolve().parents[2]
 INFRA_DIR = SOURCE_DIR / "infra" / "prefect"
 PREFECT_FILE = INFRA_DIR / "prefect.yaml"
 POOLS_FILE = INFRA_DIR / "work-pools.yaml"

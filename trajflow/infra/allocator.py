@@ -1,22 +1,9 @@
-"""The memory allocator of the Ray worker processes that hold the models.
+"""The memory allocator preloaded into the Ray worker processes that hold the models.
 
-An update allocates and frees hundreds of large tensors (activations of a few MB, the 109 MB logits
-chunk, the 113 MB embedding gradient of SmolLM2). glibc's ``malloc`` serves each allocation above
-its mmap threshold (at most 32 MB) with a fresh ``mmap`` and returns it on ``free``, so the next
-update page-faults and zero-fills the same memory again: on 2 CPU cores a fifth of the update's
-CPU time went to the kernel. tcmalloc keeps freed pages for reuse. Measured on the default
-recipe's 32-row update, in-process, best of 3 (``benchmarks/limits.py`` reports the end result):
-
-- glibc (the default): 3.4-3.7 s; peak RSS over 8 updates 4.84 GiB;
-- glibc with ``MALLOC_MMAP_MAX_=0``: 2.9 s; 5.02 GiB, and its heap never shrinks;
-- mimalloc 3.4 (PyPI ``cmeel-mimalloc``): 3.0-3.4 s; 4.58-4.92 GiB depending on its purge delay;
-- tcmalloc 2.10 (Debian ``libtcmalloc-minimal4``): 2.8 s; 4.44 GiB.
-
-tcmalloc is a system library (no PyPI wheel ships it), so it is used when present and the system
-allocator otherwise: ``resources.allocator`` is ``auto`` (tcmalloc if found, else the system's),
-``system``, or the path of a shared library to preload. It is preloaded (``LD_PRELOAD``) into the
-Ray workers through the job's runtime environment; the driver process, which holds no model, keeps
-its own allocator.
+``resources.allocator`` is ``auto`` (tcmalloc if the system has it, else the system's), ``system``
+or the path of a shared library to preload. It reaches the workers as ``LD_PRELOAD`` in the job's
+runtime environment; the driver process, which holds no model, keeps its own allocator. Why
+tcmalloc, with the measurements: docs/scaling.md ("Memory allocator").
 """
 
 from __future__ import annotations
