@@ -667,3 +667,64 @@ def compute_advantage(
     """
     fn = ADV_ESTIMATORS.get(name)
     return fn(token_level_rewards, response_mask, index, config if config is not None else AdvantageConfig(), **extra)
+
+
+def advantage_table(joined: pa.Table, algorithm_cfg: dict, values: list[np.ndarray] | None = None,
+                    reward_baselines: np.ndarray | None = None) -> pa.Table:
+    """The advantage stage's output (``values`` only when a critic supplied them).
+
+    Args:
+        joined: rollout + reward columns (needs ``sample_id``, ``group_id``, ``response_ids``,
+            ``token_rewards``).
+        algorithm_cfg: the ``algorithm`` config section.
+        values: critic values per row (ragged, aligned with ``response_ids``), for ``gae``.
+        reward_baselines: per-row baseline reward (ReMax's greedy score).
+    """
+    resp_len = lengths(joined.column("response_ids"))
+    T = max(int(resp_len.max()) if len(resp_len) else 1, 1)
+    rewards = pad_ragged(joined.column("token_rewards"), 0.0, torch.float32, length=T)
+    mask = torch.arange(T)[None, :] < torch.from_numpy(resp_len)[:, None]
+    if "loss_mask" in joined.column_names:
+        mask = mask & pad_ragged(joined.column("loss_mask"), 0, torch.float32, length=T).bool()
+    conf = AdvantageConfig(gamma=algorithm_cfg["gamma"], lam=algorithm_cfg["lam"],
+                           norm_adv_by_std_in_grpo=algorithm_cfg["norm_adv_by_std_in_grpo"])
+    extra: dict[str, Any] = {}
+    vals_t = None
+    if values is not None:
+        vals_t = pad_ragged(pa.array([list(map(float, v)) for v in values], pa.list_(pa.float32())), 0.0,
+                            torch.float32, length=T)
+        extra["values"] = vals_t
+    if reward_baselines is not None:
+        extra["reward_baselines"] = torch.as_tensor(reward_baselines, dtype=torch.float32)
+    index = joined.column("group_id").to_pylist()
+    adv, ret = compute_advantage(algorithm_cfg["adv_estimator"], rewards, mask, index, conf, **extra)
+    cols = {"sample_id": joined.column("sample_id")}
+    if vals_t is not None:
+        cols["values"] = to_ragged(vals_t, resp_len)
+    cols["advantages"] = to_ragged(adv, resp_len)
+    cols["returns"] = to_ragged(ret, resp_len)
+    return pa.table(cols)
+
+
+def fill_dropped_rows(joined: pa.Table, computed: pa.Table | None) -> pa.Table:
+    """Advantage table over every row of ``joined``: computed rows as given, the others zero.
+
+    Args:
+        joined: all rows of the iteration (``sample_id``, ``response_ids``).
+        computed: :func:`advantage_table` over the kept rows (``None`` if none was kept).
+    """
+    ids = joined.column("sample_id").to_pylist()
+    resp_len = lengths(joined.column("response_ids"))
+    by_id: dict[str, int] = {}
+    cols = ["advantages", "returns"]
+    if computed is not None:
+        by_id = {sid: i for i, sid in enumerate(computed.column("sample_id").to_pylist())}
+        cols = [c for c in computed.column_names if c != "sample_id"]
+        if len(by_id) == len(ids):
+            return computed.take(pa.array([by_id[s] for s in ids]))
+    data = {c: computed.column(c).to_pylist() if computed is not None else None for c in cols}
+    out: dict[str, Any] = {"sample_id": joined.column("sample_id")}
+    for c in cols:
+        out[c] = pa.array([data[c][by_id[s]] if s in by_id else [0.0] * int(n) for s, n in zip(ids, resp_len)],
+                          pa.list_(pa.float32()))
+    return pa.table(out)
