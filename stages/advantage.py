@@ -39,6 +39,8 @@ import torch
 
 from trajflow.batch import lengths, pad_ragged, to_ragged
 
+from stages.group_stats import (GroupStats, broadcast_rows, check_inputs, group_ids,
+                                masked_finite, masked_tokens)
 from stages.registry import Registry
 
 __all__ = [
@@ -112,101 +114,6 @@ class AdvantageConfig:
             isinstance(self.pass_k, bool) or not isinstance(self.pass_k, numbers.Integral) or self.pass_k < 2
         ):
             raise ValueError(f"AdvantageConfig.pass_k must be None or an int >= 2, got {self.pass_k!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# validation and shared helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _check_inputs(token_level_rewards: Any, response_mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate rewards and mask; return (rewards as float64 with 0 outside the mask, bool mask)."""
-    if not isinstance(token_level_rewards, torch.Tensor) or token_level_rewards.dim() != 2:
-        raise ValueError(
-            "token_level_rewards must be a 2-D torch.Tensor of shape (batch, response_len), got "
-            f"{type(token_level_rewards).__name__} with shape {getattr(token_level_rewards, 'shape', None)}"
-        )
-    if not token_level_rewards.is_floating_point():
-        raise ValueError(f"token_level_rewards must be a float tensor, got dtype {token_level_rewards.dtype}")
-    if not isinstance(response_mask, torch.Tensor) or response_mask.shape != token_level_rewards.shape:
-        raise ValueError(
-            f"response_mask must be a torch.Tensor with the shape of token_level_rewards "
-            f"{tuple(token_level_rewards.shape)}, got {getattr(response_mask, 'shape', type(response_mask).__name__)}"
-        )
-    mask = _as_bool_mask(response_mask, "response_mask")
-    rewards = _masked_finite(token_level_rewards, mask, "token_level_rewards")
-    return rewards, mask
-
-
-def _as_bool_mask(mask: torch.Tensor, name: str) -> torch.Tensor:
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError(f"{name} must be bool or hold only 0 and 1, got values outside {{0, 1}}")
-    return mask != 0
-
-
-def _masked_finite(x: torch.Tensor, mask: torch.Tensor, name: str) -> torch.Tensor:
-    """float64 copy of ``x`` with 0 outside ``mask``; raise on non-finite values inside it."""
-    x64 = x.detach().to(torch.float64)
-    bad = mask & ~torch.isfinite(x64)
-    if bool(bad.any()):
-        row, col = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"{name} has a non-finite value {x64[row, col].item()} at row {row}, token {col} (inside the mask)")
-    return torch.where(mask, x64, torch.zeros_like(x64))
-
-
-def _group_ids(index: Any, batch: int, device: torch.device) -> tuple[torch.Tensor, list[Any]]:
-    """Map group ids to ``0..G-1`` in order of first appearance; return (ids (batch,), keys)."""
-    if index is None:
-        raise ValueError("index (one group id per row) is required by this advantage estimator, got None")
-    if isinstance(index, torch.Tensor):
-        index = index.tolist()
-    try:
-        keys_per_row = list(index)
-    except TypeError:
-        raise ValueError(f"index must be a sequence of group ids, got {type(index).__name__}") from None
-    if len(keys_per_row) != batch:
-        raise ValueError(f"index must have one group id per row: expected length {batch}, got {len(keys_per_row)}")
-    lookup: dict[Any, int] = {}
-    ids = []
-    for row, key in enumerate(keys_per_row):
-        if hasattr(key, "item") and not isinstance(key, (str, bytes)):
-            key = key.item()  # numpy / torch scalars hash like the Python value
-        try:
-            ids.append(lookup.setdefault(key, len(lookup)))
-        except TypeError:
-            raise ValueError(f"index[{row}] must be a hashable group id (str or int), got {key!r}") from None
-    return torch.tensor(ids, dtype=torch.long, device=device), list(lookup)
-
-
-class _GroupStats:
-    """Per-group statistics of one scalar score per row, all in float64.
-
-    Attributes (per group, shape (num_groups,)): ``count``, ``sum``, ``mean``, ``std`` (unbiased,
-    like ``torch.std``; 0 for groups of one) and ``all_equal`` (max == min, true for groups of one).
-    """
-
-    def __init__(self, scores: torch.Tensor, ids: torch.Tensor, num_groups: int) -> None:
-        zeros = torch.zeros(num_groups, dtype=torch.float64, device=scores.device)
-        self.count = zeros.index_add(0, ids, torch.ones_like(scores))
-        self.sum = zeros.index_add(0, ids, scores)
-        self.mean = self.sum / self.count
-        sq = zeros.index_add(0, ids, (scores - self.mean[ids]) ** 2)
-        self.std = torch.where(self.count > 1, sq / (self.count - 1).clamp(min=1), zeros).sqrt()
-        gmax = torch.full_like(zeros, -torch.inf).scatter_reduce(0, ids, scores, "amax")
-        gmin = torch.full_like(zeros, torch.inf).scatter_reduce(0, ids, scores, "amin")
-        self.all_equal = gmax == gmin
-
-
-def _broadcast(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(batch,) float64 -> (batch, response_len) float32 on the valid tokens, 0 elsewhere."""
-    out = torch.where(mask, per_row.unsqueeze(-1).expand(mask.shape), torch.zeros((), dtype=per_row.dtype, device=mask.device))
-    return out.to(torch.float32)
-
-
-def _masked_tokens(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, x, torch.zeros_like(x))
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
@@ -295,7 +202,7 @@ def compute_gae_advantage_return(
         ValueError: ``values`` missing or of the wrong shape, non-finite values/rewards inside the
             mask, or a malformed mask.
     """
-    rewards, mask = _check_inputs(token_level_rewards, response_mask)
+    rewards, mask = check_inputs(token_level_rewards, response_mask)
     if values is None:
         raise ValueError("the 'gae' advantage estimator needs values=(batch, response_len) from the critic, got None")
     if not isinstance(values, torch.Tensor) or values.shape != rewards.shape:
@@ -303,7 +210,7 @@ def compute_gae_advantage_return(
             f"values must be a tensor of shape {tuple(rewards.shape)} (batch, response_len), got "
             f"{getattr(values, 'shape', type(values).__name__)}"
         )
-    v = _masked_finite(values, mask, "values")
+    v = masked_finite(values, mask, "values")
     gamma, lam = float(config.gamma), float(config.lam)
     batch, length = rewards.shape
     advantages = torch.zeros_like(rewards)
@@ -316,19 +223,19 @@ def compute_gae_advantage_return(
         next_adv = torch.where(valid, adv_t, next_adv)
         next_value = torch.where(valid, v[:, t], next_value)
         advantages[:, t] = torch.where(valid, adv_t, torch.zeros_like(adv_t))
-    returns = _masked_tokens(advantages + v, mask)
+    returns = masked_tokens(advantages + v, mask)
     advantages = masked_whiten(advantages, mask)
     return advantages.to(torch.float32), returns.to(torch.float32)
 
 
 def _outcome_setup(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _GroupStats, list[Any]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GroupStats, list[Any]]:
     """Scores (sum of the valid token rewards, float64), bool mask, group ids, group stats, keys."""
-    rewards, mask = _check_inputs(token_level_rewards, response_mask)
-    ids, keys = _group_ids(index, rewards.shape[0], rewards.device)
+    rewards, mask = check_inputs(token_level_rewards, response_mask)
+    ids, keys = group_ids(index, rewards.shape[0], rewards.device)
     scores = rewards.sum(dim=-1)
-    return scores, mask, ids, _GroupStats(scores, ids, len(keys)), keys
+    return scores, mask, ids, GroupStats(scores, ids, len(keys)), keys
 
 
 @ADV_ESTIMATORS.register("grpo")
@@ -366,7 +273,7 @@ def compute_grpo_outcome_advantage(
     centered = scores - g.mean[ids]
     adv = centered / (g.std[ids] + config.epsilon) if config.norm_adv_by_std_in_grpo else centered
     adv = torch.where(g.all_equal[ids], torch.zeros_like(adv), adv)
-    out = _broadcast(adv, mask)
+    out = broadcast_rows(adv, mask)
     return out, out.clone()
 
 
@@ -391,7 +298,7 @@ def compute_rloo_outcome_advantage(
     k = g.count[ids]
     loo_mean = (g.sum[ids] - scores) / (k - 1).clamp(min=1)
     adv = torch.where(g.all_equal[ids] | (k < 2), torch.zeros_like(scores), scores - loo_mean)
-    out = _broadcast(adv, mask)
+    out = broadcast_rows(adv, mask)
     return out, out.clone()
 
 
@@ -420,7 +327,7 @@ def compute_reinforce_plus_plus_advantage(
         ``(advantages, returns)`` float32 ``(batch, response_len)``: whitened and raw
         returns-to-go, 0 outside the mask.
     """
-    rewards, mask = _check_inputs(token_level_rewards, response_mask)
+    rewards, mask = check_inputs(token_level_rewards, response_mask)
     returns = _returns_to_go(rewards, mask, float(config.gamma))
     advantages = masked_whiten(returns, mask)
     return advantages.to(torch.float32), returns.to(torch.float32)
@@ -487,7 +394,7 @@ def compute_remax_advantage(
     Raises:
         ValueError: ``reward_baselines`` missing, of the wrong size or non-finite.
     """
-    rewards, mask = _check_inputs(token_level_rewards, response_mask)
+    rewards, mask = check_inputs(token_level_rewards, response_mask)
     batch = rewards.shape[0]
     if reward_baselines is None:
         raise ValueError("the 'remax' advantage estimator needs reward_baselines=(batch,) (the greedy rollout's score), got None")
@@ -501,7 +408,7 @@ def compute_remax_advantage(
         row = int((~torch.isfinite(baseline)).nonzero()[0])
         raise ValueError(f"reward_baselines[{row}] is not finite: {baseline[row].item()}")
     returns = _returns_to_go(rewards, mask, 1.0)
-    advantages = _masked_tokens(returns - baseline.unsqueeze(-1), mask)
+    advantages = masked_tokens(returns - baseline.unsqueeze(-1), mask)
     return advantages.to(torch.float32), returns.to(torch.float32)
 
 
@@ -530,7 +437,7 @@ def compute_opo_outcome_advantage(
     weighted = zeros.index_add(0, ids, lengths * scores)
     baseline = torch.where(len_sum > 0, weighted / len_sum.clamp(min=1), g.mean)
     adv = torch.where(g.all_equal[ids], torch.zeros_like(scores), scores - baseline[ids])
-    out = _broadcast(adv, mask)
+    out = broadcast_rows(adv, mask)
     return out, out.clone()
 
 
@@ -562,7 +469,7 @@ def compute_gpg_outcome_advantage(
     batch = scores.shape[0]
     n_signal = int((centered != 0).sum())
     alpha = batch / max(n_signal, 1)
-    out = _broadcast(alpha * centered, mask)
+    out = broadcast_rows(alpha * centered, mask)
     return out, out.clone()
 
 
@@ -618,7 +525,7 @@ def compute_grpo_passk_outcome_advantage(
             if config.norm_adv_by_std_in_grpo:
                 gap = gap / (float(vals.std()) + config.epsilon)
             adv[block[int(top.indices[0])]] = gap
-    out = _broadcast(torch.tensor(adv, dtype=torch.float64, device=mask.device), mask)
+    out = broadcast_rows(torch.tensor(adv, dtype=torch.float64, device=mask.device), mask)
     return out, out.clone()
 
 
