@@ -185,7 +185,7 @@ def main() -> None:
     from stages.scorers import reasoning_gym_scorer
     from stages.rollout import SamplingParams
     from trajflow.config import load_config
-    from trajflow.data import PromptSampler, load_prompt_dataset
+    from trajflow.prompts import PromptSampler, load_prompt_dataset
     from trajflow.models import resolve_model_path
     from trajflow.workers.policy import PolicyWorker
 

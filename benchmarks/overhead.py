@@ -121,7 +121,7 @@ def probe_compute(run_dir: Path, iteration: int, cfg, repeats: int) -> dict[str,
     cols = [rollout.column(c).to_pylist() for c in ("data_source", "response_text", "ground_truth", "extra_info")]
     reward_cfg = OmegaConf.to_container(cfg.reward, resolve=True)
     if not reward_cfg.get("default_scorer"):
-        from trajflow.data import load_spec
+        from trajflow.prompts import load_spec
 
         reward_cfg["default_scorer"] = load_spec(cfg.data.dataset).get("scorer")
     joined = join_stages([rollout, reward])

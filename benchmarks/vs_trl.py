@@ -95,7 +95,7 @@ def trl_dataset(s: dict):
     """TRL rows for exactly the prompts trajflow draws, in trajflow's order (PromptSampler, same seed)."""
     from datasets import Dataset
 
-    from trajflow.data import PromptSampler, load_prompt_dataset
+    from trajflow.prompts import PromptSampler, load_prompt_dataset
 
     ds = load_prompt_dataset(s["dataset"])
     sampler = PromptSampler(ds.train, s["prompts"], s["seed"])

@@ -122,7 +122,7 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
     Raises:
         StoreError: no such run or checkpoint. ConfigError: a bad override.
     """
-    from trajflow.data import load_prompt_dataset
+    from trajflow.prompts import load_prompt_dataset
     from trajflow.models import resolve_model_path
     from trajflow.tracking import Tracker
 

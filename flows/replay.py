@@ -286,7 +286,7 @@ def prepare(parent_run_id: str, from_stage: str, iteration: int | None, iteratio
 
     Raises:
         ReplayError, trajflow.config.ConfigError, trajflow.errors.RunExistsError,
-        trajflow.data.DataError, trajflow.models.ModelLoadError.
+        trajflow.prompts.DataError, trajflow.models.ModelLoadError.
     """
     first, last = parse_iterations(iteration, iterations)
     parent = RunStore(run.store_root_from(overrides), parent_run_id)

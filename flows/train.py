@@ -125,7 +125,7 @@ def resume(run_id: str, overrides: Sequence[str] = ()) -> dict:
     Raises:
         trajflow.store.StoreError: no such run under the store root, or the run is a replay.
         trajflow.config.ConfigError: a bad override.
-        trajflow.data.DataError, trajflow.models.ModelLoadError: the dataset or model is gone or bad.
+        trajflow.prompts.DataError, trajflow.models.ModelLoadError: the dataset or model is gone or bad.
     """
     cfg = run.resume_config(run_id, overrides)
     run.preflight(cfg)

@@ -178,7 +178,7 @@ def reasoning_gym_scorer(
 
     The entry passed to ``score_answer`` is rebuilt as ``{"question": extra_info["question"],
     "answer": ground_truth, "metadata": extra_info["metadata"]}``. The scorer instance is built
-    with ``extra_info["generator_config"]`` when present (as written by ``trajflow.data``), else
+    with ``extra_info["generator_config"]`` when present (as written by ``trajflow.prompts``), else
     with the dataset's default config.
 
     Args:

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trajflow.data import (
+from trajflow.prompts import (
     DATASETS_DIR,
     DataError,
     PromptRecord,

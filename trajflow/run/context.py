@@ -99,8 +99,8 @@ class RunContext:
     rollout: Any = None          # WorkerGroup of RolloutWorker ranks (rollout.pool set), else None
     placement: Any = None        # trajflow placement of roles on resource pools, made on first use
     tracker: Any = None          # trajflow.tracking.Tracker
-    sampler: Any = None          # trajflow.data.PromptSampler (the data cursor)
-    datasets: Any = None         # trajflow.data.PromptDatasets
+    sampler: Any = None          # trajflow.prompts.PromptSampler (the data cursor)
+    datasets: Any = None         # trajflow.prompts.PromptDatasets
     kl_ctrl: Any = None          # stages.kl controller (KL in reward)
     score_history: list[float] = field(default_factory=list)
     policy_version: int = 0

@@ -56,11 +56,11 @@ def preflight(cfg: DictConfig) -> None:
     """Fail on bad data or model input before Prefect, Ray or the run folder are touched.
 
     Raises:
-        trajflow.data.DataError: the dataset spec or a row is invalid (names file and row).
+        trajflow.prompts.DataError: the dataset spec or a row is invalid (names file and row).
         trajflow.models.ModelLoadError: ``model.path`` is not loadable.
         trajflow.resources.DeviceError: ``trainer.device`` or the vLLM engine is not available here.
     """
-    from trajflow.data import load_prompt_dataset, load_spec
+    from trajflow.prompts import load_prompt_dataset, load_spec
     from trajflow.models import resolve_model_path
     from trajflow.infra.devices import preflight_devices
 
@@ -83,7 +83,7 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     Raises:
         RunExistsError: a new run's folder exists already.
         StoreError: resuming a run that does not exist or is a replay.
-        trajflow.data.DataError, trajflow.models.ModelLoadError: bad dataset or model.
+        trajflow.prompts.DataError, trajflow.models.ModelLoadError: bad dataset or model.
     """
     from trajflow.tracking import Tracker
 
@@ -168,7 +168,7 @@ def preload_audit() -> None:
 
 def build_context(cfg: DictConfig, store: RunStore) -> RunContext:
     """The run's context without workers: datasets, model path, data cursor, KL controller."""
-    from trajflow.data import PromptSampler, load_prompt_dataset
+    from trajflow.prompts import PromptSampler, load_prompt_dataset
     from trajflow.models import resolve_model_path
 
     datasets = load_prompt_dataset(cfg.data.dataset)
