@@ -53,12 +53,12 @@ def list_runs(client) -> list[dict]:
         ``started`` (epoch ms), ``wall_s``, ``planned_iterations``, ``score`` (latest
         ``critic/score/mean``), ``commit``, ``parent``.
     """
-    from trajflow.compare import _experiments, _search
+    from trajflow.compare import experiments, search
     from trajflow.tracking import TAG_PARENT_ITERATION, TAG_PARENT_RUN
 
-    exps = _experiments(client)
+    exps = experiments(client)
     rows = []
-    for r in _search(client, exps, max_results=5000):
+    for r in search(client, exps, max_results=5000):
         info, data = r.info, r.data
         end = info.end_time or None
         rows.append({
