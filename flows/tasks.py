@@ -347,7 +347,7 @@ def _reward(ctx: RunContext, iteration: int, rollout: StageRef, inputs: dict[str
 @task(name="gate", task_run_name="gate-{run_id}-it{iteration}", **TASK_OPTS)
 def gate_stage(run_id: str, iteration: int, rollout: StageRef, reward: StageRef) -> dict:
     """Validate the reward output (Great Expectations); returns ``{"success", "quarantined", ...}``."""
-    from trajflow.gating import run_iteration_gate
+    from trajflow.gates import run_iteration_gate
 
     ctx = get_context(run_id)
     with stage_guard(ctx, "gate"):

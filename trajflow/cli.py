@@ -205,7 +205,7 @@ def gate(run_id: str = typer.Argument(..., help="run id under the store root"),
          suite: Optional[str] = typer.Option(None, "--suite", help="expectation suite file (default: the run's)"),
          store: str = typer.Option("runs", "--store", help="store root")) -> None:
     """Re-validate a run's stored reward outputs, e.g. with a stricter suite. Exit 3 if a gate fails."""
-    from trajflow.gating import recheck_run
+    from trajflow.gates import recheck_run
 
     reports = _run(recheck_run, store, run_id, iteration, suite)
     failed = False

@@ -1,7 +1,7 @@
 """The gate step of an iteration: build the reward view, validate it, record and enforce the result.
 
-The expectations themselves live in :mod:`trajflow.gates` (Great Expectations); this module is the
-glue between them and a run: it stores ``gate.json`` beside the iteration, logs ``gate/*`` metrics
+The expectations themselves are run by :mod:`trajflow.gates.validate` (Great Expectations); this module
+is the glue between them and a run: it stores ``gate.json`` beside the iteration, logs ``gate/*`` metrics
 and the validation result to MLflow, marks a failed iteration as ``gated`` in its manifest and stops
 the run with :class:`GateFailed` before the policy update may use the data.
 """
@@ -16,6 +16,8 @@ import pyarrow as pa
 
 from trajflow.errors import GateFailed
 from trajflow.batch import join_stages, lengths
+from trajflow.gates.docs import write_data_docs
+from trajflow.gates.validate import run_gate
 from trajflow.runtime import RunContext
 from trajflow.store import StageRef
 
@@ -54,7 +56,6 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
     cfg = ctx.cfg
     if not cfg.gates.enabled:
         return {"success": True, "quarantined_sample_ids": [], "metrics": {}}
-    from trajflow.gates import run_gate, write_data_docs
 
     t0 = time.perf_counter()
     view = gate_view(ctx.store.read_ref(rollout), ctx.store.read_ref(reward))
@@ -97,7 +98,6 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
     from omegaconf import OmegaConf
 
     from trajflow.config import load_config
-    from trajflow.gates import run_gate
     from trajflow.errors import StoreError
     from trajflow.store import RunStore
 
