@@ -7,10 +7,10 @@ run works: :mod:`trajflow.gates.validate`. Guide: ``docs/gates.md``.
 """
 
 from trajflow.gates.docs import report_to_json, write_data_docs
-from trajflow.gates.iteration import gate_settings, gate_view, recheck_run, run_iteration_gate
+from trajflow.gates.iteration import gate_view, recheck_run, run_iteration_gate
 from trajflow.gates.report import POLICIES, ExpectationOutcome, GateFailedError, GateReport
 from trajflow.gates.runtime import TABLES
-from trajflow.gates.settings import PARAMETER_NAMES, GateSettings, resolve_settings
+from trajflow.gates.settings import PARAMETER_NAMES, resolve_settings
 from trajflow.gates.suite import DEFAULT_SUITE, SUITE_DIR, SuiteSpec, load_suite
 from trajflow.gates.summary import QUARANTINE_ROWS, SUMMARY_METRICS, summarize
 from trajflow.gates.validate import apply_quarantine, run_gate
@@ -26,10 +26,8 @@ __all__ = [
     "ExpectationOutcome",
     "GateFailedError",
     "GateReport",
-    "GateSettings",
     "SuiteSpec",
     "apply_quarantine",
-    "gate_settings",
     "gate_view",
     "load_suite",
     "recheck_run",

@@ -8,9 +8,9 @@ the run with :class:`GateFailed` before the policy update may use the data.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow as pa
 
@@ -37,15 +37,6 @@ def gate_view(rollout: pa.Table, reward: pa.Table) -> pa.Table:
     })
 
 
-def gate_settings(cfg) -> SimpleNamespace:
-    """The gate's settings: the ``gates`` section plus ``rollout.max_new_tokens``."""
-    g = cfg.gates
-    return SimpleNamespace(enabled=g.enabled, suite=g.suite, score_min=g.score_min, score_max=g.score_max,
-                           max_new_tokens=cfg.rollout.max_new_tokens, max_equal_group_frac=g.max_equal_group_frac,
-                           max_truncated_frac=g.max_truncated_frac, max_error_rate=g.max_error_rate,
-                           drift_band=g.drift_band, drift_window=g.drift_window, policies=dict(g.policies))
-
-
 def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef) -> dict:
     """Validate one iteration's rewards; returns ``{"success", "quarantined_sample_ids", "metrics"}``.
 
@@ -59,7 +50,8 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
 
     t0 = time.perf_counter()
     view = gate_view(ctx.store.read_ref(rollout), ctx.store.read_ref(reward))
-    report = run_gate(view, gate_settings(cfg), history=ctx.score_history[-cfg.gates.drift_window:])
+    report = run_gate(view, cfg.gates, cfg.rollout.max_new_tokens,
+                      history=ctx.score_history[-cfg.gates.drift_window:])
     metrics = dict(report.metrics())
     metrics["timing_s/gate"] = time.perf_counter() - t0
     result = {"success": bool(report.success), "quarantined_sample_ids": sorted(report.quarantined_sample_ids),
@@ -110,12 +102,11 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
                                                      if store.verified_stage(i, "reward", warn=False)]
     if iteration is not None and iteration not in store.iterations():
         raise StoreError(f"run {run_id!r} has no iteration {iteration} (has {store.iterations()})")
-    settings = gate_settings(cfg)
-    settings.enabled = True
+    settings = dataclasses.replace(OmegaConf.to_object(cfg.gates), enabled=True)  # cfg stays read-only
     out, history = [], []
     for it in its:
         view = gate_view(store.read_stage(it, "rollout"), store.read_stage(it, "reward"))
-        report = run_gate(view, settings, history=history[-cfg.gates.drift_window:])
+        report = run_gate(view, settings, cfg.rollout.max_new_tokens, history=history[-cfg.gates.drift_window:])
         if report.score_mean is not None:
             history.append(float(report.score_mean))
         out.append((it, report))

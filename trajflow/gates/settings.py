@@ -1,111 +1,80 @@
-"""Gate settings: the ``gates`` config section plus ``rollout.max_new_tokens``, read and checked."""
+"""Gate settings: the config's ``gates`` section (:class:`trajflow.config.GatesConfig`), read and checked."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trajflow.config import GatesConfig, _check_fields, _explain
+from trajflow.errors import ConfigError
 from trajflow.gates.report import POLICIES
 
 #: Settings exposed to suite files as GX suite parameters (``{"$PARAMETER": name}``).
 PARAMETER_NAMES = ("score_min", "score_max", "max_new_tokens", "max_equal_group_frac",
                    "max_truncated_frac", "max_error_rate", "drift_band", "drift_window")
+_SOURCE = "gate settings"
 
 
-@dataclass
-class GateSettings:
-    """Resolved gate settings (the ``gates`` config section plus ``rollout.max_new_tokens``).
-
-    Defaults mirror ``trajflow.config.GatesConfig``; a settings object missing an attribute gets
-    the default below.
-    """
-
-    enabled: bool = True  #: run the gate at all
-    suite: Optional[str] = None  #: suite file; None = datasets/expectations/reward_default.json
-    score_min: float = -10.0  #: lowest allowed score (inclusive)
-    score_max: float = 10.0  #: highest allowed score (inclusive)
-    max_new_tokens: Optional[int] = None  #: rollout.max_new_tokens (tokens); required to run
-    max_equal_group_frac: float = 1.0  #: max share of groups whose scores are all equal (1.0 = off)
-    max_truncated_frac: float = 1.0  #: max share of responses with finish_reason "length" (1.0 = off)
-    max_error_rate: float = 0.5  #: max share of responses whose scorer raised
-    drift_band: float = 1.0  #: max |mean score - mean of the previous drift_window means|
-    drift_window: int = 5  #: previous iterations averaged for the drift check
-    policies: dict[str, str] = field(default_factory=dict)  #: name -> fail|warn|quarantine
-
-    def parameters(self) -> dict[str, float]:
-        """The suite parameters (``$PARAMETER`` values) these settings provide."""
-        return {name: getattr(self, name) for name in PARAMETER_NAMES}
-
-
-def resolve_settings(settings: Any = None, *, max_new_tokens: int | None = None) -> GateSettings:
-    """Read and check gate settings from any object with the ``gates.*`` attributes.
+def resolve_settings(settings: Any = None) -> GatesConfig:
+    """Read and check gate settings from the ``gates`` config section or any object like it.
 
     Args:
-        settings: a ``DictConfig`` section ``gates``, a dataclass, a ``SimpleNamespace``, a mapping,
-            or None (all defaults). Missing attributes take the :class:`GateSettings` defaults.
-        max_new_tokens: ``rollout.max_new_tokens``; overrides ``settings.max_new_tokens``.
+        settings: the ``DictConfig`` section ``gates``, a :class:`~trajflow.config.GatesConfig`,
+            any object with its attributes, a mapping, or None (all defaults). Missing attributes
+            take the ``GatesConfig`` defaults; other attributes are ignored.
 
     Returns:
-        A checked :class:`GateSettings` (``policies`` is a plain dict).
+        A checked ``GatesConfig`` of its own (``policies`` is a plain dict); ``settings`` is not
+        changed.
 
     Raises:
-        ValueError: a value out of range, naming the key ``gates.<field>``, the value and what
-            is allowed (policy names are checked against the suite later, in :func:`run_gate`).
+        ConfigError: a value of the wrong type or out of range, naming the key ``gates.<field>``,
+            the value and what is allowed (policy names are checked against the suite later, in
+            :func:`~trajflow.gates.run_gate`).
     """
-    if isinstance(settings, GateSettings) and max_new_tokens is None:
-        out = dataclasses.replace(settings, policies=dict(settings.policies))
-    else:
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(GateSettings):
-            if settings is None:
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(GatesConfig):
+        if settings is None:
+            break
+        if isinstance(settings, Mapping):  # a dict or a DictConfig
+            if f.name in settings:
+                values[f.name] = settings[f.name]
+        else:
+            try:
+                values[f.name] = getattr(settings, f.name)
+            except AttributeError:  # includes omegaconf's ConfigAttributeError
                 continue
-            if isinstance(settings, Mapping):  # a dict or a DictConfig
-                if f.name in settings:
-                    values[f.name] = settings[f.name]
-            else:
-                try:
-                    value = getattr(settings, f.name)
-                except AttributeError:  # includes omegaconf's ConfigAttributeError
-                    continue
-                values[f.name] = value
-        if max_new_tokens is not None:
-            values["max_new_tokens"] = max_new_tokens
-        policies = values.pop("policies", None)
-        out = GateSettings(**values)
-        out.policies = {str(k): str(v) for k, v in dict(policies or {}).items()}
-    _check_settings(out)
+    # types and ranges are GatesConfig's (field types and metadata), checked the way load_config does
+    node = OmegaConf.create({"gates": OmegaConf.structured(GatesConfig)})
+    try:
+        node = OmegaConf.merge(node, {"gates": values})
+    except OmegaConfBaseException as e:
+        raise _explain(e, _SOURCE) from None
+    _check_fields(node.gates, GatesConfig, "gates.", _SOURCE)
+    out = OmegaConf.to_object(node.gates)
+    if out.score_min > out.score_max:
+        raise ConfigError(f"{_SOURCE}: gates.score_min={out.score_min} must be <= "
+                          f"gates.score_max={out.score_max}")
+    for name, policy in out.policies.items():
+        if policy not in POLICIES:
+            raise ConfigError(f"{_SOURCE}: gates.policies.{name}={policy!r} is not allowed: "
+                              f"choose one of {', '.join(POLICIES)}")
     return out
 
 
-def _check_settings(s: GateSettings) -> None:
-    def bad(key: str, value: Any, allowed: str) -> ValueError:
-        return ValueError(f"gates.{key}={value!r} is not allowed: expected {allowed}")
+def check_max_new_tokens(max_new_tokens: Any) -> None:
+    """Raise ``ValueError`` unless ``max_new_tokens`` is None or an integer >= 1."""
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool)
+                                       or not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is not allowed: expected an integer >= 1 "
+                         "(pass rollout.max_new_tokens)")
 
-    for key in ("score_min", "score_max", "max_equal_group_frac", "max_truncated_frac",
-                "max_error_rate", "drift_band"):
-        value = getattr(s, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise bad(key, value, "a number")
-        setattr(s, key, float(value))
-    for key in ("max_equal_group_frac", "max_truncated_frac", "max_error_rate"):
-        if not 0.0 <= getattr(s, key) <= 1.0:
-            raise bad(key, getattr(s, key), "a fraction in [0, 1]")
-    if s.drift_band < 0:
-        raise bad("drift_band", s.drift_band, "a number >= 0")
-    if s.score_min > s.score_max:
-        raise ValueError(f"gates.score_min={s.score_min} must be <= gates.score_max={s.score_max}")
-    if isinstance(s.drift_window, bool) or not isinstance(s.drift_window, int) or s.drift_window < 1:
-        raise bad("drift_window", s.drift_window, "an integer >= 1")
-    if s.max_new_tokens is not None and (isinstance(s.max_new_tokens, bool)
-                                         or not isinstance(s.max_new_tokens, int)
-                                         or s.max_new_tokens < 1):
-        raise bad("max_new_tokens", s.max_new_tokens,
-                  "an integer >= 1 (pass rollout.max_new_tokens)")
-    for name, policy in s.policies.items():
-        if policy not in POLICIES:
-            raise ValueError(f"gates.policies.{name}={policy!r} is not allowed: choose one of "
-                             f"{', '.join(POLICIES)}")
-    s.enabled = bool(s.enabled)
+
+def suite_parameters(settings: GatesConfig, max_new_tokens: int) -> dict[str, float]:
+    """The suite parameters (``$PARAMETER`` values) the settings and ``max_new_tokens`` provide."""
+    values = {**dataclasses.asdict(settings), "max_new_tokens": max_new_tokens}
+    return {name: values[name] for name in PARAMETER_NAMES}

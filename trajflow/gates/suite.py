@@ -23,7 +23,9 @@ DEFAULT_SUITE = SUITE_DIR / "reward_default.json"
 
 
 @dataclass(frozen=True)
-class _Entry:
+class Entry:
+    """One expectation of a suite file, with trajflow's ``meta`` resolved."""
+
     name: str
     table: str
     type: str
@@ -41,7 +43,7 @@ class SuiteSpec:
 
     path: str
     name: str
-    entries: tuple[_Entry, ...]
+    entries: tuple[Entry, ...]
 
     def names(self) -> list[str]:
         """Expectation names in file order."""
@@ -86,10 +88,6 @@ def load_suite(suite: str | os.PathLike | None = None) -> SuiteSpec:
     if key in _SUITE_CACHE:
         return _SUITE_CACHE[key]
     gx_runtime()  # imports GX (expectation classes are checked against it)
-    from great_expectations.expectations.expectation import (
-        ColumnMapExpectation, ColumnPairMapExpectation, MulticolumnMapExpectation)
-    from great_expectations.expectations.expectation_configuration import ExpectationConfiguration
-
     try:
         doc = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -97,50 +95,60 @@ def load_suite(suite: str | os.PathLike | None = None) -> SuiteSpec:
     if not isinstance(doc, dict) or not isinstance(doc.get("expectations"), list):
         raise ValueError(f"gate suite {path}: expected a GX ExpectationSuite JSON object with an "
                          "'expectations' list")
-    entries: list[_Entry] = []
     seen: set[str] = set()
-    for i, exp in enumerate(doc["expectations"]):
-        where = f"gate suite {path}: expectations[{i}]"
-        if not isinstance(exp, dict) or "type" not in exp:
-            raise ValueError(f"{where}: expected an object with 'type' and 'kwargs'")
-        where += f" ({exp['type']})"
-        cfg = copy.deepcopy({k: v for k, v in exp.items() if k != "id"})
-        cfg.setdefault("kwargs", {})
-        meta = dict(cfg.get("meta") or {})
-        column = cfg["kwargs"].get("column")
-        name = meta.get("name") or (exp["type"].removeprefix("expect_")
-                                    + (f"__{column}" if column else ""))
-        if not isinstance(name, str) or "/" in name or not name.strip():
-            raise ValueError(f"{where}: meta.name={name!r} must be a non-empty string without '/'")
-        if name in seen:
-            raise ValueError(f"{where}: meta.name {name!r} is used twice; names must be unique")
-        seen.add(name)
-        table = meta.get("table", "samples")
-        if table not in TABLES:
-            raise ValueError(f"{where}: meta.table={table!r}; choose one of {', '.join(TABLES)}")
-        policy = meta.get("policy", "fail")
-        if policy not in POLICIES:
-            raise ValueError(f"{where}: meta.policy={policy!r}; choose one of {', '.join(POLICIES)}")
-        quarantine = meta.get("quarantine")
-        if quarantine is not None:
-            try:
-                QUARANTINE_ROWS.get(quarantine)
-            except ValueError as e:
-                raise ValueError(f"{where}: meta.quarantine: {e}") from e
-        meta["name"] = name
-        cfg["meta"] = meta
-        try:
-            obj = ExpectationConfiguration(**cfg).to_domain_obj()
-        except Exception as e:  # GX raises pydantic/GX errors of many types
-            raise ValueError(f"{where}: not a valid GX expectation: {e}") from e
-        row_level = table == "samples" and isinstance(
-            obj, (ColumnMapExpectation, ColumnPairMapExpectation, MulticolumnMapExpectation))
-        entries.append(_Entry(name=name, table=table, type=exp["type"], config=cfg,
-                              default_policy=policy, quarantine=quarantine, row_level=row_level,
-                              column=column, description=str(meta.get("description", ""))))
+    entries = [_entry(exp, f"gate suite {path}: expectations[{i}]", seen)
+               for i, exp in enumerate(doc["expectations"])]
     spec = SuiteSpec(path=str(path), name=str(doc.get("name") or path.stem), entries=tuple(entries))
     _SUITE_CACHE[key] = spec
     return spec
+
+
+def _entry(exp: object, where: str, seen: set[str]) -> Entry:
+    """One expectation of a suite file, checked; ``where`` starts every error message.
+
+    ``seen`` holds the names of the expectations before it; this one's name is added.
+    """
+    from great_expectations.expectations.expectation import (
+        ColumnMapExpectation, ColumnPairMapExpectation, MulticolumnMapExpectation)
+    from great_expectations.expectations.expectation_configuration import ExpectationConfiguration
+
+    if not isinstance(exp, dict) or "type" not in exp:
+        raise ValueError(f"{where}: expected an object with 'type' and 'kwargs'")
+    where += f" ({exp['type']})"
+    cfg = copy.deepcopy({k: v for k, v in exp.items() if k != "id"})
+    cfg.setdefault("kwargs", {})
+    meta = dict(cfg.get("meta") or {})
+    column = cfg["kwargs"].get("column")
+    name = meta.get("name") or (exp["type"].removeprefix("expect_")
+                                + (f"__{column}" if column else ""))
+    if not isinstance(name, str) or "/" in name or not name.strip():
+        raise ValueError(f"{where}: meta.name={name!r} must be a non-empty string without '/'")
+    if name in seen:
+        raise ValueError(f"{where}: meta.name {name!r} is used twice; names must be unique")
+    seen.add(name)
+    table = meta.get("table", "samples")
+    if table not in TABLES:
+        raise ValueError(f"{where}: meta.table={table!r}; choose one of {', '.join(TABLES)}")
+    policy = meta.get("policy", "fail")
+    if policy not in POLICIES:
+        raise ValueError(f"{where}: meta.policy={policy!r}; choose one of {', '.join(POLICIES)}")
+    quarantine = meta.get("quarantine")
+    if quarantine is not None:
+        try:
+            QUARANTINE_ROWS.get(quarantine)
+        except ValueError as e:
+            raise ValueError(f"{where}: meta.quarantine: {e}") from e
+    meta["name"] = name
+    cfg["meta"] = meta
+    try:
+        obj = ExpectationConfiguration(**cfg).to_domain_obj()
+    except Exception as e:  # GX raises pydantic/GX errors of many types
+        raise ValueError(f"{where}: not a valid GX expectation: {e}") from e
+    row_level = table == "samples" and isinstance(
+        obj, (ColumnMapExpectation, ColumnPairMapExpectation, MulticolumnMapExpectation))
+    return Entry(name=name, table=table, type=exp["type"], config=cfg, default_policy=policy,
+                 quarantine=quarantine, row_level=row_level, column=column,
+                 description=str(meta.get("description", "")))
 
 
 def suite_policies(spec: SuiteSpec, overrides: Mapping[str, str]) -> dict[str, str]:

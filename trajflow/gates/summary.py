@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stages.registry import Registry
-from trajflow.gates.settings import GateSettings
+from trajflow.config import GatesConfig
 
 
 SUMMARY_METRICS = Registry("gate summary metric")
@@ -35,13 +35,13 @@ def _equal_group_ids(view: pa.Table) -> tuple[pa.Array, int]:
 
 
 @SUMMARY_METRICS.register("rows")
-def _rows(view: pa.Table, history: Sequence[float], settings: GateSettings) -> float:
+def _rows(view: pa.Table, history: Sequence[float], settings: GatesConfig) -> float:
     """Number of rows (responses) in the view."""
     return float(view.num_rows)
 
 
 @SUMMARY_METRICS.register("groups")
-def _groups(view: pa.Table, history: Sequence[float], settings: GateSettings) -> float:
+def _groups(view: pa.Table, history: Sequence[float], settings: GatesConfig) -> float:
     """Number of distinct ``group_id`` (prompts)."""
     return float(pc.count_distinct(view["group_id"]).as_py())
 
@@ -123,7 +123,7 @@ def _equal_reward_groups(view: pa.Table) -> pa.Array:
 
 
 def summarize(view: pa.Table, history: Sequence[float] = (),
-              settings: GateSettings | None = None) -> dict[str, float | None]:
+              settings: GatesConfig | None = None) -> dict[str, float | None]:
     """Compute the one-row ``summary`` table the summary expectations run on.
 
     Args:
@@ -134,6 +134,6 @@ def summarize(view: pa.Table, history: Sequence[float] = (),
     Returns:
         ``{column: value}`` for every registered summary metric; None where undefined.
     """
-    settings = settings or GateSettings()
+    settings = settings or GatesConfig()
     return {name: SUMMARY_METRICS.get(name)(view, history, settings)
             for name in SUMMARY_METRICS.names()}

@@ -39,11 +39,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from trajflow.config import GatesConfig
 from trajflow.gates.docs import json_safe, to_py
 from trajflow.gates.report import ExpectationOutcome, GateReport
-from trajflow.gates.runtime import TABLES, gx_runtime
-from trajflow.gates.settings import resolve_settings
-from trajflow.gates.suite import load_suite, suite_policies
+from trajflow.gates.runtime import TABLES, GxRuntime, gx_runtime
+from trajflow.gates.settings import check_max_new_tokens, resolve_settings, suite_parameters
+from trajflow.gates.suite import Entry, SuiteSpec, load_suite, suite_policies
 from trajflow.gates.summary import QUARANTINE_ROWS, summarize
 
 #: Columns the gate view must have, and the Arrow type family each must belong to.
@@ -107,8 +108,8 @@ def _exception_message(info: Any) -> str | None:
     return "; ".join(dict.fromkeys(messages)) or None
 
 
-def run_gate(view: pa.Table, settings: Any = None, *, history: Sequence[float] = (),
-             max_new_tokens: int | None = None) -> GateReport:
+def run_gate(view: pa.Table, settings: Any = None, max_new_tokens: int | None = None, *,
+             history: Sequence[float] = ()) -> GateReport:
     """Validate one iteration's reward output against the gate's expectation suite.
 
     Args:
@@ -118,11 +119,12 @@ def run_gate(view: pa.Table, settings: Any = None, *, history: Sequence[float] =
             ``finish_reason`` (string, ``stop``/``length``), ``reward_error`` (string, null when
             the scorer did not raise). Extra scalar columns are passed to GX (usable by added
             expectations); list/struct columns are dropped.
-        settings: the ``gates`` config section or any object with its attributes (see
-            :func:`resolve_settings`).
+        settings: the ``gates`` config section (a ``DictConfig``) or a
+            :class:`~trajflow.config.GatesConfig` (see :func:`resolve_settings`); None = the
+            config's defaults.
+        max_new_tokens: ``rollout.max_new_tokens`` (tokens); required unless the gate is disabled.
         history: the mean scores (:attr:`GateReport.score_mean`) of previous iterations, oldest
             first; the last ``drift_window`` are averaged for ``score_mean_drift``.
-        max_new_tokens: ``rollout.max_new_tokens`` (tokens), if ``settings`` lacks it.
 
     Returns:
         A :class:`GateReport`. With ``settings.enabled`` false: an empty, successful report
@@ -134,13 +136,14 @@ def run_gate(view: pa.Table, settings: Any = None, *, history: Sequence[float] =
         TypeError: ``view`` is not a ``pyarrow.Table``.
     """
     t0 = time.perf_counter()
-    s = resolve_settings(settings, max_new_tokens=max_new_tokens)
+    s = resolve_settings(settings)
+    check_max_new_tokens(max_new_tokens)
     if not s.enabled:
         return GateReport(success=True, results=[], quarantined_sample_ids=set(),
                           quarantined_reason={}, gx_result_json={}, rows=getattr(view, "num_rows", 0))
-    if s.max_new_tokens is None:
-        raise ValueError("gates.max_new_tokens is not set: pass run_gate(..., "
-                         "max_new_tokens=cfg.rollout.max_new_tokens)")
+    if max_new_tokens is None:
+        raise ValueError("max_new_tokens is not set: pass run_gate(view, cfg.gates, "
+                         "cfg.rollout.max_new_tokens)")
     _check_view(view)
     spec = load_suite(s.suite)
     policies = suite_policies(spec, s.policies)
@@ -148,7 +151,29 @@ def run_gate(view: pa.Table, settings: Any = None, *, history: Sequence[float] =
 
     summary = summarize(view, history, s)
     iterations = pc.unique(view["iteration"]).to_pylist()
-    iteration = iterations[0] if len(iterations) == 1 else None
+    skipped = _skipped(spec, summary)
+    params = _parameters(view, s, max_new_tokens)
+    gx_results, suites = _validate(rt, spec, view, summary, skipped, params)
+    outcomes, quarantined = _outcomes(spec, policies, skipped, gx_results, view)
+    report = GateReport(
+        success=True, results=outcomes,
+        quarantined_sample_ids={i for ids in quarantined.values() for i in ids},
+        quarantined_reason=quarantined,
+        gx_result_json={t: json_safe(res.to_json_dict()) for t, res in gx_results.items()},
+        iteration=iterations[0] if len(iterations) == 1 else None, rows=view.num_rows,
+        summary=summary, score_mean=summary.get("score_mean"), suite_path=spec.path,
+        _gx_results=gx_results, _suites=suites)
+    report.success = not report.blocking()
+    report.elapsed_s = time.perf_counter() - t0
+    return report
+
+
+def _skipped(spec: SuiteSpec, summary: dict[str, float | None]) -> dict[str, str]:
+    """Summary expectations whose metric is undefined for this iteration: name -> reason.
+
+    Raises:
+        ValueError: an expectation uses a summary column that no registered metric computes.
+    """
     skipped: dict[str, str] = {}
     for e in spec.entries:
         if e.table == "summary" and e.column is not None:
@@ -160,14 +185,24 @@ def run_gate(view: pa.Table, settings: Any = None, *, history: Sequence[float] =
                               and summary.get("history_mean") is None)
                 skipped[e.name] = (f"summary metric {e.column} is undefined for this iteration"
                                    + (" (no score history yet)" if no_history else ""))
-    params = s.parameters()
-    if pa.types.is_float32(view.schema.field("score").type) or pa.types.is_float16(
-            view.schema.field("score").type):
+    return skipped
+
+
+def _parameters(view: pa.Table, settings: GatesConfig, max_new_tokens: int) -> dict[str, float]:
+    """The suite parameters, with the score bounds at the precision of the view's score column."""
+    params = suite_parameters(settings, max_new_tokens)
+    score_type = view.schema.field("score").type
+    if pa.types.is_float32(score_type) or pa.types.is_float16(score_type):
         # compare at the score column's precision: float32(1.1) > 1.1 in float64, yet a scorer
         # that returned 1.1 must pass score_max=1.1
         for key in ("score_min", "score_max"):
             params[key] = pa.scalar(params[key], pa.float64()).cast(pa.float32()).as_py()
-    frames = {"samples": None, "summary": None}
+    return params
+
+
+def _validate(rt: GxRuntime, spec: SuiteSpec, view: pa.Table, summary: dict[str, float | None],
+              skipped: dict[str, str], params: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run GX on each table that has expectations left: (GX results, GX suites), keyed by table."""
     gx_results: dict[str, Any] = {}
     suites: dict[str, Any] = {}
     with rt.lock:
@@ -176,23 +211,27 @@ def run_gate(view: pa.Table, settings: Any = None, *, history: Sequence[float] =
             if not suite.expectations:
                 continue
             if table == "samples":
-                frames[table] = _samples_frame(view)
+                frame = _samples_frame(view)
             else:
                 import pandas as pd
-                frames[table] = pd.DataFrame({k: [v] for k, v in summary.items()}, dtype="float64")
-            batch = rt.batch_definitions[table].get_batch(batch_parameters={"dataframe": frames[table]})
+                frame = pd.DataFrame({k: [v] for k, v in summary.items()}, dtype="float64")
+            batch = rt.batch_definitions[table].get_batch(batch_parameters={"dataframe": frame})
             gx_results[table] = batch.validate(suite, result_format=RESULT_FORMAT,
                                                expectation_parameters=params)
             suites[table] = suite
+    return gx_results, suites
 
+
+def _outcomes(spec: SuiteSpec, policies: dict[str, str], skipped: dict[str, str],
+              gx_results: dict[str, Any], view: pa.Table
+              ) -> tuple[list[ExpectationOutcome], dict[str, list[str]]]:
+    """One outcome per expectation in suite order, and the rows each ``quarantine`` one excludes."""
     by_name: dict[str, Any] = {}
     for res in gx_results.values():
         for r in res.results:
             by_name[r.expectation_config.meta.get("name")] = r
-
     outcomes: list[ExpectationOutcome] = []
     quarantined: dict[str, list[str]] = {}
-    sample_ids = view["sample_id"]
     for e in spec.entries:
         policy = policies[e.name]
         details: dict[str, Any] = {"type": e.type, "table": e.table, "column": e.column,
@@ -201,44 +240,38 @@ def run_gate(view: pa.Table, settings: Any = None, *, history: Sequence[float] =
             details["skipped"] = skipped[e.name]
             outcomes.append(ExpectationOutcome(e.name, True, None, None, policy, details))
             continue
-        r = by_name[e.name]
-        result = r.result or {}
-        message = _exception_message(r.exception_info)
-        if message:
-            details["exception"] = message
-        ids: list[str] = []
-        if e.row_level:
-            ids = [str(d["sample_id"]) for d in result.get("unexpected_index_list") or []
-                   if isinstance(d, dict) and "sample_id" in d]
-            unexpected = result.get("unexpected_count")
-            unexpected = None if unexpected is None else int(unexpected)
-            observed = result.get("observed_value", unexpected)
-        else:
-            observed = result.get("observed_value")
-            unexpected = None
-            if e.quarantine:
-                mask = QUARANTINE_ROWS.get(e.quarantine)(view)
-                ids = pc.filter(sample_ids, mask).to_pylist()
-                unexpected = len(ids)
-        observed = to_py(observed)
-        success = bool(r.success) and "exception" not in details
-        if ids:
-            details["sample_ids"] = ids[:_DETAIL_IDS]
-        if not success and policy == "quarantine" and ids and "exception" not in details:
+        outcome, ids = _outcome(e, policy, details, by_name[e.name], view)
+        if not outcome.success and policy == "quarantine" and ids and "exception" not in details:
             quarantined[e.name] = sorted(ids)
-        outcomes.append(ExpectationOutcome(e.name, success, observed, unexpected, policy, details))
+        outcomes.append(outcome)
+    return outcomes, quarantined
 
-    report = GateReport(
-        success=True, results=outcomes,
-        quarantined_sample_ids={i for ids in quarantined.values() for i in ids},
-        quarantined_reason=quarantined,
-        gx_result_json={t: json_safe(res.to_json_dict()) for t, res in gx_results.items()},
-        iteration=iteration, rows=view.num_rows, summary=summary,
-        score_mean=summary.get("score_mean"), suite_path=spec.path,
-        _gx_results=gx_results, _suites=suites)
-    report.success = not report.blocking()
-    report.elapsed_s = time.perf_counter() - t0
-    return report
+
+def _outcome(e: Entry, policy: str, details: dict[str, Any], r: Any,
+             view: pa.Table) -> tuple[ExpectationOutcome, list[str]]:
+    """One expectation's outcome from its GX result ``r``, and the ``sample_id`` s it names."""
+    result = r.result or {}
+    message = _exception_message(r.exception_info)
+    if message:
+        details["exception"] = message
+    ids: list[str] = []
+    if e.row_level:
+        ids = [str(d["sample_id"]) for d in result.get("unexpected_index_list") or []
+               if isinstance(d, dict) and "sample_id" in d]
+        unexpected = result.get("unexpected_count")
+        unexpected = None if unexpected is None else int(unexpected)
+        observed = result.get("observed_value", unexpected)
+    else:
+        observed = result.get("observed_value")
+        unexpected = None
+        if e.quarantine:
+            mask = QUARANTINE_ROWS.get(e.quarantine)(view)
+            ids = pc.filter(view["sample_id"], mask).to_pylist()
+            unexpected = len(ids)
+    success = bool(r.success) and "exception" not in details
+    if ids:
+        details["sample_ids"] = ids[:_DETAIL_IDS]
+    return ExpectationOutcome(e.name, success, to_py(observed), unexpected, policy, details), ids
 
 
 def apply_quarantine(table: pa.Table, report: GateReport) -> pa.Table:
