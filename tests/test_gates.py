@@ -14,6 +14,7 @@ import pytest
 
 from trajflow import gates
 from trajflow.config import GatesConfig
+from trajflow.errors import GateFailed
 
 NAN, INF = float("nan"), float("inf")
 
@@ -96,7 +97,7 @@ def test_nan_scores_fail_under_fail_policy():
     assert any("score_finite" in line and "observed 2" in line and "rows 2" in line
                for line in lines)
     assert report.quarantined_sample_ids == set()
-    with pytest.raises(gates.GateFailedError, match="score_not_null"):
+    with pytest.raises(GateFailed, match="score_not_null"):
         report.raise_for_failure()
     assert report.metrics()["gate/success"] == 0.0
     assert report.metrics()["gate/score_finite/observed"] == 2.0

@@ -6,9 +6,10 @@ writes JSON and HTML Data Docs, :mod:`.iteration` runs the gate inside a trainin
 run works: :mod:`trajflow.gates.validate`. Guide: ``docs/gates.md``.
 """
 
+from trajflow.errors import GateFailed
 from trajflow.gates.docs import report_to_json, write_data_docs
 from trajflow.gates.iteration import gate_view, recheck_run, run_iteration_gate
-from trajflow.gates.report import POLICIES, ExpectationOutcome, GateFailedError, GateReport
+from trajflow.gates.report import POLICIES, ExpectationOutcome, GateReport
 from trajflow.gates.runtime import TABLES
 from trajflow.gates.settings import PARAMETER_NAMES, resolve_settings
 from trajflow.gates.suite import DEFAULT_SUITE, SUITE_DIR, SuiteSpec, load_suite
@@ -24,7 +25,7 @@ __all__ = [
     "SUMMARY_METRICS",
     "TABLES",
     "ExpectationOutcome",
-    "GateFailedError",
+    "GateFailed",
     "GateReport",
     "SuiteSpec",
     "apply_quarantine",

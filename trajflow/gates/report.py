@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from trajflow.errors import GateFailed
+
 #: Allowed policies.
 POLICIES = ("fail", "warn", "quarantine")
-
-
-class GateFailedError(RuntimeError):
-    """Raised by :meth:`GateReport.raise_for_failure` when a ``fail`` expectation failed."""
 
 
 @dataclass
@@ -142,10 +140,10 @@ class GateReport:
         return "\n".join(lines)
 
     def raise_for_failure(self) -> None:
-        """Raise :class:`GateFailedError` with :meth:`failure_message` if the gate failed."""
+        """Raise :class:`trajflow.errors.GateFailed` with :meth:`failure_message` if the gate failed."""
         if not self.success:
             where = "" if self.iteration is None else f" at iteration {self.iteration}"
-            raise GateFailedError(f"reward gate failed{where}:\n{self.failure_message()}")
+            raise GateFailed(f"reward gate failed{where}:\n{self.failure_message()}")
 
 
 def _is_number(v: Any) -> bool:
