@@ -9,6 +9,7 @@ the run with :class:`GateFailed` before the policy update may use the data.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from trajflow.gates.docs import write_data_docs
 from trajflow.gates.validate import run_gate
 from trajflow.runtime import RunContext
 from trajflow.store import StageRef
+
+log = logging.getLogger(__name__)
 
 
 def gate_view(rollout: pa.Table, reward: pa.Table) -> pa.Table:
@@ -38,7 +41,12 @@ def gate_view(rollout: pa.Table, reward: pa.Table) -> pa.Table:
 
 
 def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef) -> dict:
-    """Validate one iteration's rewards; returns ``{"success", "quarantined_sample_ids", "metrics"}``.
+    """Validate one iteration's rewards and store the result as the iteration's ``gate.json``.
+
+    Returns:
+        ``{"success", "quarantined_sample_ids", "metrics", "score_mean"}``; ``score_mean`` is the
+        iteration's mean finite score (:attr:`GateReport.score_mean`, None when undefined or the
+        gate is disabled), the entry to append to the drift check's score history.
 
     Raises:
         GateFailed: a ``fail`` expectation failed (the iteration is marked ``gated``; nothing written
@@ -46,7 +54,7 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
     """
     cfg = ctx.cfg
     if not cfg.gates.enabled:
-        return {"success": True, "quarantined_sample_ids": [], "metrics": {}}
+        return {"success": True, "quarantined_sample_ids": [], "metrics": {}, "score_mean": None}
 
     t0 = time.perf_counter()
     view = gate_view(ctx.store.read_ref(rollout), ctx.store.read_ref(reward))
@@ -66,16 +74,14 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
             try:
                 docs = write_data_docs(report, ctx.store.iteration_dir(iteration) / "data_docs")
                 ctx.tracker.log_artifact(Path(docs).parent, f"gates/iteration_{iteration:06d}/data_docs")
-            except Exception:  # data docs are a convenience; the JSON result is already stored
-                pass
-    ctx.extra.setdefault("gate_metrics", {})[iteration] = metrics
-    if report.score_mean is not None:
-        # The drift check's history: mean over finite scores of rows whose scorer did not raise.
-        ctx.extra.setdefault("gate_score_mean", {})[iteration] = float(report.score_mean)
+            except Exception as e:  # data docs are a convenience; the JSON result is already stored
+                log.warning("run %s: no gate data docs for iteration %d: %s", ctx.run_id, iteration, e)
     if not report.success:
         ctx.store.mark(iteration, "gated", gate=result["failures"])
         raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate:\n{report.failure_message()}")
-    return {k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}
+    # The drift check's history: mean over finite scores of rows whose scorer did not raise.
+    score_mean = None if report.score_mean is None else float(report.score_mean)
+    return {**{k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}, "score_mean": score_mean}
 
 
 def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suite: str | None = None) -> list:
