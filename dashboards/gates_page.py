@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from common import run_picker, settings
-from trajflow.dashboard import gate_reports, store_runs
+from dashboards.common import run_picker, settings
+from dashboards.data import gate_reports, store_runs
 
 
 @st.cache_data(ttl=15, show_spinner=False)

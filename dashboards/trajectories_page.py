@@ -6,8 +6,8 @@ import json
 
 import streamlit as st
 
-from common import run_picker, settings
-from trajflow.dashboard import TrajectoryFilter, find_trajectories, store_runs, trajectory_facets, trajectory_source
+from dashboards.common import run_picker, settings
+from dashboards.data import TrajectoryFilter, find_trajectories, store_runs, trajectory_facets, trajectory_source
 
 
 @st.cache_data(ttl=15, show_spinner=False)

@@ -275,7 +275,7 @@ def dashboard(store: str = typer.Option("runs", "--store", help="store root (run
               port: int = typer.Option(8501, "--port", help="port to serve on"),
               address: str = typer.Option("127.0.0.1", "--address", help="address to bind (0.0.0.0: all interfaces)")) -> None:
     """Serve the dashboard (Streamlit): runs and their curves, trajectory browser, gate results."""
-    from trajflow.dashboard import serve
+    from dashboards.data import serve
 
     _run(serve, store, tracking_uri, port, address)  # replaces this process with Streamlit
 

@@ -25,7 +25,7 @@ from trajflow.errors import DashboardError
 from trajflow.errors import StoreError
 from trajflow.store import RunStore
 
-APP = Path(__file__).resolve().parents[1] / "dashboards" / "app.py"
+APP = Path(__file__).resolve().with_name("app.py")
 
 #: The columns of a trajectory row (the audit table's contract, ``trajflow.audit.query_audit``).
 TRAJECTORY_COLUMNS = ("sample_id", "iteration", "group_id", "prompt_id", "data_source", "prompt_text",
@@ -78,7 +78,7 @@ def list_runs(client) -> list[dict]:
 # ----------------------------------------------------------------------------------------- gates
 
 def gate_reports(store_root: str | Path, run_id: str) -> list[dict]:
-    """Each iteration's gate result, from ``<run>/iterations/NNNNNN/gate.json`` (written by ``trajflow.gating``).
+    """Each iteration's gate result, from ``<run>/iterations/NNNNNN/gate.json`` (written by ``trajflow.gates.iteration``).
 
     Returns:
         One dict per iteration with a gate file, ascending: ``iteration``, ``success`` (bool),
