@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboards.common import run_picker, settings
-from dashboards.data import gate_reports, store_runs
+from dashboards.data import gate_reports
 
 
 @st.cache_data(ttl=15, show_spinner=False)
@@ -31,7 +31,7 @@ def _styled(df: pd.DataFrame):
 def gates_page() -> None:
     cfg = settings()
     st.title("Gates")
-    run = run_picker("Run", store_runs(cfg.store_root), key="gates_run")
+    run = run_picker(key="gates_run")
     if run is None:
         return
     reports = _reports(cfg.store_root, run)
