@@ -13,6 +13,7 @@ from trajflow.gates.runtime import gx_runtime
 
 
 def json_safe(obj: Any) -> Any:
+    """``obj`` with NaN/inf floats as "NaN"/"Infinity"/"-Infinity", inside dicts and lists too."""
     if isinstance(obj, float):
         if math.isnan(obj):
             return "NaN"
