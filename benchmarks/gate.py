@@ -21,7 +21,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
@@ -58,21 +57,23 @@ def main() -> None:
     args = ap.parse_args()
 
     from trajflow import gates
+    from trajflow.config import GatesConfig
+    from trajflow.gates.runtime import gx_runtime
 
-    settings = types.SimpleNamespace(
-        score_min=0.0, score_max=1.1, max_new_tokens=32, max_equal_group_frac=0.95,
+    settings = GatesConfig(
+        score_min=0.0, score_max=1.1, max_equal_group_frac=0.95,
         max_truncated_frac=0.5, max_error_rate=0.1, drift_band=0.5, drift_window=5,
         policies={"score_not_null": "quarantine", "score_finite": "quarantine"})
 
     t0 = time.perf_counter()
-    rt = gates._gx()  # import great_expectations + ephemeral context + data assets
+    rt = gx_runtime()  # import great_expectations + ephemeral context + data assets
     startup = time.perf_counter() - t0
     print(f"import great_expectations:            {rt.import_s:7.3f} s")
     print(f"import + context start-up:            {startup:7.3f} s")
 
     n0 = args.rows[0]
     t0 = time.perf_counter()
-    report = gates.run_gate(make_view(n0, 0), settings, history=[0.5])
+    report = gates.run_gate(make_view(n0, 0), settings, max_new_tokens=32, history=[0.5])
     first = time.perf_counter() - t0
     print(f"first validation ({n0} rows):        {first:7.3f} s  "
           f"(success={report.success}, quarantined={len(report.quarantined_sample_ids)})")
@@ -82,7 +83,7 @@ def main() -> None:
         for k in range(args.repeats):
             view = make_view(n, k + 1)
             t0 = time.perf_counter()
-            report = gates.run_gate(view, settings, history=[0.5, 0.55, 0.6])
+            report = gates.run_gate(view, settings, max_new_tokens=32, history=[0.5, 0.55, 0.6])
             times.append(time.perf_counter() - t0)
         print(f"steady state ({n} rows), median of {args.repeats}: {statistics.median(times):7.3f} s"
               f"  (min {min(times):.3f}, max {max(times):.3f})")

@@ -8,16 +8,25 @@ Query parameters make views linkable: ``/?runs=a,b&metrics=critic/score/mean``,
 
 from __future__ import annotations
 
-from trajflow.infra.env import configure_environment
+import sys
+from pathlib import Path
+
+# Streamlit runs this file as a script with only dashboards/ on sys.path; the pages import the
+# dashboards package, so its parent (the repository root) must be importable too.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from trajflow.infra.env import configure_environment  # noqa: E402
 
 configure_environment()
 
 import streamlit as st  # noqa: E402
 
-from common import settings  # noqa: E402
-from gates_page import gates_page  # noqa: E402
-from runs_page import runs_page  # noqa: E402
-from trajectories_page import trajectories_page  # noqa: E402
+from dashboards.common import settings  # noqa: E402
+from dashboards.gates_page import gates_page  # noqa: E402
+from dashboards.runs_page import runs_page  # noqa: E402
+from dashboards.trajectories_page import trajectories_page  # noqa: E402
 
 st.set_page_config(page_title="trajflow", layout="wide")
 cfg = settings()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from dashboards.data import store_runs
 from trajflow.tracking import store_tracking_uri
 
 
@@ -53,8 +54,19 @@ def query_list(name: str) -> list[str]:
     return [x for x in raw.split(",") if x]
 
 
-def run_picker(label: str, runs: list[str], key: str) -> str | None:
-    """A run select box; the ``?run=`` query parameter picks the initial run."""
+def run_picker(key: str, label: str = "Run") -> str | None:
+    """A select box over the run folders of the store root, newest first.
+
+    The ``?run=`` query parameter picks the initial run, and the choice is written back to it.
+
+    Args:
+        key: the widget's Streamlit key (one per page).
+        label: the select box's label.
+
+    Returns:
+        The chosen run id; None (after a message) when the store has no runs.
+    """
+    runs = store_runs(settings().store_root)
     if not runs:
         st.info("No runs in this store yet.")
         return None

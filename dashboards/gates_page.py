@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from common import run_picker, settings
-from trajflow.dashboard import gate_reports, store_runs
+from dashboards.common import run_picker, settings
+from dashboards.data import gate_reports
 
 
 @st.cache_data(ttl=15, show_spinner=False)
@@ -31,7 +31,7 @@ def _styled(df: pd.DataFrame):
 def gates_page() -> None:
     cfg = settings()
     st.title("Gates")
-    run = run_picker("Run", store_runs(cfg.store_root), key="gates_run")
+    run = run_picker(key="gates_run")
     if run is None:
         return
     reports = _reports(cfg.store_root, run)

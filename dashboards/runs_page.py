@@ -7,10 +7,10 @@ import time
 import pandas as pd
 import streamlit as st
 
-from common import client, mlflow_ready, query_list, settings
+from dashboards.common import client, mlflow_ready, query_list, settings
+from dashboards.data import list_runs
 from trajflow.compare import (DEFAULT_METRICS, Comparison, choose_metrics, compare_runs, fmt_duration,
                               fmt_value, metric_goal)
-from trajflow.dashboard import list_runs
 from trajflow.plots import PALETTE
 
 

@@ -6,8 +6,8 @@ import json
 
 import streamlit as st
 
-from common import run_picker, settings
-from trajflow.dashboard import TrajectoryFilter, find_trajectories, store_runs, trajectory_facets, trajectory_source
+from dashboards.common import run_picker, settings
+from dashboards.data import TrajectoryFilter, find_trajectories, trajectory_facets, trajectory_source
 
 
 @st.cache_data(ttl=15, show_spinner=False)
@@ -53,7 +53,7 @@ def _card(row: dict) -> None:
 def trajectories_page() -> None:
     cfg = settings()
     st.title("Trajectories")
-    run = run_picker("Run", store_runs(cfg.store_root), key="traj_run")
+    run = run_picker(key="traj_run")
     if run is None:
         return
     f = _facets(cfg.store_root, run)

@@ -29,7 +29,7 @@ from stages.rollout import rollout_table, sampling_params
 from stages.seeds import Salt, iteration_seed
 from trajflow.batch import join_stages, lengths
 from trajflow.faults import fault_point
-from trajflow.gating import run_iteration_gate
+from trajflow.gates import run_iteration_gate
 from trajflow.metrics import batch_metrics
 from trajflow.pipeline import critic_batch, update_batch, update_batch_options, with_loss_mask
 from trajflow.run import roles

@@ -8,23 +8,32 @@ the views built here (counts of bad rows, fractions such as 3/10), never copied 
 from __future__ import annotations
 
 import json
-import types
 
 import pyarrow as pa
 import pytest
 
 from trajflow import gates
+from trajflow.config import GatesConfig
+from trajflow.errors import GateFailed
 
 NAN, INF = float("nan"), float("inf")
 
 
+MAX_NEW_TOKENS = 32  # rollout.max_new_tokens of the views below
+
+
 def settings(**overrides):
-    """Gate settings as a plain namespace (what a test or a script would pass)."""
-    base = dict(enabled=True, suite=None, score_min=0.0, score_max=1.0, max_new_tokens=32,
+    """The config's gates section with the limits these tests use."""
+    base = dict(enabled=True, suite=None, score_min=0.0, score_max=1.0,
                 max_equal_group_frac=0.95, max_truncated_frac=0.5, max_error_rate=0.1,
                 drift_band=0.2, drift_window=5, policies={})
     base.update(overrides)
-    return types.SimpleNamespace(**base)
+    return GatesConfig(**base)
+
+
+def run_gate(view, s, *, history=(), max_new_tokens=MAX_NEW_TOKENS):
+    """``gates.run_gate`` with the rollout's ``max_new_tokens``."""
+    return gates.run_gate(view, s, max_new_tokens, history=history)
 
 
 def make_view(scores, *, group_size=2, lengths=None, finish=None, errors=None, iteration=7):
@@ -48,7 +57,7 @@ DEFAULT_NAMES = ["score_not_null", "score_finite", "score_in_range", "response_l
 
 
 def test_all_good_view_passes_every_expectation():
-    report = gates.run_gate(make_view(GOOD_SCORES), settings(), history=[0.5, 0.5])
+    report = run_gate(make_view(GOOD_SCORES), settings(), history=[0.5, 0.5])
     assert report.success
     assert [r.name for r in report.results] == DEFAULT_NAMES
     assert all(r.success for r in report.results), [r for r in report.results if not r.success]
@@ -64,7 +73,7 @@ def test_all_good_view_passes_every_expectation():
 
 
 def test_drift_is_skipped_without_history():
-    report = gates.run_gate(make_view(GOOD_SCORES), settings())
+    report = run_gate(make_view(GOOD_SCORES), settings())
     drift = report.outcome("score_mean_drift")
     assert drift.success and drift.observed_value is None
     assert "no score history" in drift.details["skipped"]
@@ -74,7 +83,7 @@ def test_drift_is_skipped_without_history():
 def test_nan_scores_fail_under_fail_policy():
     scores = list(GOOD_SCORES)
     scores[3] = scores[8] = NAN
-    report = gates.run_gate(make_view(scores), settings())
+    report = run_gate(make_view(scores), settings())
     assert not report.success
     for name in ("score_not_null", "score_finite"):
         outcome = report.outcome(name)
@@ -88,7 +97,7 @@ def test_nan_scores_fail_under_fail_policy():
     assert any("score_finite" in line and "observed 2" in line and "rows 2" in line
                for line in lines)
     assert report.quarantined_sample_ids == set()
-    with pytest.raises(gates.GateFailedError, match="score_not_null"):
+    with pytest.raises(GateFailed, match="score_not_null"):
         report.raise_for_failure()
     assert report.metrics()["gate/success"] == 0.0
     assert report.metrics()["gate/score_finite/observed"] == 2.0
@@ -98,7 +107,7 @@ def test_nan_scores_quarantined_under_quarantine_policy():
     scores = list(GOOD_SCORES)
     scores[3] = scores[8] = NAN
     pol = {"score_not_null": "quarantine", "score_finite": "quarantine"}
-    report = gates.run_gate(make_view(scores), settings(policies=pol))
+    report = run_gate(make_view(scores), settings(policies=pol))
     assert report.success
     assert report.quarantined_sample_ids == {"s3", "s8"}
     assert report.quarantined_reason == {"score_not_null": ["s3", "s8"],
@@ -111,7 +120,7 @@ def test_nan_scores_quarantined_under_quarantine_policy():
 def test_infinite_and_out_of_range_scores():
     scores = list(GOOD_SCORES)
     scores[0], scores[1], scores[2] = 1.5, -0.5, INF
-    report = gates.run_gate(make_view(scores), settings())
+    report = run_gate(make_view(scores), settings())
     in_range = report.outcome("score_in_range")
     assert not in_range.success and in_range.unexpected_count == 3
     assert set(in_range.details["sample_ids"]) == {"s0", "s1", "s2"}
@@ -123,13 +132,13 @@ def test_infinite_and_out_of_range_scores():
 
 def test_score_bounds_compare_at_float32_precision():
     # float32(1.1) is 1.10000002 in float64; a scorer returning 1.1 must pass score_max=1.1
-    report = gates.run_gate(make_view([1.1, 0.0]), settings(score_max=1.1))
+    report = run_gate(make_view([1.1, 0.0]), settings(score_max=1.1))
     assert report.outcome("score_in_range").success
 
 
 def test_constant_scores_make_every_group_equal():
     view = make_view([0.5] * 10)
-    report = gates.run_gate(view, settings(max_equal_group_frac=0.5))
+    report = run_gate(view, settings(max_equal_group_frac=0.5))
     outcome = report.outcome("equal_reward_group_frac")
     assert not outcome.success
     assert outcome.observed_value == 1.0
@@ -137,7 +146,7 @@ def test_constant_scores_make_every_group_equal():
     assert report.success  # warn records only
     assert report.metrics()["gate/warnings"] == 1.0
 
-    quarantine = gates.run_gate(view, settings(
+    quarantine = run_gate(view, settings(
         max_equal_group_frac=0.5, policies={"equal_reward_group_frac": "quarantine"}))
     assert quarantine.success
     assert quarantine.quarantined_sample_ids == {f"s{i}" for i in range(10)}
@@ -146,7 +155,7 @@ def test_constant_scores_make_every_group_equal():
 def test_equal_groups_quarantine_whole_groups_only():
     # groups g0..g4; g1 (s2, s3) and g3 (s6, s7) have equal scores -> 2/5 = 0.4
     scores = [0.0, 1.0, 0.5, 0.5, 0.25, 0.75, 1.0, 1.0, 0.0, 0.5]
-    report = gates.run_gate(make_view(scores), settings(
+    report = run_gate(make_view(scores), settings(
         max_equal_group_frac=0.3, policies={"equal_reward_group_frac": "quarantine"}))
     outcome = report.outcome("equal_reward_group_frac")
     assert outcome.observed_value == pytest.approx(0.4)
@@ -161,7 +170,7 @@ def test_scorer_errors_error_rate():
         errors[i] = "TimeoutError: math-verify took > 5 s"
         scores[i] = NAN  # the scorer raised: no score; the score checks skip these rows
     view = make_view(scores, errors=errors)
-    report = gates.run_gate(view, settings(max_error_rate=0.2))
+    report = run_gate(view, settings(max_error_rate=0.2))
     outcome = report.outcome("scorer_error_rate")
     assert not outcome.success
     assert outcome.observed_value == pytest.approx(0.3)
@@ -172,12 +181,12 @@ def test_scorer_errors_error_rate():
     line = report.failure_message()
     assert "scorer_error_rate" in line and "observed 0.3" in line and "rows 3" in line
 
-    quarantine = gates.run_gate(view, settings(max_error_rate=0.2,
-                                               policies={"scorer_error_rate": "quarantine"}))
+    quarantine = run_gate(view, settings(max_error_rate=0.2,
+                                         policies={"scorer_error_rate": "quarantine"}))
     assert quarantine.success
     assert quarantine.quarantined_sample_ids == {"s1", "s4", "s6"}
 
-    passing = gates.run_gate(view, settings(max_error_rate=0.3))
+    passing = run_gate(view, settings(max_error_rate=0.3))
     assert passing.outcome("scorer_error_rate").success  # 0.3 <= 0.3
 
 
@@ -185,16 +194,15 @@ def test_response_longer_than_max_new_tokens():
     lengths = [10] * 10
     lengths[5] = 33
     lengths[9] = 32  # exactly the cap is fine
-    report = gates.run_gate(make_view(GOOD_SCORES, lengths=lengths), settings(max_new_tokens=32))
+    report = run_gate(make_view(GOOD_SCORES, lengths=lengths), settings(), max_new_tokens=32)
     outcome = report.outcome("response_length_max")
     assert not outcome.success
     assert outcome.unexpected_count == 1 and outcome.details["sample_ids"] == ["s5"]
     assert not report.success
 
 
-def test_max_new_tokens_can_come_from_the_keyword():
+def test_max_new_tokens_comes_from_the_argument():
     s = settings()
-    del s.max_new_tokens
     lengths = [10] * 9 + [20]
     report = gates.run_gate(make_view(GOOD_SCORES, lengths=lengths), s, max_new_tokens=16)
     assert report.outcome("response_length_max").unexpected_count == 1
@@ -204,7 +212,7 @@ def test_max_new_tokens_can_come_from_the_keyword():
 
 def test_truncated_fraction():
     finish = ["length"] * 4 + ["stop"] * 6
-    report = gates.run_gate(make_view(GOOD_SCORES, finish=finish), settings(max_truncated_frac=0.3))
+    report = run_gate(make_view(GOOD_SCORES, finish=finish), settings(max_truncated_frac=0.3))
     outcome = report.outcome("truncated_frac")
     assert not outcome.success and outcome.observed_value == pytest.approx(0.4)
     assert outcome.unexpected_count == 4
@@ -214,17 +222,17 @@ def test_truncated_fraction():
 def test_drift_against_history():
     scores = [0.8, 1.0] * 5  # mean 0.9
     view = make_view(scores)
-    report = gates.run_gate(view, settings(drift_band=0.2), history=[0.5, 0.5])
+    report = run_gate(view, settings(drift_band=0.2), history=[0.5, 0.5])
     drift = report.outcome("score_mean_drift")
     assert not drift.success
     assert drift.observed_value == pytest.approx(0.4, abs=1e-6)
     assert report.success  # default policy warn
-    failing = gates.run_gate(view, settings(drift_band=0.2, policies={"score_mean_drift": "fail"}),
-                             history=[0.5, 0.5])
+    failing = run_gate(view, settings(drift_band=0.2, policies={"score_mean_drift": "fail"}),
+                       history=[0.5, 0.5])
     assert not failing.success and "score_mean_drift" in failing.failure_message()
     # only the last drift_window entries count: mean(0.8, 0.9) = 0.85 -> drift 0.05
-    windowed = gates.run_gate(view, settings(drift_band=0.2, drift_window=2),
-                              history=[0.0, 0.8, 0.9])
+    windowed = run_gate(view, settings(drift_band=0.2, drift_window=2),
+                        history=[0.0, 0.8, 0.9])
     assert windowed.outcome("score_mean_drift").success
     assert windowed.outcome("score_mean_drift").observed_value == pytest.approx(0.05, abs=1e-6)
 
@@ -232,7 +240,7 @@ def test_drift_against_history():
 def test_warn_policy_records_but_passes():
     scores = list(GOOD_SCORES)
     scores[0] = NAN
-    report = gates.run_gate(make_view(scores), settings(
+    report = run_gate(make_view(scores), settings(
         policies={"score_not_null": "warn", "score_finite": "warn"}))
     assert report.success
     assert not report.outcome("score_not_null").success
@@ -247,16 +255,16 @@ def test_thousand_row_view_completes():
     scores = [((i * 37) % 101) / 100 for i in range(n)]
     scores[17] = NAN
     view = make_view(scores, group_size=8)
-    report = gates.run_gate(view, settings(policies={"score_not_null": "quarantine",
-                                                     "score_finite": "quarantine"}),
-                            history=[0.5] * 5)
+    report = run_gate(view, settings(policies={"score_not_null": "quarantine",
+                                               "score_finite": "quarantine"}),
+                      history=[0.5] * 5)
     assert report.rows == 1000
     assert report.quarantined_sample_ids == {"s17"}
     assert report.success
 
 
 def test_metrics_and_json():
-    report = gates.run_gate(make_view(GOOD_SCORES), settings(), history=[0.4])
+    report = run_gate(make_view(GOOD_SCORES), settings(), history=[0.4])
     m = report.metrics()
     assert m["gate/success"] == 1.0 and m["gate/rows"] == 10.0 and m["gate/quarantined_rows"] == 0.0
     for name in DEFAULT_NAMES:
@@ -271,14 +279,14 @@ def test_metrics_and_json():
 def test_report_json_is_strict_with_infinite_values():
     scores = list(GOOD_SCORES)
     scores[0] = INF
-    doc = gates.report_to_json(gates.run_gate(make_view(scores), settings()))
+    doc = gates.report_to_json(run_gate(make_view(scores), settings()))
     json.dumps(doc, allow_nan=False)
 
 
 def test_write_data_docs(tmp_path):
     scores = list(GOOD_SCORES)
     scores[2] = NAN
-    report = gates.run_gate(make_view(scores), settings(), history=[0.5])
+    report = run_gate(make_view(scores), settings(), history=[0.5])
     index = gates.write_data_docs(report, tmp_path / "docs")
     assert index.name == "index.html" and index.is_file()
     pages = [p for p in (tmp_path / "docs" / "validations").rglob("*.html")]
@@ -288,14 +296,12 @@ def test_write_data_docs(tmp_path):
 
 
 def test_disabled_gate_does_nothing():
-    report = gates.run_gate(make_view([NAN] * 4), settings(enabled=False))
+    report = run_gate(make_view([NAN] * 4), settings(enabled=False))
     assert report.success and report.results == [] and report.quarantined_sample_ids == set()
 
 
 def test_settings_from_the_config_section():
     from omegaconf import OmegaConf
-
-    from trajflow.config import GatesConfig
 
     cfg = OmegaConf.structured(GatesConfig)
     report = gates.run_gate(make_view(GOOD_SCORES), cfg, max_new_tokens=32)
@@ -304,7 +310,7 @@ def test_settings_from_the_config_section():
 
 
 def test_default_policies():
-    report = gates.run_gate(make_view(GOOD_SCORES), settings())
+    report = run_gate(make_view(GOOD_SCORES), settings())
     assert {r.name: r.policy for r in report.results} == {
         "score_not_null": "fail", "score_finite": "fail", "score_in_range": "fail",
         "response_length_max": "fail", "equal_reward_group_frac": "warn",
@@ -322,19 +328,19 @@ def test_default_policies():
 ])
 def test_bad_settings_name_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
-        gates.run_gate(make_view(GOOD_SCORES), settings(**overrides))
+        run_gate(make_view(GOOD_SCORES), settings(**overrides))
 
 
 def test_bad_views_are_rejected():
     view = make_view(GOOD_SCORES)
     with pytest.raises(ValueError, match="missing column 'reward_error'"):
-        gates.run_gate(view.drop_columns(["reward_error"]), settings())
+        run_gate(view.drop_columns(["reward_error"]), settings())
     dup = pa.concat_tables([view, view])
     with pytest.raises(ValueError, match="'sample_id' is not unique"):
-        gates.run_gate(dup, settings())
+        run_gate(dup, settings())
     bad_type = view.set_column(3, "score", pa.array([str(x) for x in GOOD_SCORES]))
     with pytest.raises(ValueError, match="column 'score' has type string, expected floating"):
-        gates.run_gate(bad_type, settings())
+        run_gate(bad_type, settings())
 
 
 def test_a_copied_suite_with_an_added_expectation(tmp_path):
@@ -348,7 +354,7 @@ def test_a_copied_suite_with_an_added_expectation(tmp_path):
     path = tmp_path / "my_suite.json"
     path.write_text(json.dumps(suite))
     finish = ["stop"] * 8 + ["abort", "length"]
-    report = gates.run_gate(make_view(GOOD_SCORES, finish=finish), settings(suite=str(path)))
+    report = run_gate(make_view(GOOD_SCORES, finish=finish), settings(suite=str(path)))
     outcome = report.outcome("finish_reason_known")
     assert not outcome.success and outcome.unexpected_count == 1
     assert report.quarantined_reason == {"finish_reason_known": ["s8"]}
@@ -362,7 +368,7 @@ def test_invalid_expectation_in_suite_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(suite))
     with pytest.raises(ValueError, match=r"expectations\[8\] \(expect_column_values_to_be_between\)"):
-        gates.run_gate(make_view(GOOD_SCORES), settings(suite=str(path)))
+        run_gate(make_view(GOOD_SCORES), settings(suite=str(path)))
 
 
 def test_expectation_that_raises_in_gx(tmp_path):
@@ -373,15 +379,15 @@ def test_expectation_that_raises_in_gx(tmp_path):
                                   "meta": {"name": "data_source_set", "policy": "warn"}})
     path = tmp_path / "s.json"
     path.write_text(json.dumps(suite))
-    report = gates.run_gate(make_view(GOOD_SCORES), settings(suite=str(path)))
+    report = run_gate(make_view(GOOD_SCORES), settings(suite=str(path)))
     outcome = report.outcome("data_source_set")
     assert not outcome.success and "data_source" in outcome.details["exception"]
     assert report.success
-    strict = gates.run_gate(make_view(GOOD_SCORES), settings(
+    strict = run_gate(make_view(GOOD_SCORES), settings(
         suite=str(path), policies={"data_source_set": "quarantine"}))
     assert not strict.success and "GX raised" in strict.failure_message()
 
 
 def test_settings_as_a_plain_dict():
-    report = gates.run_gate(make_view(GOOD_SCORES), {"score_max": 0.5, "max_new_tokens": 32})
+    report = gates.run_gate(make_view(GOOD_SCORES), {"score_max": 0.5}, max_new_tokens=32)
     assert report.outcome("score_in_range").unexpected_count == 4  # 1.0, 0.75, 0.625, 1.0

@@ -202,7 +202,7 @@ def gate(run_id: str = typer.Argument(..., help="run id under the store root"),
          suite: Optional[str] = typer.Option(None, "--suite", help="expectation suite file (default: the run's)"),
          store: str = typer.Option("runs", "--store", help="store root")) -> None:
     """Re-validate a run's stored reward outputs, e.g. with a stricter suite. Exit 3 if a gate fails."""
-    from trajflow.gating import recheck_run
+    from trajflow.gates import recheck_run
 
     reports = _run(recheck_run, store, run_id, iteration, suite)
     failed = False
@@ -272,7 +272,7 @@ def dashboard(store: str = typer.Option("runs", "--store", help="store root (run
               port: int = typer.Option(8501, "--port", help="port to serve on"),
               address: str = typer.Option("127.0.0.1", "--address", help="address to bind (0.0.0.0: all interfaces)")) -> None:
     """Serve the dashboard (Streamlit): runs and their curves, trajectory browser, gate results."""
-    from trajflow.dashboard import serve
+    from dashboards.data import serve
 
     _run(serve, store, tracking_uri, port, address)  # replaces this process with Streamlit
 

@@ -149,8 +149,15 @@ def open_client(store_root: str | Path = "runs", tracking_uri: str | None = None
     return MlflowClient(tracking_uri=tracking_uri), tracking_uri
 
 
-def _experiments(client) -> dict[str, str]:
-    """experiment id -> name, for every active experiment."""
+def experiments(client) -> dict[str, str]:
+    """Every active experiment of the tracking store.
+
+    Args:
+        client: an ``MlflowClient``.
+
+    Returns:
+        Experiment id -> experiment name (all result pages read).
+    """
     out, token = {}, None
     while True:
         page = client.search_experiments(max_results=1000, page_token=token)
@@ -160,7 +167,18 @@ def _experiments(client) -> dict[str, str]:
             return out
 
 
-def _search(client, exps: dict[str, str], filter_string: str = "", max_results: int = 1000) -> list:
+def search(client, exps: dict[str, str], filter_string: str = "", max_results: int = 1000) -> list:
+    """The runs of the given experiments that match an MLflow filter, newest first.
+
+    Args:
+        client: an ``MlflowClient``.
+        exps: experiment id -> name (see :func:`experiments`); the runs of these experiments are searched.
+        filter_string: an MLflow search filter (``attributes.run_name = 'a'``); empty: every run.
+        max_results: at most this many runs.
+
+    Returns:
+        ``mlflow.entities.Run`` objects by start time, newest first; ``[]`` when ``exps`` is empty.
+    """
     if not exps:
         return []
     return list(client.search_runs(list(exps), filter_string=filter_string, max_results=max_results,
@@ -189,7 +207,7 @@ def resolve_run(client, token: str, exps: dict[str, str] | None = None):
     """
     from mlflow.exceptions import MlflowException
 
-    exps = _experiments(client) if exps is None else exps
+    exps = experiments(client) if exps is None else exps
     if re.fullmatch(r"[0-9a-f]{32}", token):
         try:
             return client.get_run(token)
@@ -198,10 +216,10 @@ def resolve_run(client, token: str, exps: dict[str, str] | None = None):
     matches: dict[str, object] = {}
     if "'" not in token and "\\" not in token:
         for flt in (f"attributes.run_name = '{token}'", f"tags.\"trajflow.run_id\" = '{token}'"):
-            for r in _search(client, exps, flt):
+            for r in search(client, exps, flt):
                 matches[r.info.run_id] = r
     if not matches:
-        everything = _search(client, exps, max_results=5000)
+        everything = search(client, exps, max_results=5000)
         if len(token) >= 6:
             for r in everything:
                 if r.info.run_id.startswith(token):
@@ -274,7 +292,7 @@ def compare_runs(client, tokens: Sequence[str], metrics: Sequence[str] | None = 
     """
     if not tokens:
         raise CompareError("name at least one run to compare")
-    exps = _experiments(client)
+    exps = experiments(client)
     infos: list[RunInfo] = []
     for tok in tokens:
         info = _run_info(resolve_run(client, tok, exps), exps)

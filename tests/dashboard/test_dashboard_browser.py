@@ -43,7 +43,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def dashboard(two_runs, tmp_path_factory):
     """A running ``streamlit run dashboards/app.py`` over the two runs; yields its base URL."""
-    from trajflow.dashboard import streamlit_command
+    from dashboards.data import streamlit_command
 
     assert Path(CHROMIUM).exists(), "Debian chromium is missing: apt-get update && apt-get install -y chromium"
     port = _free_port()

@@ -30,7 +30,7 @@ def stored_rows(run_dir: Path) -> list[dict]:
 
 
 def test_find_trajectories_filters_and_columns(two_runs):
-    from trajflow.dashboard import TRAJECTORY_COLUMNS, TrajectoryFilter, find_trajectories, trajectory_facets
+    from dashboards.data import TRAJECTORY_COLUMNS, TrajectoryFilter, find_trajectories, trajectory_facets
 
     run = two_runs.names[0]
     rows = stored_rows(two_runs.root / run)
@@ -77,7 +77,7 @@ def test_find_trajectories_filters_and_columns(two_runs):
 
 
 def test_where_clause_for_the_audit_table():
-    from trajflow.dashboard import TrajectoryFilter, where_clause
+    from dashboards.data import TrajectoryFilter, where_clause
 
     assert where_clause(TrajectoryFilter()) is None
     assert where_clause(TrajectoryFilter(iterations=(2, 5), data_sources=("gsm8k", "o'neil"), score_range=(0.0, 1.0),
@@ -88,7 +88,7 @@ def test_where_clause_for_the_audit_table():
 
 def test_gate_reports_match_gate_json(two_runs):
     from trajflow.errors import DashboardError
-    from trajflow.dashboard import gate_reports
+    from dashboards.data import gate_reports
 
     run = two_runs.names[1]
     reports = gate_reports(two_runs.root, run)

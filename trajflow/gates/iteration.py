@@ -1,23 +1,28 @@
 """The gate step of an iteration: build the reward view, validate it, record and enforce the result.
 
-The expectations themselves live in :mod:`trajflow.gates` (Great Expectations); this module is the
-glue between them and a run: it stores ``gate.json`` beside the iteration, logs ``gate/*`` metrics
+The expectations themselves are run by :mod:`trajflow.gates.validate` (Great Expectations); this module
+is the glue between them and a run: it stores ``gate.json`` beside the iteration, logs ``gate/*`` metrics
 and the validation result to MLflow, marks a failed iteration as ``gated`` in its manifest and stops
 the run with :class:`GateFailed` before the policy update may use the data.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow as pa
 
 from trajflow.errors import GateFailed
 from trajflow.batch import join_stages, lengths
+from trajflow.gates.docs import write_data_docs
+from trajflow.gates.validate import run_gate
 from trajflow.run.context import RunContext
 from trajflow.store import StageRef
+
+log = logging.getLogger(__name__)
 
 
 def gate_view(rollout: pa.Table, reward: pa.Table) -> pa.Table:
@@ -35,17 +40,13 @@ def gate_view(rollout: pa.Table, reward: pa.Table) -> pa.Table:
     })
 
 
-def gate_settings(cfg) -> SimpleNamespace:
-    """The gate's settings: the ``gates`` section plus ``rollout.max_new_tokens``."""
-    g = cfg.gates
-    return SimpleNamespace(enabled=g.enabled, suite=g.suite, score_min=g.score_min, score_max=g.score_max,
-                           max_new_tokens=cfg.rollout.max_new_tokens, max_equal_group_frac=g.max_equal_group_frac,
-                           max_truncated_frac=g.max_truncated_frac, max_error_rate=g.max_error_rate,
-                           drift_band=g.drift_band, drift_window=g.drift_window, policies=dict(g.policies))
-
-
 def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef) -> dict:
-    """Validate one iteration's rewards; returns ``{"success", "quarantined_sample_ids", "metrics"}``.
+    """Validate one iteration's rewards and store the result as the iteration's ``gate.json``.
+
+    Returns:
+        ``{"success", "quarantined_sample_ids", "metrics", "score_mean"}``; ``score_mean`` is the
+        iteration's mean finite score (:attr:`GateReport.score_mean`, None when undefined or the
+        gate is disabled), the entry to append to the drift check's score history.
 
     Raises:
         GateFailed: a ``fail`` expectation failed (the iteration is marked ``gated``; nothing written
@@ -54,11 +55,11 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
     cfg = ctx.cfg
     if not cfg.gates.enabled:
         return {"success": True, "quarantined_sample_ids": [], "metrics": {}, "score_mean": None}
-    from trajflow.gates import run_gate, write_data_docs
 
     t0 = time.perf_counter()
     view = gate_view(ctx.store.read_ref(rollout), ctx.store.read_ref(reward))
-    report = run_gate(view, gate_settings(cfg), history=ctx.score_history[-cfg.gates.drift_window:])
+    report = run_gate(view, cfg.gates, cfg.rollout.max_new_tokens,
+                      history=ctx.score_history[-cfg.gates.drift_window:])
     metrics = dict(report.metrics())
     metrics["timing_s/gate"] = time.perf_counter() - t0
     result = {"success": bool(report.success), "quarantined_sample_ids": sorted(report.quarantined_sample_ids),
@@ -73,15 +74,14 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
             try:
                 docs = write_data_docs(report, ctx.store.iteration_dir(iteration) / "data_docs")
                 ctx.tracker.log_artifact(Path(docs).parent, f"gates/iteration_{iteration:06d}/data_docs")
-            except Exception:  # data docs are a convenience; the JSON result is already stored
-                pass
+            except Exception as e:  # data docs are a convenience; the JSON result is already stored
+                log.warning("run %s: no gate data docs for iteration %d: %s", ctx.run_id, iteration, e)
     if not report.success:
         ctx.store.mark(iteration, "gated", gate=result["failures"])
         raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate:\n{report.failure_message()}")
-    out = {k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}
     # The drift check's history: mean over finite scores of rows whose scorer did not raise.
-    out["score_mean"] = None if report.score_mean is None else float(report.score_mean)
-    return out
+    score_mean = None if report.score_mean is None else float(report.score_mean)
+    return {**{k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}, "score_mean": score_mean}
 
 
 def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suite: str | None = None) -> list:
@@ -96,7 +96,6 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
     from omegaconf import OmegaConf
 
     from trajflow.config import load_config
-    from trajflow.gates import run_gate
     from trajflow.errors import StoreError
     from trajflow.store import RunStore
 
@@ -109,12 +108,11 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
                                                      if store.verified_stage(i, "reward", warn=False)]
     if iteration is not None and iteration not in store.iterations():
         raise StoreError(f"run {run_id!r} has no iteration {iteration} (has {store.iterations()})")
-    settings = gate_settings(cfg)
-    settings.enabled = True
+    settings = dataclasses.replace(OmegaConf.to_object(cfg.gates), enabled=True)  # cfg stays read-only
     out, history = [], []
     for it in its:
         view = gate_view(store.read_stage(it, "rollout"), store.read_stage(it, "reward"))
-        report = run_gate(view, settings, history=history[-cfg.gates.drift_window:])
+        report = run_gate(view, settings, cfg.rollout.max_new_tokens, history=history[-cfg.gates.drift_window:])
         if report.score_mean is not None:
             history.append(float(report.score_mean))
         out.append((it, report))

@@ -25,7 +25,7 @@ from trajflow.errors import DashboardError
 from trajflow.errors import StoreError
 from trajflow.store import RunStore
 
-APP = Path(__file__).resolve().parents[1] / "dashboards" / "app.py"
+APP = Path(__file__).resolve().with_name("app.py")
 
 #: The columns of a trajectory row (the audit table's contract, ``trajflow.audit.query_audit``).
 TRAJECTORY_COLUMNS = ("sample_id", "iteration", "group_id", "prompt_id", "data_source", "prompt_text",
@@ -53,12 +53,12 @@ def list_runs(client) -> list[dict]:
         ``started`` (epoch ms), ``wall_s``, ``planned_iterations``, ``score`` (latest
         ``critic/score/mean``), ``commit``, ``parent``.
     """
-    from trajflow.compare import _experiments, _search
+    from trajflow.compare import experiments, search
     from trajflow.tracking import TAG_PARENT_ITERATION, TAG_PARENT_RUN
 
-    exps = _experiments(client)
+    exps = experiments(client)
     rows = []
-    for r in _search(client, exps, max_results=5000):
+    for r in search(client, exps, max_results=5000):
         info, data = r.info, r.data
         end = info.end_time or None
         rows.append({
@@ -78,7 +78,7 @@ def list_runs(client) -> list[dict]:
 # ----------------------------------------------------------------------------------------- gates
 
 def gate_reports(store_root: str | Path, run_id: str) -> list[dict]:
-    """Each iteration's gate result, from ``<run>/iterations/NNNNNN/gate.json`` (written by ``trajflow.gating``).
+    """Each iteration's gate result, from ``<run>/iterations/NNNNNN/gate.json`` (written by ``trajflow.gates.iteration``).
 
     Returns:
         One dict per iteration with a gate file, ascending: ``iteration``, ``success`` (bool),
