@@ -9,10 +9,7 @@ import copy
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from trajflow.gates.suite import SuiteSpec
+from typing import Any
 
 #: Tables an expectation can run on (``meta.table``).
 TABLES = ("samples", "summary")
@@ -39,8 +36,9 @@ class GxRuntime:
         self.lock = threading.RLock()
         self.startup_s = time.perf_counter() - t0
 
-    def suite(self, spec: SuiteSpec, table: str, skip: frozenset[str]) -> Any:
-        """The GX ExpectationSuite for ``table`` without the ``skip`` expectations (cached)."""
+    def suite(self, spec: Any, table: str, skip: frozenset[str]) -> Any:
+        """The GX ExpectationSuite for ``table`` of ``spec`` (a :class:`trajflow.gates.suite.SuiteSpec`,
+        which imports this module) without the ``skip`` expectations (cached)."""
         key = (spec.path, id(spec), table, skip)
         if key not in self.suites:
             from great_expectations.expectations.expectation_configuration import (
