@@ -26,7 +26,7 @@ runs):
    with N_body the non-embedding parameters, d the hidden size, V the vocabulary, L the layers, T_resp
    the response tokens and T_all the real (non-pad) tokens trajflow runs through the decoder: per
    micro-batch, the distinct prompts' common prefix once, each distinct prompt's remainder once and
-   each row's response but its last token (``trajflow.workers.tree.tree_packed_tokens``: the last
+   each row's response but its last token (``trajflow.modeling.tree.tree_packed_tokens``: the last
    token predicts nothing). The attention term sums, per block, (tokens seen after it)^2 - (tokens
    seen before it)^2: the causal attention each row needs, not the masked-out scores the dense tree
    mask also computes. Padding, softmax/entropy and the optimizer are not counted (they are not
@@ -129,13 +129,13 @@ def update_flops(dims: dict, prompts: list[list[int]], resp_lens: list[int], pla
     """(F, naive F, parts) for one update over the rows cut into ``plan``'s micro-batches; see the
     module doc for the formula.
 
-    Counts what trajflow computes (:func:`trajflow.workers.tree.tree_pack`): in each micro-batch of
+    Counts what trajflow computes (:func:`trajflow.modeling.tree.tree_pack`): in each micro-batch of
     consecutive rows, the distinct prompts' common prefix once, each distinct prompt's remainder
     once, every row's response but its last token (the LM head on every response token). The naive
     count charges every row its own whole prompt and the LM head on every token (a trainer without
     prompt sharing).
     """
-    from trajflow.workers.tree import common_prefix_length
+    from trajflow.modeling.tree import common_prefix_length
 
     t_prompt, attn_sq = 0.0, 0.0
     for sl in plan:
@@ -252,7 +252,7 @@ def main() -> None:
     # The recipe's micro-batching first, then fixed 8-row micro-batches (more, smaller matmuls; the
     # prompt prefix and the tied embedding's gradient once per micro-batch) and the whole batch in
     # one micro-batch; settings that cut this batch the same way are run once.
-    from trajflow.workers.forward import micro_batch_plan
+    from trajflow.modeling.packing import micro_batch_plan
 
     recipe = {k: worker.actor[k] for k in ("use_dynamic_bsz", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size")}
     budget = int(recipe["ppo_max_token_len_per_gpu"]) if recipe["use_dynamic_bsz"] else None

@@ -86,8 +86,8 @@ def test_zero2_two_ranks_update_equals_one_rank(ray_local, tiny_model_dir, one_r
 def test_zero2_token_budget_micro_batches_equal_one_rank(ray_local, tiny_model_dir, one_rank):
     # Micro-batches by token budget (use_dynamic_bsz): each rank cuts its 3 or 2 rows by tokens, so the
     # ranks can need different numbers of micro-batches; the shorter one pads with zero-weighted copies.
-    from trajflow.workers.forward import token_budget_slices
-    from trajflow.workers.group import balanced_partition
+    from trajflow.modeling.packing import token_budget_slices
+    from trajflow.modeling.packing import balanced_partition
 
     b1, budget = one_rank["b1"], 14
     mini = list(range(5))

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from stages.rollout import SamplingParams
-from trajflow.workers.forward import forward_micro_batch, pack
+from trajflow.modeling.forward import forward_micro_batch
+from trajflow.modeling.packing import pack
 from trajflow.workers.policy import PolicyWorker
 
 ACTOR = dict(lr=1e-3, betas=[0.9, 0.999], weight_decay=0.0, ppo_micro_batch_size=2, ppo_epochs=1, shuffle=False,
@@ -105,7 +106,7 @@ def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(tiny_model_
 
 
 def test_token_budget_slices_by_hand():
-    from trajflow.workers.forward import micro_batch_plan, token_budget_slices
+    from trajflow.modeling.packing import micro_batch_plan, token_budget_slices
 
     prompts = [[1, 2, 3]] * 3 + [[4, 5]]
     responses = [[9, 9], [9, 9, 9], [9], [9, 9, 9, 9]]
@@ -126,7 +127,7 @@ def test_dynamic_micro_batches_update_like_fixed_ones(tiny_model_dir):
     # The same batch, one optimizer step: 2-row micro-batches vs token-budget micro-batches (a budget
     # that cuts the 4 rows into 3 pieces) vs the whole mini-batch at once. Gradient accumulation is
     # exact, so the weights agree to float rounding; a lost or doubled micro-batch moves them ~1e-3.
-    from trajflow.workers.forward import micro_batch_plan
+    from trajflow.modeling.packing import micro_batch_plan
 
     weights = {}
     for name, extra in (("fixed", {}), ("dynamic", {"use_dynamic_bsz": True}), ("whole", {"ppo_micro_batch_size": 4})):

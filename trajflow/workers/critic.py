@@ -6,7 +6,7 @@ starts from ``critic.path`` when set, else from the policy's initial weights, an
 (``critic.lr``). The head starts at zero (V = 0 everywhere), so the first GAE advantages are the
 discounted returns.
 
-Values use the packing of :mod:`trajflow.workers.forward`: the value of response token ``t`` is read
+Values use the packing of :mod:`trajflow.modeling.packing`: the value of response token ``t`` is read
 at the hidden state that predicts it (column ``P - 1 + t``), the state *before* the token is
 generated, which is what GAE's ``V(s_t)`` means (verl reads ``values[:, -T-1:-1]`` the same way).
 
@@ -27,8 +27,8 @@ import torch
 
 from stages.policy_update import explained_variance, value_loss
 from trajflow.models import load_causal_lm, load_tokenizer
-from trajflow.workers.distributed import adamw
-from trajflow.workers.forward import PackedBatch, micro_batch_slices, pack
+from trajflow.modeling.backends import adamw
+from trajflow.modeling.packing import PackedBatch, micro_batch_slices, pack
 from trajflow.workers.policy import set_threads
 
 
@@ -51,7 +51,7 @@ class ValueModel(torch.nn.Module):
         """Values of the response positions.
 
         Args:
-            packed: a micro-batch from :func:`trajflow.workers.forward.pack`.
+            packed: a micro-batch from :func:`trajflow.modeling.packing.pack`.
 
         Returns:
             ``(b, T)`` float32 values V(s_t) for response tokens ``t = 0..T-1``; entries outside

@@ -23,8 +23,9 @@ from stages.rollout_correction import rollout_is_weights
 from trajflow.config import ActorConfig
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
-from trajflow.workers.distributed import LocalBackend, adamw
-from trajflow.workers.forward import compute_log_probs, micro_batch_plan, pack
+from trajflow.modeling.backends import LocalBackend, adamw
+from trajflow.modeling.forward import compute_log_probs
+from trajflow.modeling.packing import micro_batch_plan, pack
 from trajflow.workers.group import dispatch, free_address
 
 
@@ -129,7 +130,7 @@ class PolicyWorker:
         """
         if self.actor.get("strategy") != "deepspeed":
             raise RuntimeError(f"init_distributed needs actor.strategy='deepspeed', got {self.actor.get('strategy')!r}")
-        from trajflow.workers.distributed import DeepSpeedBackend, setup_rank_env
+        from trajflow.modeling.backends import DeepSpeedBackend, setup_rank_env
 
         setup_rank_env(master_addr, master_port, rank, world_size, self.device)
         t0 = time.perf_counter()
@@ -239,7 +240,7 @@ class PolicyWorker:
         return None
 
     def _split_rows(self, batch: dict):
-        """Row ids -> micro-batches, as :func:`trajflow.workers.forward.micro_batch_plan` cuts them."""
+        """Row ids -> micro-batches, as :func:`trajflow.modeling.packing.micro_batch_plan` cuts them."""
         def split(rows: list[int]) -> list[list[int]]:
             plan = micro_batch_plan([batch["prompt_ids"][r] for r in rows], [batch["response_ids"][r] for r in rows],
                                     int(self.actor["ppo_micro_batch_size"]), self._max_tokens())
@@ -270,7 +271,7 @@ class PolicyWorker:
         mini-batch-wide denominators of :func:`stages.policy_update.agg_loss`), for ``ppo_epochs``
         passes. Under DeepSpeed every rank gets the whole batch, keeps the mini-batch-wide
         denominators and trains on its token-balanced share of each mini-batch
-        (:class:`trajflow.workers.distributed.DeepSpeedBackend`); metrics are combined across ranks.
+        (:class:`trajflow.modeling.backends.DeepSpeedBackend`); metrics are combined across ranks.
 
         Returns:
             Metrics averaged over optimizer steps, verl names (``actor/pg_loss``, ``actor/pg_clipfrac``,

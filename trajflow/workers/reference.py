@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from trajflow.models import load_causal_lm, load_tokenizer
-from trajflow.workers.forward import compute_log_probs
+from trajflow.modeling.forward import compute_log_probs
 from trajflow.workers.group import dispatch
 from trajflow.workers.policy import set_threads
 

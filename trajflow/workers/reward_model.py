@@ -21,7 +21,7 @@ import torch
 
 from trajflow.errors import ModelLoadError
 from trajflow.models import _DTYPES, load_tokenizer
-from trajflow.workers.forward import micro_batch_slices
+from trajflow.modeling.packing import micro_batch_slices
 from trajflow.workers.policy import set_threads
 
 
