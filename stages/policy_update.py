@@ -1,5 +1,12 @@
-"""Losses of the policy and critic update: PPO-clip (dual clip, clip-higher), GSPO, CISPO, GPG,
-loss aggregation modes, the KL loss, the value loss with clipping and token entropy.
+"""The policy and critic update: its losses and its typed input batches.
+
+Losses: PPO-clip (dual clip, clip-higher), GSPO, CISPO, GPG, loss aggregation modes, the KL loss,
+the value loss with clipping, token entropy, and :func:`actor_loss`, the whole per-micro-batch
+actor objective (policy gradient - entropy bonus + KL loss) the policy worker backpropagates.
+
+Batches: :func:`update_batch` and :func:`critic_batch` turn one iteration's stored stage tables
+into the typed :class:`UpdateBatch` / :class:`CriticBatch` the workers' ``update_actor`` /
+``update_critic`` take (verl's ``DataProto``, typed: per-row ragged lists plus update settings).
 
 Shapes: every per-token tensor is ``(batch, response_len)``; masks are bool or 0/1 (a nonzero
 entry marks a token that counts). Values stored outside the mask never reach a loss.
@@ -21,9 +28,12 @@ engine whose log-probs differ from the trainer's; Yao et al. 2025); it is treate
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from stages.kl import kl_penalty
@@ -31,8 +41,22 @@ from stages.registry import Registry
 
 __all__ = [
     "AGG_MODES",
+    "ACTOR_LOSS_SHARES",
     "POLICY_LOSSES",
+    "ActorLossConfig",
+    "CriticBatch",
+    "CriticRows",
+    "CriticSettings",
     "PolicyLossConfig",
+    "UpdateBatch",
+    "UpdateRows",
+    "UpdateSettings",
+    "actor_loss",
+    "actor_loss_mask",
+    "critic_batch",
+    "update_batch",
+    "update_batch_options",
+    "with_loss_mask",
     "agg_loss",
     "compute_policy_loss",
     "compute_policy_loss_vanilla",
@@ -591,3 +615,365 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mas
     var_r = torch.var(r, unbiased=True)
     var_diff = torch.var(r - v, unbiased=True)
     return float(1.0 - var_diff / (var_r + 1e-5))
+
+
+# --------------------------------------------------------------------------------------------
+# the actor objective
+# --------------------------------------------------------------------------------------------
+
+#: :func:`actor_loss` metrics that are a micro-batch's share of its mini-batch's loss (they add up
+#: over the micro-batches of a mini-batch; the policy loss's own metrics are token means instead).
+ACTOR_LOSS_SHARES = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
+
+
+@dataclass(frozen=True)
+class ActorLossConfig:
+    """What :func:`actor_loss` needs of the ``actor`` config section.
+
+    Attributes:
+        policy_loss: the policy loss's name in :data:`POLICY_LOSSES` (``actor.policy_loss``).
+        loss: its clip settings and aggregation mode (``loss.loss_agg_mode`` also aggregates the
+            entropy and KL terms).
+        entropy_coeff: the entropy bonus coefficient (``actor.entropy_coeff``, >= 0).
+        kl_loss_coef: the KL loss coefficient (``actor.kl_loss_coef``, >= 0; 0 = no KL term).
+        kl_loss_type: the KL estimator (``actor.kl_loss_type``, a name of :data:`stages.kl.KL_ESTIMATORS`).
+    """
+
+    policy_loss: str = "vanilla"
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+
+    @classmethod
+    def from_actor(cls, actor: Any) -> "ActorLossConfig":
+        """From an ``actor`` config section (any object with :class:`trajflow.config.ActorConfig`'s
+        attributes ``policy_loss``, ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
+        ``clip_ratio_c``, ``loss_agg_mode``, ``entropy_coeff``, ``kl_loss_coef``, ``kl_loss_type``).
+
+        Raises:
+            ValueError: invalid clip settings or aggregation mode (:class:`PolicyLossConfig`).
+        """
+        loss = PolicyLossConfig(clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
+                                clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c,
+                                loss_agg_mode=actor.loss_agg_mode)
+        return cls(policy_loss=actor.policy_loss, loss=loss, entropy_coeff=actor.entropy_coeff,
+                   kl_loss_coef=actor.kl_loss_coef, kl_loss_type=actor.kl_loss_type)
+
+
+def actor_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    entropy: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    cfg: ActorLossConfig,
+    agg_kw: Mapping[str, Any],
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The actor's objective on one micro-batch: policy gradient - entropy bonus + KL loss.
+
+    ``loss = L_pg - c_H * H + c_KL * KL`` with
+
+    * ``L_pg``: the policy loss ``cfg.policy_loss`` of :data:`POLICY_LOSSES` (for ``vanilla`` the
+      clipped surrogate of PPO, Schulman et al. 2017, arXiv:1707.06347, eq. 7, as a loss, with
+      dual clip and clip-higher), its per-token terms multiplied by ``rollout_is_weights`` when given;
+    * ``H``: the mean token entropy of the policy, the entropy bonus of PPO's eq. 9 with
+      coefficient ``c_H = cfg.entropy_coeff`` (detached, a metric only, when ``c_H = 0``);
+    * ``KL``: the KL-to-reference loss of GRPO (Shao et al. 2024, arXiv:2402.03300, eq. 3-4),
+      ``agg(kl_penalty(logp, ref_logp, cfg.kl_loss_type))`` with one of the per-token estimators of
+      :mod:`stages.kl` (k1, k2, k3 = ``low_var_kl``; Schulman 2020, "Approximating KL
+      divergence"), coefficient ``c_KL = cfg.kl_loss_coef``; only when ``ref_logp`` is given and
+      ``c_KL > 0``.
+
+    All three terms are aggregated with ``cfg.loss.loss_agg_mode`` and the same ``agg_kw``
+    (:func:`agg_loss`): with the mini-batch's token and row counts there, the micro-batches' losses
+    add up to the mini-batch's loss (exact gradient accumulation).
+
+    Args:
+        logp: ``(batch, response_len)`` float32 log-probs of the sampled tokens under the current
+            policy (carry the gradient).
+        old_logp: ``(batch, response_len)`` float32, under the behaviour policy (no gradient).
+        advantages: ``(batch, response_len)`` float32.
+        mask: ``(batch, response_len)`` bool or 0/1 float: the tokens that count.
+        entropy: ``(batch, response_len)`` float32 token entropies of the current policy
+            (differentiable when ``cfg.entropy_coeff > 0``).
+        ref_logp: ``(batch, response_len)`` float32 reference log-probs, or ``None`` (no KL term).
+        cfg: :class:`ActorLossConfig`.
+        agg_kw: ``global_num_tokens`` / ``global_num_seqs`` / ``horizon`` for :func:`agg_loss`.
+        rollout_is_weights: optional ``(batch, response_len)`` truncated rollout importance weights
+            (:func:`stages.rollout_correction.rollout_is_weights`), constants.
+
+    Returns:
+        ``(loss, metrics)``: the 0-dim differentiable loss; ``metrics`` holds ``actor/kl_loss`` and
+        ``actor/kl_coef`` (with the KL term), ``actor/pg_loss`` and ``actor/entropy`` (the terms'
+        values; these and ``actor/kl_loss`` are :data:`ACTOR_LOSS_SHARES`), then the policy loss's
+        own metrics (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``: means
+        over this micro-batch's valid tokens).
+
+    Raises:
+        ValueError: mismatched shapes, an unknown policy loss, KL estimator or aggregation mode.
+    """
+    mode = cfg.loss.loss_agg_mode
+    pg_loss, pg_metrics = compute_policy_loss(cfg.policy_loss, old_logp, logp, advantages, mask, cfg.loss,
+                                              rollout_is_weights=rollout_is_weights, **agg_kw)
+    loss = pg_loss
+    ent_loss = agg_loss(entropy.detach() if cfg.entropy_coeff == 0 else entropy, mask, mode, **agg_kw)
+    if cfg.entropy_coeff:
+        loss = loss - cfg.entropy_coeff * ent_loss
+    metrics: dict[str, float] = {}
+    if ref_logp is not None and cfg.kl_loss_coef > 0:
+        kl = kl_loss(logp, ref_logp, mask, cfg.kl_loss_type, mode, **agg_kw)
+        loss = loss + cfg.kl_loss_coef * kl
+        metrics["actor/kl_loss"] = kl.item()
+        metrics["actor/kl_coef"] = cfg.kl_loss_coef
+    metrics["actor/pg_loss"] = pg_loss.item()
+    metrics["actor/entropy"] = ent_loss.item()
+    metrics.update(pg_metrics)
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# update batches: one iteration's stored stages -> the workers' typed update inputs
+# --------------------------------------------------------------------------------------------
+
+
+def _lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Per-row lengths of an Arrow list column, int64 ``(rows,)``."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if pa.types.is_large_list(col.type):
+        col = col.cast(pa.list_(col.type.value_type))
+    return pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _iteration_seed(seed: int, iteration: int, salt: int) -> int:
+    """``trajflow.pipeline.iteration_seed``'s derivation (stages import nothing of trajflow): the
+    seed of one iteration's stream ``salt`` (1 update shuffle, 4 critic shuffle, 5 update RNG)."""
+    return (seed * 1_000_003 + iteration * 7919 + salt) % (2**31 - 1)
+
+
+def _check_rows(rows: Any, names: Sequence[str]) -> None:
+    counts = {n: len(getattr(rows, n)) for n in names if getattr(rows, n) is not None}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"{type(rows).__name__}: every field needs one entry per row, got {counts}")
+
+
+@dataclass(frozen=True)
+class UpdateRows:
+    """The rows of a policy update, one entry per sampled response (ragged lists, row-aligned).
+
+    Attributes:
+        prompt_ids: token ids of each row's prompt.
+        response_ids: token ids of each row's response.
+        old_logprobs: the rollout engine's log-prob of each response token.
+        advantages: one advantage per response token.
+        loss_mask: optional 0/1 per response token (0: the token is out of the policy loss; whole
+            quarantined or truncated rows are all 0); ``None``: every token counts. A per-token
+            mask over the response also covers multi-turn responses (tool output tokens masked).
+        ref_logprobs: optional reference log-prob per response token (the KL loss).
+
+    Raises:
+        ValueError: the fields have different numbers of rows.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    old_logprobs: list[list[float]]
+    advantages: list[list[float]]
+    loss_mask: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        _check_rows(self, ("prompt_ids", "response_ids", "old_logprobs", "advantages", "loss_mask", "ref_logprobs"))
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How a policy update walks its rows.
+
+    Attributes:
+        mini_batch_rows: rows per optimizer step (``actor.ppo_mini_batch_size * rollout.n``);
+            ``None``: the whole batch is one step.
+        shuffle_seed: seed of the mini-batch order (used with ``actor.shuffle``).
+        rng_seed: seeds torch's global RNG before the update (no draw depends on what ran before in
+            the worker's process), or ``None``.
+        rollout_is: ``"token"`` / ``"sequence"``: weight the policy-gradient loss by truncated
+            rollout importance weights (:mod:`stages.rollout_correction`); ``None``: off.
+        rollout_is_threshold: their truncation bound ``C``.
+    """
+
+    mini_batch_rows: int | None = None
+    shuffle_seed: int = 0
+    rng_seed: int | None = None
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+
+
+@dataclass(frozen=True)
+class UpdateBatch:
+    """The input of ``PolicyWorker.update_actor``: rows plus settings (see :func:`update_batch`)."""
+
+    rows: UpdateRows
+    settings: UpdateSettings = field(default_factory=UpdateSettings)
+
+
+@dataclass(frozen=True)
+class CriticRows:
+    """The rows of a critic update (ragged lists, row-aligned).
+
+    Attributes:
+        prompt_ids, response_ids: as :class:`UpdateRows`.
+        values: the critic's value of each response token before the update.
+        returns: the regression target of each response token (e.g. GAE returns).
+        loss_mask: optional 0/1 per response token (quarantined rows); ``None``: every token counts.
+
+    Raises:
+        ValueError: the fields have different numbers of rows.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    values: list[list[float]]
+    returns: list[list[float]]
+    loss_mask: list[list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        _check_rows(self, ("prompt_ids", "response_ids", "values", "returns", "loss_mask"))
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    """How a critic update walks its rows.
+
+    Attributes:
+        mini_batch_rows: rows per optimizer step; ``None``: the whole batch.
+        shuffle: shuffle the rows between mini-batches (``actor.shuffle``).
+        shuffle_seed: seed of that order.
+    """
+
+    mini_batch_rows: int | None = None
+    shuffle: bool = False
+    shuffle_seed: int = 0
+
+
+@dataclass(frozen=True)
+class CriticBatch:
+    """The input of ``CriticWorker.update_critic`` (see :func:`critic_batch`)."""
+
+    rows: CriticRows
+    settings: CriticSettings = field(default_factory=CriticSettings)
+
+
+def actor_loss_mask(joined: pa.Table, mask_truncated: bool) -> tuple[list[list[float]] | None, dict[str, float]]:
+    """The policy loss mask: the table's ``loss_mask`` (quarantined rows) and, with
+    ``algorithm.mask_truncated_samples``, zero on every row whose ``finish_reason`` is ``length``
+    (DAPO's overlong filtering, Yu et al. 2025, sec. 3.4; TRL's ``mask_truncated_completions``).
+
+    Returns:
+        ``(mask, metrics)``: ragged 0/1 rows aligned with ``response_ids``, or ``None`` when every
+        token counts; ``batch/masked_truncated`` (rows masked for truncation) when masking is on.
+    """
+    base = joined.column("loss_mask").to_pylist() if "loss_mask" in joined.column_names else None
+    if not mask_truncated:
+        return base, {}
+    lens = _lengths(joined.column("response_ids"))
+    truncated = [f == "length" for f in joined.column("finish_reason").to_pylist()]
+    rows = []
+    for i, n in enumerate(lens):
+        row = list(base[i]) if base is not None else [1.0] * int(n)
+        rows.append([0.0] * int(n) if truncated[i] else row)
+    return rows, {"batch/masked_truncated": float(sum(truncated))}
+
+
+def with_loss_mask(joined: pa.Table, gate: dict | None) -> pa.Table:
+    """Add a ragged 0/1 float32 ``loss_mask`` column that drops the gate's quarantined rows.
+
+    Args:
+        joined: the iteration's joined stages (needs ``sample_id``, ``response_ids``).
+        gate: the gate result (``quarantined_sample_ids``); ``None`` or none quarantined: unchanged.
+
+    Returns:
+        ``joined``, plus ``loss_mask`` (list<float32>, one entry per response token) when rows are dropped.
+    """
+    dropped = set((gate or {}).get("quarantined_sample_ids") or ())
+    if not dropped:
+        return joined
+    lens = _lengths(joined.column("response_ids"))
+    keep = [sid not in dropped for sid in joined.column("sample_id").to_pylist()]
+    mask = [[1.0 if k else 0.0] * int(n) for k, n in zip(keep, lens)]
+    return joined.append_column("loss_mask", pa.array(mask, pa.list_(pa.float32())))
+
+
+def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_mini_batch_size: int,
+                 use_ref_logprobs: bool, mask_truncated: bool = False, rollout_is: str | None = None,
+                 rollout_is_threshold: float = 2.0) -> UpdateBatch:
+    """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
+
+    The same stored tables always give the same batch (the shuffle seed derives from the
+    iteration), so an update re-run after a worker died reproduces the original one.
+
+    Args:
+        joined: rollout + reward + advantage joined on ``sample_id`` (optionally with ``loss_mask``).
+        iteration: the iteration (shuffle seed).
+        seed: ``trainer.seed``.
+        n: ``rollout.n`` (rows per prompt).
+        ppo_mini_batch_size: prompts per optimizer step.
+        use_ref_logprobs: pass ``ref_logprobs`` (KL loss on) when the column exists.
+        mask_truncated: ``algorithm.mask_truncated_samples``: zero loss mask on responses cut at the
+            length cap (:func:`actor_loss_mask`).
+        rollout_is: ``algorithm.rollout_is`` (``token``/``sequence``/None): the worker weights the
+            policy-gradient loss by truncated importance weights (:mod:`stages.rollout_correction`).
+        rollout_is_threshold: ``algorithm.rollout_is_threshold``.
+
+    Returns:
+        :class:`UpdateBatch`: rows ``prompt_ids``, ``response_ids``, ``old_logprobs``,
+        ``advantages``, optional ``loss_mask`` and ``ref_logprobs``; settings ``mini_batch_rows``,
+        ``shuffle_seed`` (salt 1), ``rng_seed`` (salt 5: the worker seeds torch with it before
+        updating, so no draw depends on what ran before) and, with rollout IS, ``rollout_is`` and
+        ``rollout_is_threshold``.
+    """
+    cols = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "old_logprobs", "advantages")}
+    loss_mask, _ = actor_loss_mask(joined, mask_truncated)
+    ref = joined.column("ref_logprobs").to_pylist() if use_ref_logprobs and "ref_logprobs" in joined.column_names \
+        else None
+    rows = UpdateRows(**cols, loss_mask=loss_mask, ref_logprobs=ref)
+    settings = UpdateSettings(mini_batch_rows=ppo_mini_batch_size * n, shuffle_seed=_iteration_seed(seed, iteration, 1),
+                              rng_seed=_iteration_seed(seed, iteration, 5),
+                              rollout_is=str(rollout_is) if rollout_is else None,
+                              rollout_is_threshold=float(rollout_is_threshold) if rollout_is else 2.0)
+    return UpdateBatch(rows, settings)
+
+
+def update_batch_options(cfg: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`update_batch` from a run config (shared by the update stage and
+    the replay of stored updates when a policy worker is recreated)."""
+    return dict(seed=int(cfg.trainer.seed), n=int(cfg.rollout.n),
+                ppo_mini_batch_size=int(cfg.actor.ppo_mini_batch_size),
+                use_ref_logprobs=cfg.actor.kl_loss_coef > 0,
+                mask_truncated=bool(cfg.algorithm.mask_truncated_samples),
+                rollout_is=cfg.algorithm.rollout_is, rollout_is_threshold=float(cfg.algorithm.rollout_is_threshold))
+
+
+def critic_batch(joined: pa.Table, iteration: int, cfg: Any) -> CriticBatch:
+    """The critic worker's ``update_critic`` batch for one iteration, from its stored stages.
+
+    Rows: ``prompt_ids``, ``response_ids``, ``values`` (the critic's values before the update),
+    ``returns``, optional ``loss_mask`` (quarantined rows); settings: the actor's mini-batch size
+    and shuffle flag, and a shuffle seed of its own (salt 4). Deterministic, so a recreated critic
+    replays it exactly.
+    """
+    cols = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "values", "returns")}
+    loss_mask = joined.column("loss_mask").to_pylist() if "loss_mask" in joined.column_names else None
+    settings = CriticSettings(mini_batch_rows=int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n),
+                              shuffle=bool(cfg.actor.shuffle),
+                              shuffle_seed=_iteration_seed(int(cfg.trainer.seed), iteration, 4))
+    return CriticBatch(CriticRows(**cols, loss_mask=loss_mask), settings)
