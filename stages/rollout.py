@@ -1,11 +1,12 @@
-"""Rollout math: response masks, finish reasons and per-token log-probs.
+"""Rollout math: sampling parameters, the generation result, response masks, finish reasons and
+per-token log-probs.
 
 Plain tensor functions used by the rollout engines and the policy worker. No Ray, no Prefect.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -34,6 +35,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a rollout returns: ``len(prompts) * n`` rows, prompt-major (prompt 0's ``n`` samples first).
+
+    Attributes:
+        response_ids: each row's response token ids, cut after the first EOS (EOS included).
+        response_text: each row's response decoded without special tokens.
+        finish_reason: ``"stop"`` (ended with an EOS) or ``"length"`` (cut at the length cap) per row.
+        old_logprobs: each response token's log-prob under ``softmax(logits / temperature)`` of the
+            sampling temperature; ``None`` for greedy decoding.
+        policy_version: the version of the weights that generated (updates applied so far).
+        timing: seconds, ``timing_s/gen`` and, when the log-probs were recomputed teacher-forced,
+            ``timing_s/old_log_prob``.
+    """
+
+    response_ids: list[list[int]]
+    response_text: list[str]
+    finish_reason: list[str]
+    old_logprobs: list[list[float]] | None
+    policy_version: int
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 def response_mask(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
