@@ -170,7 +170,7 @@ def _dynamic_sampling(ctx, iteration: int, first_prompts: list) -> tuple[pa.Tabl
     prompts = first_prompts
     while True:
         prompt_ids, gen = _generate(ctx, prompts, _sampling_params(cfg, iteration, gen_batches), iteration)
-        gen_s += gen["timing_s/gen"]
+        gen_s += gen.timing["timing_s/gen"]
         t = pipeline.rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n, offset=gen_batches * target)
         rule, extras, _, rm = _score_table(ctx, t)
         final, _ = pipeline.final_scores(rule, rm, pipeline.lengths(t.column("response_ids")), reward_cfg,
@@ -272,9 +272,9 @@ def _rollout(ctx: RunContext, iteration: int, prompts: list, inputs: dict[str, s
     else:
         prompt_ids, gen = _generate(ctx, prompts, _sampling_params(cfg, iteration), iteration)
         table = pipeline.rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n)
-        timing["timing_s/gen"] = gen["timing_s/gen"]
-        timing["timing_s/old_log_prob"] = gen.get("timing_s/old_log_prob", 0.0)
-        policy_version = int(gen["policy_version"])
+        timing["timing_s/gen"] = gen.timing["timing_s/gen"]
+        timing["timing_s/old_log_prob"] = gen.timing.get("timing_s/old_log_prob", 0.0)
+        policy_version = int(gen.policy_version)
     if cfg.algorithm.adv_estimator in BASELINE_ESTIMATORS:
         t0 = time.perf_counter()
         gids = table.column("group_id").to_pylist()
@@ -315,7 +315,7 @@ def _reward(ctx: RunContext, iteration: int, rollout: StageRef, inputs: dict[str
     ref_future = None
     if ctx.reference is not None:
         ref_future = ctx.reference.compute_ref_log_prob.remote(
-            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(), cfg.rollout.temperature)
+            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())
     sids = table.column("sample_id").to_pylist()
     cache = ctx.extra.get("prescored", {}).get(iteration, {})
     if sids and all(sid in cache for sid in sids):  # scored by dynamic sampling in this process
@@ -419,7 +419,7 @@ def _update(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef
             done[iteration] = wait(ctx, ctx.critic.update_critic.remote(pipeline.critic_batch(joined, iteration, cfg)))
         metrics.update(done[iteration])
     batch = pipeline.update_batch(joined, iteration, **pipeline.update_batch_options(cfg))
-    pending = ctx.actor.update_actor.remote(batch, cfg.rollout.temperature)
+    pending = ctx.actor.update_actor.remote(batch)
     fault_point("update", iteration)
     metrics.update(wait(ctx, pending))
     ctx.policy_version = int(metrics["policy_version"])
@@ -472,7 +472,7 @@ def run_validation(ctx: RunContext, step: int) -> dict[str, float]:
     prompt_ids = wait(ctx, ctx.actor.tokenize_prompts.remote([p.messages for p in prompts], cfg.data.max_prompt_length))
     gen = wait(ctx, ctx.actor.generate_sequences.remote(prompt_ids, params, False))
     rows = [p for p in prompts for _ in range(n)]
-    result = pipeline.score_rows([p.data_source for p in rows], gen["response_text"], [str(p.ground_truth) for p in rows],
+    result = pipeline.score_rows([p.data_source for p in rows], gen.response_text, [str(p.ground_truth) for p in rows],
                                  [json.dumps(p.extra_info, default=str) for p in rows], ctx.plain("reward"))
     metrics: dict[str, float] = {}
     sources = np.array([p.data_source for p in rows])
@@ -482,7 +482,7 @@ def run_validation(ctx: RunContext, step: int) -> dict[str, float]:
         sel = sources == src
         metrics[f"val-core/{src}/acc/mean@{n}"] = float(np.nanmean(acc[sel]))
         metrics[f"val-aux/{src}/reward/mean@{n}"] = float(np.nanmean(result.scores[sel]))
-    metrics["val-aux/response_length/mean"] = float(np.mean([len(r) for r in gen["response_ids"]]))
+    metrics["val-aux/response_length/mean"] = float(np.mean([len(r) for r in gen.response_ids]))
     metrics["timing_s/testing"] = time.perf_counter() - t0
     return metrics
 

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from stages.policy_update import actor_loss_mask, critic_batch, update_batch, update_batch_options, with_loss_mask  # noqa: F401
 from trajflow.batch import json_column, lengths, list_column, pad_ragged, to_ragged
 
 
@@ -49,13 +50,13 @@ def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[S
         "prompt_id": pa.array([str(p.prompt_id) for p in rep], pa.string()),
         "group_id": pa.array(gids, pa.string()),
         "iteration": pa.array([iteration] * len(sids), pa.int64()),
-        "policy_version": pa.array([int(gen["policy_version"])] * len(sids), pa.int64()),
+        "policy_version": pa.array([int(gen.policy_version)] * len(sids), pa.int64()),
         "prompt": json_column([p.messages for p in rep]),
         "prompt_ids": list_column(rep_ids, pa.int32()),
-        "response_ids": list_column(gen["response_ids"], pa.int32()),
-        "response_text": pa.array(gen["response_text"], pa.string()),
-        "old_logprobs": list_column(gen.get("old_logprobs") or [[] for _ in sids], pa.float32()),
-        "finish_reason": pa.array(gen["finish_reason"], pa.string()),
+        "response_ids": list_column(gen.response_ids, pa.int32()),
+        "response_text": pa.array(gen.response_text, pa.string()),
+        "old_logprobs": list_column(gen.old_logprobs or [[] for _ in sids], pa.float32()),
+        "finish_reason": pa.array(gen.finish_reason, pa.string()),
         "ground_truth": pa.array([str(p.ground_truth) for p in rep], pa.string()),
         "data_source": pa.array([p.data_source for p in rep], pa.string()),
         "extra_info": json_column([p.extra_info for p in rep]),
@@ -71,9 +72,9 @@ def baseline_columns(prompt_rows: Sequence[int], greedy: dict) -> dict[str, pa.A
         prompt_rows: for each row, the index of its prompt in ``greedy``'s order.
         greedy: ``generate_sequences`` output with one greedy response per prompt.
     """
-    ids = [greedy["response_ids"][k] for k in prompt_rows]
+    ids = [greedy.response_ids[k] for k in prompt_rows]
     return {"baseline_response_ids": list_column(ids, pa.int32()),
-            "baseline_response_text": pa.array([greedy["response_text"][k] for k in prompt_rows], pa.string())}
+            "baseline_response_text": pa.array([greedy.response_text[k] for k in prompt_rows], pa.string())}
 
 
 def final_scores(rule_scores: np.ndarray, rm_scores: np.ndarray | None, response_lengths: np.ndarray,
@@ -282,27 +283,6 @@ def fill_dropped_rows(joined: pa.Table, computed: pa.Table | None) -> pa.Table:
     return pa.table(out)
 
 
-def actor_loss_mask(joined: pa.Table, mask_truncated: bool) -> tuple[list[list[float]] | None, dict[str, float]]:
-    """The policy loss mask: the table's ``loss_mask`` (quarantined rows) and, with
-    ``algorithm.mask_truncated_samples``, zero on every row whose ``finish_reason`` is ``length``
-    (DAPO's overlong filtering, Yu et al. 2025, sec. 3.4; TRL's ``mask_truncated_completions``).
-
-    Returns:
-        ``(mask, metrics)``: ragged 0/1 rows aligned with ``response_ids``, or ``None`` when every
-        token counts; ``batch/masked_truncated`` (rows masked for truncation) when masking is on.
-    """
-    base = joined.column("loss_mask").to_pylist() if "loss_mask" in joined.column_names else None
-    if not mask_truncated:
-        return base, {}
-    lens = lengths(joined.column("response_ids"))
-    truncated = [f == "length" for f in joined.column("finish_reason").to_pylist()]
-    rows = []
-    for i, n in enumerate(lens):
-        row = list(base[i]) if base is not None else [1.0] * int(n)
-        rows.append([0.0] * int(n) if truncated[i] else row)
-    return rows, {"batch/masked_truncated": float(sum(truncated))}
-
-
 def batch_metrics(joined: pa.Table) -> dict[str, float]:
     """verl's data metrics over one iteration's joined batch."""
     score = joined.column("score").to_numpy(zero_copy_only=False).astype(np.float64)
@@ -352,90 +332,3 @@ def iteration_seed(seed: int, iteration: int, salt: int = 0) -> int:
         An int in ``[0, 2**31 - 1)``.
     """
     return (seed * 1_000_003 + iteration * 7919 + salt) % (2**31 - 1)
-
-
-def with_loss_mask(joined: pa.Table, gate: dict | None) -> pa.Table:
-    """Add a ragged 0/1 float32 ``loss_mask`` column that drops the gate's quarantined rows.
-
-    Args:
-        joined: the iteration's joined stages (needs ``sample_id``, ``response_ids``).
-        gate: the gate result (``quarantined_sample_ids``); ``None`` or none quarantined: unchanged.
-
-    Returns:
-        ``joined``, plus ``loss_mask`` (list<float32>, one entry per response token) when rows are dropped.
-    """
-    dropped = set((gate or {}).get("quarantined_sample_ids") or ())
-    if not dropped:
-        return joined
-    lens = lengths(joined.column("response_ids"))
-    keep = [sid not in dropped for sid in joined.column("sample_id").to_pylist()]
-    mask = [[1.0 if k else 0.0] * int(n) for k, n in zip(keep, lens)]
-    return joined.append_column("loss_mask", pa.array(mask, pa.list_(pa.float32())))
-
-
-def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_mini_batch_size: int,
-                 use_ref_logprobs: bool, mask_truncated: bool = False, rollout_is: str | None = None,
-                 rollout_is_threshold: float = 2.0) -> dict[str, Any]:
-    """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
-
-    The same stored tables always give the same batch (the shuffle seed derives from the
-    iteration), so an update re-run after a worker died reproduces the original one.
-
-    Args:
-        joined: rollout + reward + advantage joined on ``sample_id`` (optionally with ``loss_mask``).
-        iteration: the iteration (shuffle seed).
-        seed: ``trainer.seed``.
-        n: ``rollout.n`` (rows per prompt).
-        ppo_mini_batch_size: prompts per optimizer step.
-        use_ref_logprobs: pass ``ref_logprobs`` (KL loss on) when the column exists.
-        mask_truncated: ``algorithm.mask_truncated_samples``: zero loss mask on responses cut at the
-            length cap (:func:`actor_loss_mask`).
-        rollout_is: ``algorithm.rollout_is`` (``token``/``sequence``/None): the worker weights the
-            policy-gradient loss by truncated importance weights (:mod:`stages.rollout_correction`).
-        rollout_is_threshold: ``algorithm.rollout_is_threshold``.
-
-    Returns:
-        Per-row lists ``prompt_ids``, ``response_ids``, ``old_logprobs``, ``advantages`` (ragged), optional
-        ``loss_mask`` and ``ref_logprobs``, plus ``mini_batch_rows``, ``shuffle_seed``, ``rng_seed`` (the
-        worker seeds torch with it before updating, so no draw depends on what ran before) and, with
-        rollout IS, ``rollout_is`` and ``rollout_is_threshold``.
-    """
-    batch: dict[str, Any] = {c: joined.column(c).to_pylist()
-                             for c in ("prompt_ids", "response_ids", "old_logprobs", "advantages")}
-    loss_mask, _ = actor_loss_mask(joined, mask_truncated)
-    if loss_mask is not None:
-        batch["loss_mask"] = loss_mask
-    if use_ref_logprobs and "ref_logprobs" in joined.column_names:
-        batch["ref_logprobs"] = joined.column("ref_logprobs").to_pylist()
-    if rollout_is:
-        batch["rollout_is"] = str(rollout_is)
-        batch["rollout_is_threshold"] = float(rollout_is_threshold)
-    batch["mini_batch_rows"] = ppo_mini_batch_size * n
-    batch["shuffle_seed"] = iteration_seed(seed, iteration, salt=1)
-    batch["rng_seed"] = iteration_seed(seed, iteration, salt=5)
-    return batch
-
-
-def update_batch_options(cfg: Any) -> dict[str, Any]:
-    """The keyword arguments of :func:`update_batch` from a run config (shared by the update stage and
-    the replay of stored updates when a policy worker is recreated)."""
-    return dict(seed=int(cfg.trainer.seed), n=int(cfg.rollout.n),
-                ppo_mini_batch_size=int(cfg.actor.ppo_mini_batch_size),
-                use_ref_logprobs=cfg.actor.kl_loss_coef > 0,
-                mask_truncated=bool(cfg.algorithm.mask_truncated_samples),
-                rollout_is=cfg.algorithm.rollout_is, rollout_is_threshold=float(cfg.algorithm.rollout_is_threshold))
-
-
-def critic_batch(joined: pa.Table, iteration: int, cfg: Any) -> dict[str, Any]:
-    """The critic worker's ``update_critic`` batch for one iteration, from its stored stages.
-
-    Rows: ``prompt_ids``, ``response_ids``, ``values`` (the critic's values before the update),
-    ``returns``, optional ``loss_mask`` (quarantined rows); the actor's mini-batch size and shuffle
-    flag, and a shuffle seed of its own. Deterministic, so a recreated critic replays it exactly.
-    """
-    batch: dict[str, Any] = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "values", "returns")}
-    if "loss_mask" in joined.column_names:
-        batch["loss_mask"] = joined.column("loss_mask").to_pylist()
-    batch.update(mini_batch_rows=int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n),
-                 shuffle=bool(cfg.actor.shuffle), shuffle_seed=iteration_seed(int(cfg.trainer.seed), iteration, salt=4))
-    return batch

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from trajflow.config import ActorConfig
 from trajflow.modeling.forward import forward_micro_batch
 from trajflow.modeling.packing import PackedBatch, balanced_partition
 
@@ -154,7 +155,7 @@ def _skip_cpu_op_builds() -> None:
     ops["deepspeed_shm_comm"] = False
 
 
-def deepspeed_config(actor: dict, dtype: str, world_size: int) -> dict:
+def deepspeed_config(actor: ActorConfig, dtype: str, world_size: int) -> dict:
     """The DeepSpeed config built from the ``actor`` section.
 
     Args:
@@ -167,24 +168,24 @@ def deepspeed_config(actor: dict, dtype: str, world_size: int) -> dict:
     Returns:
         A dict for ``deepspeed.initialize(config=...)``.
     """
-    micro = int(actor["ppo_micro_batch_size"])
+    micro = int(actor.ppo_micro_batch_size)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "train_batch_size": micro * world_size,
         # The update loop owns accumulation: backward per micro-batch, step per mini-batch.
         "managed_gradient_accumulation": False,
-        "gradient_clipping": float(actor.get("grad_clip", 0.0)),
+        "gradient_clipping": float(actor.grad_clip),
         "optimizer": {"type": "AdamW", "params": {
-            "lr": float(actor["lr"]), "betas": [float(b) for b in actor.get("betas", (0.9, 0.999))],
-            "eps": 1e-8, "weight_decay": float(actor.get("weight_decay", 0.0)),
+            "lr": float(actor.lr), "betas": [float(b) for b in actor.betas],
+            "eps": 1e-8, "weight_decay": float(actor.weight_decay),
             # torch.optim.AdamW: the single-process path's optimizer, and no fused_adam build.
             "torch_adam": True}},
-        "zero_optimization": {"stage": int(actor.get("zero_stage", 0))},
+        "zero_optimization": {"stage": int(actor.zero_stage)},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if int(actor.get("zero_stage", 0)) == 3:
+    if int(actor.zero_stage) == 3:
         cfg["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": True})
     if dtype in _DTYPE_KEYS:
         cfg[_DTYPE_KEYS[dtype]] = {"enabled": True}
@@ -248,7 +249,7 @@ class DeepSpeedBackend:
 
     distributed = True
 
-    def __init__(self, model: torch.nn.Module, actor: dict, dtype: str, device: str, rank: int,
+    def __init__(self, model: torch.nn.Module, actor: ActorConfig, dtype: str, device: str, rank: int,
                  world_size: int) -> None:
         from trajflow.resources import collective_backend
 
@@ -259,7 +260,7 @@ class DeepSpeedBackend:
         deepspeed.init_distributed(dist_backend=collective_backend(device), auto_mpi_discovery=False,
                                    rank=rank, world_size=world_size)
         self.rank, self.world_size = rank, world_size
-        self.zero_stage = int(actor.get("zero_stage", 0))
+        self.zero_stage = int(actor.zero_stage)
         self.config = deepspeed_config(actor, dtype, world_size)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=PackedLogProbs(model), model_parameters=params,

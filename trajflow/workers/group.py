@@ -7,6 +7,7 @@ A worker method declares with :func:`dispatch` how it runs on a :class:`WorkerGr
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import socket
 from dataclasses import dataclass
@@ -95,9 +96,13 @@ def _take(seq: Any, idx: list[int]) -> list:
 def merge_split(results: Sequence[Any], parts: Sequence[list[int]], pads: Sequence[int], n: int) -> Any:
     """Put per-rank results of a ``split`` call back into the original row order.
 
-    A list result (or a dict's list value) with ``b`` entries per input row on every rank is
+    A list result (or a dict's or frozen dataclass's list value, e.g. the fields of
+    :class:`stages.rollout.Generation`) with ``b`` entries per input row on every rank is
     reassembled row by row (``b`` = e.g. ``rollout.n`` samples per prompt); padding rows are
-    dropped. Other dict values come from rank 0, except ``timing_s/*`` (the slowest rank).
+    dropped. Other values come from rank 0 (a ``Generation``'s ``policy_version``: the ranks
+    hold the same weights), except timings: ``timing_s/*`` entries of a dict, or of a dataclass's
+    dict field (``Generation.timing``), are the maximum over ranks (the slowest rank is what the
+    call waited for).
     """
     def rows_per_input(value: Any, rank: int) -> int | None:
         m = len(parts[rank]) + pads[rank]
@@ -116,19 +121,37 @@ def merge_split(results: Sequence[Any], parts: Sequence[list[int]], pads: Sequen
                 out[row * b:(row + 1) * b] = list(v[j * b:(j + 1) * b])
         return out
 
-    first = results[0]
-    if isinstance(first, dict):
+    def merge_dicts(dicts: Sequence[dict]) -> dict:
         merged: dict = {}
-        for key in first:
-            values = [res[key] for res in results]
-            lst = merge_lists(values) if isinstance(first[key], (list, tuple)) else None
+        for key in dicts[0]:
+            values = [d[key] for d in dicts]
+            lst = merge_lists(values) if isinstance(dicts[0][key], (list, tuple)) else None
             if lst is not None:
                 merged[key] = lst
             elif key.startswith("timing_s/") and all(isinstance(v, (int, float)) for v in values):
                 merged[key] = max(values)
             else:
-                merged[key] = first[key]
+                merged[key] = dicts[0][key]
         return merged
+
+    first = results[0]
+    if isinstance(first, dict):
+        return merge_dicts(results)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        fields = {}
+        for f in dataclasses.fields(first):
+            values = [getattr(res, f.name) for res in results]
+            if isinstance(values[0], dict):
+                fields[f.name] = merge_dicts(values)
+            elif isinstance(values[0], (list, tuple)):
+                lst = merge_lists(values)
+                if lst is None:
+                    raise ValueError(f"split results' {type(first).__name__}.{f.name} must have a fixed number of "
+                                     "entries per row on every rank")
+                fields[f.name] = lst
+            else:
+                fields[f.name] = values[0]
+        return dataclasses.replace(first, **fields)
     lst = merge_lists(results)
     if lst is None:
         raise ValueError("split results must be lists (or dicts of lists) with a fixed number of entries per row")
