@@ -1,7 +1,7 @@
 """Helpers shared by the performance benchmarks (vs_trl.py, limits.py, overhead.py).
 
 Not a library: measurement plumbing only. Importing this module puts the repository root first on
-``sys.path`` and applies :func:`trajflow.env.configure_environment` (before Prefect, Ray or MLflow are
+``sys.path`` and applies :func:`trajflow.infra.env.configure_environment` (before Prefect, Ray or MLflow are
 imported), so every script runs standalone as ``.venv/bin/python benchmarks/<name>.py``.
 """
 
@@ -256,7 +256,7 @@ def load_default_model(dtype: str = "float32"):
 def preload_allocator(setting: str = "auto") -> str:
     """Run this script under the allocator trajflow preloads into its Ray workers.
 
-    The model workers run with ``resources.allocator`` (``trajflow.allocator``: tcmalloc when the
+    The model workers run with ``resources.allocator`` (``trajflow.infra.allocator``: tcmalloc when the
     system has it); a benchmark that computes in its own process (limits.py in-process, TRL in
     vs_trl.py) re-executes itself once with the same ``LD_PRELOAD``, so both sides of a comparison
     and the in-process measurements see the allocator the pipeline uses. Returns what is loaded.

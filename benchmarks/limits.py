@@ -26,7 +26,7 @@ runs):
    with N_body the non-embedding parameters, d the hidden size, V the vocabulary, L the layers, T_resp
    the response tokens and T_all the real (non-pad) tokens trajflow runs through the decoder: per
    micro-batch, the distinct prompts' common prefix once, each distinct prompt's remainder once and
-   each row's response but its last token (``trajflow.workers.tree.tree_packed_tokens``: the last
+   each row's response but its last token (``trajflow.modeling.tree.tree_packed_tokens``: the last
    token predicts nothing). The attention term sums, per block, (tokens seen after it)^2 - (tokens
    seen before it)^2: the causal attention each row needs, not the masked-out scores the dense tree
    mask also computes. Padding, softmax/entropy and the optimizer are not counted (they are not
@@ -129,13 +129,13 @@ def update_flops(dims: dict, prompts: list[list[int]], resp_lens: list[int], pla
     """(F, naive F, parts) for one update over the rows cut into ``plan``'s micro-batches; see the
     module doc for the formula.
 
-    Counts what trajflow computes (:func:`trajflow.workers.tree.tree_pack`): in each micro-batch of
+    Counts what trajflow computes (:func:`trajflow.modeling.tree.tree_pack`): in each micro-batch of
     consecutive rows, the distinct prompts' common prefix once, each distinct prompt's remainder
     once, every row's response but its last token (the LM head on every response token). The naive
     count charges every row its own whole prompt and the LM head on every token (a trainer without
     prompt sharing).
     """
-    from trajflow.workers.tree import common_prefix_length
+    from trajflow.modeling.tree import common_prefix_length
 
     t_prompt, attn_sq = 0.0, 0.0
     for sl in plan:
@@ -177,11 +177,13 @@ def main() -> None:
     print(f"allocator: {allocator}", flush=True)
     if args.quick:
         args.repeats, args.max_new_tokens = 1, 16
+    import dataclasses
     import resource
 
     import torch
     from omegaconf import OmegaConf
 
+    from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
     from stages.scorers import reasoning_gym_scorer
     from stages.rollout import SamplingParams
     from trajflow.config import load_config
@@ -200,10 +202,10 @@ def main() -> None:
 
     header("2. plain forward token rate (no grad, no cache, full logits)")
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    plain = lambda sec: OmegaConf.to_container(cfg[sec], resolve=True)  # noqa: E731
+    section = lambda sec: OmegaConf.to_object(cfg[sec])  # noqa: E731
     t = time.perf_counter()
-    worker = PolicyWorker(str(path), plain("actor"), plain("model"), plain("rollout"), int(cfg.trainer.seed), "cpu",
-                          int(cfg.trainer.num_threads))
+    worker = PolicyWorker(str(path), section("actor"), section("model"), section("rollout"), int(cfg.trainer.seed),
+                          "cpu", int(cfg.trainer.num_threads))
     print(f"policy worker (in-process) ready in {time.perf_counter() - t:.1f} s; torch threads {worker.threads}")
     model = worker.model
     dims = model_dims(model)
@@ -229,32 +231,32 @@ def main() -> None:
         params = SamplingParams(n=n, temperature=cfg.rollout.temperature, top_p=1.0, top_k=0,
                                 max_new_tokens=args.max_new_tokens, seed=1000 + r)
         gen = worker.generate_sequences(prompt_ids, params, False)
-        lens = [len(x) for x in gen["response_ids"]]
-        gen_rates.append(sum(lens) / gen["timing_s/gen"])
-        slot_rates.append(len(lens) * max(lens) / gen["timing_s/gen"])
-        print(f"generate {len(lens)} rows: {gen['timing_s/gen']:.2f} s, {sum(lens)} tokens (mean {np.mean(lens):.1f}, "
+        lens = [len(x) for x in gen.response_ids]
+        gen_rates.append(sum(lens) / gen.timing["timing_s/gen"])
+        slot_rates.append(len(lens) * max(lens) / gen.timing["timing_s/gen"])
+        print(f"generate {len(lens)} rows: {gen.timing['timing_s/gen']:.2f} s, {sum(lens)} tokens (mean {np.mean(lens):.1f}, "
               f"max {max(lens)}): {gen_rates[-1]:.1f} tok/s real, {slot_rates[-1]:.1f} tok/s slots")
     gen_rate = max(gen_rates)
-    resp = gen["response_ids"]
+    resp = gen.response_ids
     t = time.perf_counter()
     old = worker.compute_log_prob(rows_prompt, resp, cfg.rollout.temperature)
     t_old = time.perf_counter() - t
     prefix = ds.train[0].data_source
     scores = np.array([reasoning_gym_scorer(p.data_source, text, str(p.ground_truth), p.extra_info)["score"]
-                       for p, text in zip([p for p in prompts for _ in range(n)], gen["response_text"])])
+                       for p, text in zip([p for p in prompts for _ in range(n)], gen.response_text)])
     adv = grpo_advantages(scores, n)
-    batch = {"prompt_ids": rows_prompt, "response_ids": resp, "old_logprobs": [o.tolist() for o in old],
-             "advantages": [[float(a)] * len(r) for a, r in zip(adv, resp)],
-             "mini_batch_rows": cfg.actor.ppo_mini_batch_size * n, "shuffle_seed": 0}
+    batch = UpdateBatch(UpdateRows(rows_prompt, resp, [o.tolist() for o in old],
+                                   [[float(a)] * len(r) for a, r in zip(adv, resp)]),
+                        UpdateSettings(mini_batch_rows=cfg.actor.ppo_mini_batch_size * n, shuffle_seed=0))
     p_lens, r_lens = [len(p) for p in rows_prompt], [len(x) for x in resp]
     print(f"rows {len(resp)} ({prefix}, scores mean {scores.mean():.2f}); mean prompt {np.mean(p_lens):.0f} tokens, "
           f"responses {sum(r_lens)} tokens (mean {np.mean(r_lens):.1f}, max {max(r_lens)})")
     # The recipe's micro-batching first, then fixed 8-row micro-batches (more, smaller matmuls; the
     # prompt prefix and the tied embedding's gradient once per micro-batch) and the whole batch in
     # one micro-batch; settings that cut this batch the same way are run once.
-    from trajflow.workers.forward import micro_batch_plan
+    from trajflow.modeling.packing import micro_batch_plan
 
-    recipe = {k: worker.actor[k] for k in ("use_dynamic_bsz", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size")}
+    recipe = {k: getattr(worker.actor, k) for k in ("use_dynamic_bsz", "ppo_max_token_len_per_gpu", "ppo_micro_batch_size")}
     budget = int(recipe["ppo_max_token_len_per_gpu"]) if recipe["use_dynamic_bsz"] else None
     settings = [(f"the default recipe's (token budget {budget})" if budget else
                  f"the default recipe's ({recipe['ppo_micro_batch_size']}-row micro-batches)", budget,
@@ -267,12 +269,12 @@ def main() -> None:
         if key in seen:
             continue
         seen.add(key)
-        worker.actor.update(use_dynamic_bsz=bool(max_tokens), ppo_micro_batch_size=mb,
-                            ppo_max_token_len_per_gpu=max_tokens or recipe["ppo_max_token_len_per_gpu"])
+        worker.actor = dataclasses.replace(worker.actor, use_dynamic_bsz=bool(max_tokens), ppo_micro_batch_size=mb,
+                                           ppo_max_token_len_per_gpu=max_tokens or recipe["ppo_max_token_len_per_gpu"])
         upd_times = []
         for r in range(1 + args.repeats):
             t = time.perf_counter()
-            m = worker.update_actor(batch, cfg.rollout.temperature)
+            m = worker.update_actor(batch)
             upd_times.append(m.get("timing_s/update_actor", time.perf_counter() - t))
             print(f"{label}: update_actor {'(warm-up) ' if r == 0 else ''}{upd_times[-1]:.2f} s, "
                   f"grad_norm {m.get('actor/grad_norm', float('nan')):.3f}")
@@ -287,7 +289,7 @@ def main() -> None:
         print(f"{label}: update best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {F / t_upd / 1e9 / peak:.1%} "
               f"of {peak:.1f} (naive count: {F_naive / t_upd / 1e9 / peak:.1%}); peak RSS of this process so far "
               f"{results[label][4]:.2f} GiB")
-    worker.actor.update(recipe)
+    worker.actor = dataclasses.replace(worker.actor, **recipe)
     recipe_label = settings[0][0]
     t_upd, F, F_naive, parts, _ = results[recipe_label]
     F_fwd = (parts["body"] + parts["head"] + parts["attn"]) / 3

@@ -43,17 +43,19 @@ def make_model(out: Path, hidden: int, layers: int) -> Path:
     return out
 
 
-def make_batch(rows: int, prompt_len: int, response_len: int, seed: int = 0) -> dict:
+def make_batch(rows: int, prompt_len: int, response_len: int, seed: int = 0):
     import numpy as np
+
+    from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(10, 40000, size=int(rng.integers(prompt_len // 2, prompt_len + 1))).tolist()
                for _ in range(rows)]
     resps = [rng.integers(10, 40000, size=int(rng.integers(response_len // 2, response_len + 1))).tolist()
              for _ in range(rows)]
-    return {"prompt_ids": prompts, "response_ids": resps,
-            "old_logprobs": [[-10.0] * len(r) for r in resps],  # off-policy enough to exercise clipping
-            "advantages": [[float(rng.normal())] * len(r) for r in resps], "mini_batch_rows": rows}
+    old = [[-10.0] * len(r) for r in resps]  # off-policy enough to exercise clipping
+    return UpdateBatch(UpdateRows(prompts, resps, old, [[float(rng.normal())] * len(r) for r in resps]),
+                       UpdateSettings(mini_batch_rows=rows))
 
 
 def main() -> None:
@@ -71,12 +73,13 @@ def main() -> None:
 
     import ray
 
+    from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
     from trajflow.workers.group import WorkerGroup
     from trajflow.workers.policy import PolicyWorker
 
     model_dir = make_model(Path(tempfile.mkdtemp(prefix="trajflow-scaling-")), args.hidden, args.layers)
     batch = make_batch(args.rows, args.prompt_len, args.response_len)
-    tokens = sum(len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"]))
+    tokens = sum(len(p) + len(r) for p, r in zip(batch.rows.prompt_ids, batch.rows.response_ids))
     actor = dict(lr=1e-5, betas=[0.9, 0.999], weight_decay=0.0, ppo_micro_batch_size=args.micro_batch, ppo_epochs=1,
                  shuffle=False, policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2,
                  clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, kl_loss_coef=0.0,
@@ -93,16 +96,17 @@ def main() -> None:
              "world_size": world}
         threads = max(1, args.threads // world)
         t0 = time.perf_counter()
-        group = WorkerGroup.spawn(PolicyWorker, (str(model_dir), a, {"dtype": "float32"}, {"micro_batch_size": 8}, 0,
-                                                 "cpu", threads), [{"num_cpus": 0}] * world, "actor")
+        group = WorkerGroup.spawn(PolicyWorker, (str(model_dir), ActorConfig(**a), ModelConfig(dtype="float32"),
+                                                 RolloutConfig(micro_batch_size=8, temperature=1.0), 0, "cpu", threads),
+                                  [{"num_cpus": 0}] * world, "actor")
         ray.get(group.info.remote())
         init = group.init_distributed() if strategy == "deepspeed" else []
         startup = time.perf_counter() - t0
-        group.execute("update_actor", batch, 1.0)  # warm-up
+        group.execute("update_actor", batch)  # warm-up
         times = []
         for _ in range(args.updates):
             t = time.perf_counter()
-            group.execute("update_actor", batch, 1.0)
+            group.execute("update_actor", batch)
             times.append(time.perf_counter() - t)
         group.kill()
         med = statistics.median(times)

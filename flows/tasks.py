@@ -24,6 +24,7 @@ from prefect.cache_policies import NONE
 from stages.advantage import advantage_table, fill_dropped_rows
 from stages.dynamic_sampling import GenerationBatch, dynamic_sampling, sampling_metrics
 from stages.names import Stage
+from stages.policy_update import critic_batch, update_batch, update_batch_options, with_loss_mask
 from stages.reward import final_scores, reward_table
 from stages.rollout import rollout_table, sampling_params
 from stages.seeds import Salt, iteration_seed
@@ -31,7 +32,6 @@ from trajflow.batch import join_stages, lengths
 from trajflow.faults import fault_point
 from trajflow.gates import run_iteration_gate
 from trajflow.metrics import batch_metrics
-from trajflow.pipeline import critic_batch, update_batch, update_batch_options, with_loss_mask
 from trajflow.run import roles
 from trajflow.run.cache_keys import advantage_inputs, reward_inputs, rollout_inputs
 from trajflow.run.context import RunContext, get_context
@@ -129,9 +129,9 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
         params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
         prompt_ids, gen = roles.generate(ctx, state.prompts, params, iteration)
         table = rollout_table(iteration, state.prompts, prompt_ids, gen, cfg.rollout.n)
-        state.timing["timing_s/gen"] = gen["timing_s/gen"]
-        state.timing["timing_s/old_log_prob"] = gen.get("timing_s/old_log_prob", 0.0)
-        policy_version = int(gen["policy_version"])
+        state.timing["timing_s/gen"] = gen.timing["timing_s/gen"]
+        state.timing["timing_s/old_log_prob"] = gen.timing.get("timing_s/old_log_prob", 0.0)
+        policy_version = gen.policy_version
     if ctx.needs_greedy_baseline():
         t0 = time.perf_counter()
         greedy = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.REMAX_GREEDY), n=1,
@@ -152,7 +152,7 @@ def _dynamic_sampling(ctx: RunContext, iteration: int) -> tuple[pa.Table, int]:
     def generate(prompts: list, k: int) -> GenerationBatch:
         seed = iteration_seed(cfg.trainer.seed, iteration, Salt.dynamic(k))
         prompt_ids, gen = roles.generate(ctx, prompts, sampling_params(cfg.rollout, seed), iteration)
-        gen_s[0] += gen["timing_s/gen"]
+        gen_s[0] += gen.timing["timing_s/gen"]
         t = rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n, offset=k * target)
         rule, extras, _, rm = roles.score(ctx, t)
         final, _ = final_scores(rule, rm, lengths(t.column("response_ids")), reward_cfg, cfg.rollout.max_new_tokens)
@@ -192,7 +192,7 @@ def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: 
     ref_future = None
     if ctx.reference is not None:
         ref_future = ctx.reference.compute_ref_log_prob.remote(
-            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(), cfg.rollout.temperature)
+            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())
     sids, cache = table.column("sample_id").to_pylist(), state.prescored
     if sids and all(sid in cache for sid in sids):  # scored by dynamic sampling in this process
         scores = np.array([cache[sid][0] for sid in sids], np.float32)
@@ -279,7 +279,7 @@ def update_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: Sta
             state.critic_update = wait(ctx, ctx.critic.update_critic.remote(critic_batch(joined, iteration, cfg)))
         metrics.update(state.critic_update)
     batch = update_batch(joined, iteration, **update_batch_options(cfg))
-    pending = ctx.actor.update_actor.remote(batch, cfg.rollout.temperature)
+    pending = ctx.actor.update_actor.remote(batch)
     fault_point("update", iteration)
     metrics.update(wait(ctx, pending))
     ctx.policy_version = int(metrics["policy_version"])

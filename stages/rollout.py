@@ -1,11 +1,12 @@
-"""Rollout math: response masks, finish reasons and per-token log-probs.
+"""Rollout math: sampling parameters, the generation result, response masks, finish reasons and
+per-token log-probs.
 
 Plain tensor functions used by the rollout engines and the policy worker. No Ray, no Prefect.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import pyarrow as pa
@@ -37,6 +38,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a rollout returns: ``len(prompts) * n`` rows, prompt-major (prompt 0's ``n`` samples first).
+
+    Attributes:
+        response_ids: each row's response token ids, cut after the first EOS (EOS included).
+        response_text: each row's response decoded without special tokens.
+        finish_reason: ``"stop"`` (ended with an EOS) or ``"length"`` (cut at the length cap) per row.
+        old_logprobs: each response token's log-prob under ``softmax(logits / temperature)`` of the
+            sampling temperature; ``None`` for greedy decoding.
+        policy_version: the version of the weights that generated (updates applied so far).
+        timing: seconds, ``timing_s/gen`` and, when the log-probs were recomputed teacher-forced,
+            ``timing_s/old_log_prob``.
+    """
+
+    response_ids: list[list[int]]
+    response_text: list[str]
+    finish_reason: list[str]
+    old_logprobs: list[list[float]] | None
+    policy_version: int
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 def response_mask(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
@@ -175,7 +199,7 @@ def sample_ids(iteration: int, num_prompts: int, n: int, offset: int = 0) -> tup
     return samples, groups
 
 
-def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[Sequence[int]], gen: dict,
+def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[Sequence[int]], gen: Generation,
                   n: int, offset: int = 0) -> pa.Table:
     """The rollout stage's output.
 
@@ -196,13 +220,13 @@ def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[S
         "prompt_id": pa.array([str(p.prompt_id) for p in rep], pa.string()),
         "group_id": pa.array(gids, pa.string()),
         "iteration": pa.array([iteration] * len(sids), pa.int64()),
-        "policy_version": pa.array([int(gen["policy_version"])] * len(sids), pa.int64()),
+        "policy_version": pa.array([int(gen.policy_version)] * len(sids), pa.int64()),
         "prompt": json_column([p.messages for p in rep]),
         "prompt_ids": list_column(rep_ids, pa.int32()),
-        "response_ids": list_column(gen["response_ids"], pa.int32()),
-        "response_text": pa.array(gen["response_text"], pa.string()),
-        "old_logprobs": list_column(gen.get("old_logprobs") or [[] for _ in sids], pa.float32()),
-        "finish_reason": pa.array(gen["finish_reason"], pa.string()),
+        "response_ids": list_column(gen.response_ids, pa.int32()),
+        "response_text": pa.array(gen.response_text, pa.string()),
+        "old_logprobs": list_column(gen.old_logprobs or [[] for _ in sids], pa.float32()),
+        "finish_reason": pa.array(gen.finish_reason, pa.string()),
         "ground_truth": pa.array([str(p.ground_truth) for p in rep], pa.string()),
         "data_source": pa.array([p.data_source for p in rep], pa.string()),
         "extra_info": json_column([p.extra_info for p in rep]),
@@ -210,7 +234,7 @@ def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[S
     return pa.table(cols)
 
 
-def baseline_columns(prompt_rows: Sequence[int], greedy: dict) -> dict[str, pa.Array]:
+def baseline_columns(prompt_rows: Sequence[int], greedy: Generation) -> dict[str, pa.Array]:
     """ReMax's greedy baseline responses as rollout columns (one greedy response per prompt, repeated on
     every row of the prompt's group).
 
@@ -218,9 +242,9 @@ def baseline_columns(prompt_rows: Sequence[int], greedy: dict) -> dict[str, pa.A
         prompt_rows: for each row, the index of its prompt in ``greedy``'s order.
         greedy: ``generate_sequences`` output with one greedy response per prompt.
     """
-    ids = [greedy["response_ids"][k] for k in prompt_rows]
+    ids = [greedy.response_ids[k] for k in prompt_rows]
     return {"baseline_response_ids": list_column(ids, pa.int32()),
-            "baseline_response_text": pa.array([greedy["response_text"][k] for k in prompt_rows], pa.string())}
+            "baseline_response_text": pa.array([greedy.response_text[k] for k in prompt_rows], pa.string())}
 
 
 def sampling_params(rollout_cfg: Any, seed: int, *, n: int | None = None, temperature: float | None = None,

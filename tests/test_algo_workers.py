@@ -8,9 +8,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from stages.policy_update import CriticBatch, CriticRows, CriticSettings, UpdateBatch, UpdateRows, UpdateSettings
 from tests.algo_helpers import make_tiny_reward_model
+from trajflow.config import CriticConfig, ModelConfig, RewardModelConfig
 
-MODEL_CFG = {"dtype": "float32", "attn_implementation": "sdpa"}
+MODEL_CFG = ModelConfig(dtype="float32", attn_implementation="sdpa")
 CRITIC_CFG = {"lr": 1e-2, "cliprange_value": 0.5, "ppo_epochs": 1, "ppo_micro_batch_size": 2, "grad_clip": 0.0}
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
 RESPONSES = [[10, 11], [12, 13, 14, 15], [16]]
@@ -24,7 +26,11 @@ def rm_dir(tmp_path_factory):
 def _critic(model_dir):
     from trajflow.workers.critic import CriticWorker
 
-    return CriticWorker(str(model_dir), dict(CRITIC_CFG), MODEL_CFG, "cpu", 1)
+    return CriticWorker(str(model_dir), CriticConfig(**CRITIC_CFG), MODEL_CFG, "cpu", 1)
+
+
+def _critic_batch(values, returns, loss_mask=None, mini_batch_rows=3):
+    return CriticBatch(CriticRows(PROMPTS, RESPONSES, values, returns, loss_mask), CriticSettings(mini_batch_rows))
 
 
 # ------------------------------------------------------------------------------------------ critic
@@ -55,8 +61,7 @@ def test_critic_update_first_step_by_hand_and_learning(tiny_model_dir):
     values = worker.compute_values(PROMPTS, RESPONSES)
     assert all(np.all(v == 0.0) for v in values)  # the value head starts at zero
     returns = [[1.0, 2.0], [0.0, 1.0, 2.0, 3.0], [5.0]]
-    batch = {"prompt_ids": PROMPTS, "response_ids": RESPONSES, "values": values, "returns": returns, "mini_batch_rows": 3}
-    m = worker.update_critic(batch)
+    m = worker.update_critic(_critic_batch(values, returns))
     # V = V_old = 0, so clipping is inactive: 0.5 * mean over the 7 tokens of R^2
     flat = np.concatenate(returns)
     assert m["critic/vf_loss"] == pytest.approx(0.5 * np.mean(flat ** 2), rel=1e-6)
@@ -70,8 +75,8 @@ def test_critic_update_first_step_by_hand_and_learning(tiny_model_dir):
     # iterating (fresh values each round, as the pipeline does) fits the returns
     losses = []
     for _ in range(15):
-        batch["values"] = worker.compute_values(PROMPTS, RESPONSES)
-        losses.append(worker.update_critic(batch)["critic/vf_loss"])
+        losses.append(worker.update_critic(_critic_batch(worker.compute_values(PROMPTS, RESPONSES), returns))
+                      ["critic/vf_loss"])
     assert losses[-1] < 0.5 * losses[0]
 
 
@@ -80,31 +85,28 @@ def test_critic_loss_mask_and_value_clipping(tiny_model_dir):
     values = worker.compute_values(PROMPTS, RESPONSES)
     returns = [[1.0, 1.0], [3.0, 3.0, 3.0, 3.0], [1.0]]
     mask = [[1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0]]  # row 1 quarantined
-    m = worker.update_critic({"prompt_ids": PROMPTS, "response_ids": RESPONSES, "values": values, "returns": returns,
-                              "loss_mask": mask, "mini_batch_rows": 3})
+    m = worker.update_critic(_critic_batch(values, returns, mask))
     assert m["critic/vf_loss"] == pytest.approx(0.5 * 1.0, rel=1e-6)  # only the three tokens with R = 1
     # old values 10 above the returns and the current prediction 0: the clipped prediction 9.5 is the
     # worse one, so the loss is 0.5 * (9.5 - 1)^2 and every token counts as clipped
     far = [np.full(len(r), 10.0, np.float32) for r in RESPONSES]
     worker2 = _critic(tiny_model_dir)
-    m2 = worker2.update_critic({"prompt_ids": PROMPTS, "response_ids": RESPONSES, "values": far,
-                                "returns": [[1.0] * len(r) for r in RESPONSES], "mini_batch_rows": 3})
+    m2 = worker2.update_critic(_critic_batch(far, [[1.0] * len(r) for r in RESPONSES]))
     assert m2["critic/vf_loss"] == pytest.approx(0.5 * 8.5 ** 2, rel=1e-6)
     assert m2["critic/vf_clipfrac"] == 1.0
 
 
 def test_critic_checkpoint_round_trip(tiny_model_dir, tmp_path):
     worker = _critic(tiny_model_dir)
-    batch = {"prompt_ids": PROMPTS, "response_ids": RESPONSES, "values": worker.compute_values(PROMPTS, RESPONSES),
-             "returns": [[1.0] * len(r) for r in RESPONSES], "mini_batch_rows": 3}
-    worker.update_critic(batch)
+    returns = [[1.0] * len(r) for r in RESPONSES]
+    worker.update_critic(_critic_batch(worker.compute_values(PROMPTS, RESPONSES), returns))
     worker.save_checkpoint(str(tmp_path / "critic"))
     restored = _critic(tiny_model_dir)
     assert restored.weights_digest() != worker.weights_digest()
     assert restored.load_checkpoint(str(tmp_path / "critic")) == {"optimizer_steps": 1}
     assert restored.weights_digest() == worker.weights_digest()
     # the optimizer state came back too: the next step is identical
-    batch["values"] = worker.compute_values(PROMPTS, RESPONSES)
+    batch = _critic_batch(worker.compute_values(PROMPTS, RESPONSES), returns)
     worker.update_critic(batch)
     restored.update_critic(batch)
     assert restored.weights_digest() == worker.weights_digest()
@@ -116,7 +118,7 @@ def test_critic_checkpoint_round_trip(tiny_model_dir, tmp_path):
 def _rm(rm_dir, micro_batch_size=2, max_length=2048):
     from trajflow.workers.reward_model import RewardModelWorker
 
-    return RewardModelWorker(str(rm_dir), {"micro_batch_size": micro_batch_size, "max_length": max_length},
+    return RewardModelWorker(str(rm_dir), RewardModelConfig(micro_batch_size=micro_batch_size, max_length=max_length),
                              MODEL_CFG, "cpu", 1)
 
 
@@ -171,7 +173,7 @@ def _policy(model_dir, *overrides):
     from trajflow.workers.policy import PolicyWorker
 
     cfg = load_config(None, ["actor.ppo_micro_batch_size=2", *overrides])
-    sections = [OmegaConf.to_container(cfg[s], resolve=True) for s in ("actor", "model", "rollout")]
+    sections = [OmegaConf.to_object(cfg[s]) for s in ("actor", "model", "rollout")]
     return PolicyWorker(str(model_dir), *sections, 0, "cpu", 1)
 
 
@@ -182,15 +184,16 @@ def test_rollout_is_weights_from_engine_log_probs_that_differ(tiny_model_dir):
     """The engine gave every token half the trainer's probability: pi_old / pi_rollout = 2 per token."""
     trainer_lp = _policy(tiny_model_dir).compute_log_prob(PROMPTS, RESPONSES, 1.0)
     engine_lp = [lp - np.float32(np.log(2.0)) for lp in trainer_lp]
-    batch = {"prompt_ids": PROMPTS, "response_ids": RESPONSES, "old_logprobs": engine_lp, "advantages": ADV}
-    plain = _policy(tiny_model_dir).update_actor(dict(batch), 1.0)
+    rows = UpdateRows(PROMPTS, RESPONSES, engine_lp, ADV)
+    plain = _policy(tiny_model_dir).update_actor(UpdateBatch(rows))
     # one on-policy step: the PPO ratio is 1, so token-mean of -A over the 7 tokens
     assert plain["actor/pg_loss"] == pytest.approx(-sum(map(sum, ADV)) / 7, rel=1e-5)
     assert plain["actor/rollout_logprob_diff"] == pytest.approx(np.log(2.0), rel=1e-5)
     assert not any(k.startswith("rollout_corr/") for k in plain)
 
     # token level, C = 1.5: every weight is min(2, 1.5) = 1.5
-    tok = _policy(tiny_model_dir).update_actor({**batch, "rollout_is": "token", "rollout_is_threshold": 1.5}, 1.0)
+    tok = _policy(tiny_model_dir).update_actor(UpdateBatch(rows, UpdateSettings(rollout_is="token",
+                                                                                 rollout_is_threshold=1.5)))
     assert tok["actor/pg_loss"] == pytest.approx(1.5 * plain["actor/pg_loss"], rel=1e-5)
     assert tok["rollout_corr/rollout_is_clipfrac"] == 1.0
     assert tok["rollout_corr/rollout_is_mean"] == pytest.approx(1.5, rel=1e-6)
@@ -198,7 +201,8 @@ def test_rollout_is_weights_from_engine_log_probs_that_differ(tiny_model_dir):
     assert tok["rollout_corr/log_ratio_mean"] == pytest.approx(np.log(2.0), rel=1e-5)
 
     # sequence level, C = 3: rows of 2, 4 and 1 tokens have weights min(2^2, 3) = 3, min(2^4, 3) = 3 and 2
-    seq = _policy(tiny_model_dir).update_actor({**batch, "rollout_is": "sequence", "rollout_is_threshold": 3.0}, 1.0)
+    seq = _policy(tiny_model_dir).update_actor(UpdateBatch(rows, UpdateSettings(rollout_is="sequence",
+                                                                                 rollout_is_threshold=3.0)))
     want = -(3 * sum(ADV[0]) + 3 * sum(ADV[1]) + 2 * sum(ADV[2])) / 7
     assert seq["actor/pg_loss"] == pytest.approx(want, rel=1e-5)
     assert seq["rollout_corr/rollout_is_clipfrac"] == pytest.approx(2 / 3)
@@ -210,7 +214,6 @@ def test_dr_grpo_normaliser_is_the_response_cap_for_every_micro_batch(tiny_model
     longest response of each micro-batch, so micro-batches of different widths add up exactly."""
     worker = _policy(tiny_model_dir, "actor.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_new_tokens=16")
     old = worker.compute_log_prob(PROMPTS, RESPONSES, 1.0)
-    m = worker.update_actor({"prompt_ids": PROMPTS, "response_ids": RESPONSES, "old_logprobs": old,
-                             "advantages": ADV}, 1.0)
+    m = worker.update_actor(UpdateBatch(UpdateRows(PROMPTS, RESPONSES, old, ADV)))
     # ratio 1: sum_i sum_t (-A_it) / H / N with H = 16 and N = 3 rows
     assert m["actor/pg_loss"] == pytest.approx(-sum(map(sum, ADV)) / 16 / 3, rel=1e-5)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
-from trajflow.workers.forward import compute_log_probs
+from trajflow.modeling.forward import compute_log_probs
 
 MAX_NEW = 10
 

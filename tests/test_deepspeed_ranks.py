@@ -13,34 +13,35 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.workers.group import WorkerGroup
 
 ACTOR = dict(lr=1e-3, betas=[0.9, 0.999], weight_decay=0.01, ppo_micro_batch_size=2, ppo_epochs=1, shuffle=False,
              policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
              loss_agg_mode="token-mean", entropy_coeff=0.0, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
              grad_clip=1.0)
-MODEL = {"dtype": "float32"}
-ROLLOUT = {"micro_batch_size": 4}
+MODEL = ModelConfig(dtype="float32")
+ROLLOUT = RolloutConfig(micro_batch_size=4, temperature=1.0)
 
 
-def make_batch(worker, seed: int = 0, rows: int = 10) -> dict:
+def make_batch(worker, seed: int = 0, rows: int = 10) -> UpdateBatch:
     """Random prompts/responses of varied lengths, on-policy old log-probs, mixed advantages, a masked row."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(10, 2000, size=int(n)).tolist() for n in rng.integers(3, 14, size=rows)]
     resps = [rng.integers(10, 2000, size=int(n)).tolist() for n in rng.integers(1, 10, size=rows)]
     old = worker.compute_log_prob(prompts, resps, 1.0)
     mask = [[0.0 if i == 3 else 1.0] * len(r) for i, r in enumerate(resps)]
-    return {"prompt_ids": prompts, "response_ids": resps, "old_logprobs": [x.tolist() for x in old],
-            "ref_logprobs": [(x - 0.05).tolist() for x in old], "loss_mask": mask,
-            "advantages": [[float(rng.normal())] * len(r) for r in resps],
-            # 5 rows per optimizer step: ranks get 3 + 2 rows, so one rank runs a padding micro-batch.
-            "mini_batch_rows": 5}
+    rows = UpdateRows(prompts, resps, [x.tolist() for x in old], [[float(rng.normal())] * len(r) for r in resps],
+                      loss_mask=mask, ref_logprobs=[(x - 0.05).tolist() for x in old])
+    # 5 rows per optimizer step: ranks get 3 + 2 rows, so one rank runs a padding micro-batch.
+    return UpdateBatch(rows, UpdateSettings(mini_batch_rows=5))
 
 
 def spawn_ds(model_dir, zero_stage: int, world: int = 2, **extra) -> WorkerGroup:
     from trajflow.workers.policy import PolicyWorker
 
-    actor = {**ACTOR, "strategy": "deepspeed", "zero_stage": zero_stage, "world_size": world, **extra}
+    actor = ActorConfig(**{**ACTOR, "strategy": "deepspeed", "zero_stage": zero_stage, "world_size": world, **extra})
     group = WorkerGroup.spawn(PolicyWorker, (str(model_dir), actor, MODEL, ROLLOUT, 0, "cpu", 1),
                               [{"num_cpus": 0}] * world, "actor", lockstep=zero_stage == 3)
     group.init_distributed()
@@ -59,20 +60,20 @@ def one_rank(tiny_model_dir):
     """The reference: the plain single-process worker (torch AdamW), two updates on two batches."""
     from trajflow.workers.policy import PolicyWorker
 
-    w = PolicyWorker(str(tiny_model_dir), ACTOR, MODEL, ROLLOUT, seed=0, num_threads=1)
+    w = PolicyWorker(str(tiny_model_dir), ActorConfig(**ACTOR), MODEL, ROLLOUT, seed=0, num_threads=1)
     b1 = make_batch(w, 0)
     w0 = w.get_weights()
-    m1 = w.update_actor(b1, 1.0)
+    m1 = w.update_actor(b1)
     w1 = w.get_weights()
     b2 = make_batch(w, 1)
-    w.update_actor(b2, 1.0)
+    w.update_actor(b2)
     return {"b1": b1, "b2": b2, "w0": w0, "w1": w1, "w2": w.get_weights(), "m1": m1}
 
 
 def test_zero2_two_ranks_update_equals_one_rank(ray_local, tiny_model_dir, one_rank):
     group = spawn_ds(tiny_model_dir, zero_stage=2)
     try:
-        m = group.execute("update_actor", one_rank["b1"], 1.0)
+        m = group.execute("update_actor", one_rank["b1"])
         w = group.execute("get_weights")
         assert_close(w, one_rank["w1"])
         assert max(float(np.abs(w[k] - one_rank["w0"][k]).max()) for k in w) > 1e-4  # the step did move weights
@@ -86,18 +87,18 @@ def test_zero2_two_ranks_update_equals_one_rank(ray_local, tiny_model_dir, one_r
 def test_zero2_token_budget_micro_batches_equal_one_rank(ray_local, tiny_model_dir, one_rank):
     # Micro-batches by token budget (use_dynamic_bsz): each rank cuts its 3 or 2 rows by tokens, so the
     # ranks can need different numbers of micro-batches; the shorter one pads with zero-weighted copies.
-    from trajflow.workers.forward import token_budget_slices
-    from trajflow.workers.group import balanced_partition
+    from trajflow.modeling.packing import balanced_partition, token_budget_slices
 
     b1, budget = one_rank["b1"], 14
     mini = list(range(5))
-    weights = [len(b1["prompt_ids"][r]) + len(b1["response_ids"][r]) for r in mini]
-    counts = [len(token_budget_slices([b1["prompt_ids"][r] for r in p], [b1["response_ids"][r] for r in p], budget))
+    weights = [len(b1.rows.prompt_ids[r]) + len(b1.rows.response_ids[r]) for r in mini]
+    counts = [len(token_budget_slices([b1.rows.prompt_ids[r] for r in p], [b1.rows.response_ids[r] for r in p],
+                                      budget))
               for p in balanced_partition(weights, 2)]
     assert counts[0] != counts[1] and max(counts) > 1, counts  # uneven: the padding path runs
     group = spawn_ds(tiny_model_dir, zero_stage=2, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget)
     try:
-        group.execute("update_actor", b1, 1.0)
+        group.execute("update_actor", b1)
         assert_close(group.execute("get_weights"), one_rank["w1"])
     finally:
         group.kill()
@@ -108,11 +109,11 @@ def test_zero3_checkpoint_save_load_export(ray_local, tiny_model_dir, one_rank, 
 
     group = spawn_ds(tiny_model_dir, zero_stage=3)
     try:
-        group.execute("update_actor", one_rank["b1"], 1.0)
+        group.execute("update_actor", one_rank["b1"])
         w1 = group.execute("get_weights")
         assert_close(w1, one_rank["w1"])  # ZeRO-3 update == one-process update as well
         group.execute("save_checkpoint", str(tmp_path / "ck"))
-        group.execute("update_actor", one_rank["b2"], 1.0)
+        group.execute("update_actor", one_rank["b2"])
         w2 = group.execute("get_weights")
         assert_close(w2, one_rank["w2"])
     finally:
@@ -130,7 +131,7 @@ def test_zero3_checkpoint_save_load_export(ray_local, tiny_model_dir, one_rank, 
         exported = {k: v.detach().numpy() for k, v in model.state_dict().items()}
         assert all(np.array_equal(exported[k], w1[k]) for k in w1)
         # The optimizer state came back too: the same second update gives the same weights.
-        fresh.execute("update_actor", one_rank["b2"], 1.0)
+        fresh.execute("update_actor", one_rank["b2"])
         assert_close(fresh.execute("get_weights"), w2)
     finally:
         fresh.kill()

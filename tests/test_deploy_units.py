@@ -176,8 +176,8 @@ def test_stage_deadline_drops_a_stuck_worker_and_keeps_a_healthy_one(tmp_path, r
 
 
 def test_update_batch_and_loss_mask_match_the_formulas():
+    from stages.policy_update import update_batch, with_loss_mask
     from stages.seeds import iteration_seed
-    from trajflow.pipeline import update_batch, with_loss_mask
 
     joined = pa.table({"sample_id": ["a", "b", "c"], "prompt_ids": [[1, 2], [1, 2], [3]],
                        "response_ids": [[5, 6, 7], [8], [9, 9]],
@@ -188,11 +188,11 @@ def test_update_batch_and_loss_mask_match_the_formulas():
     assert masked.column("loss_mask").to_pylist() == [[1.0, 1.0, 1.0], [0.0], [1.0, 1.0]]
     assert with_loss_mask(joined, None) is joined
     b = update_batch(masked, 7, seed=42, n=3, ppo_mini_batch_size=2, use_ref_logprobs=False)
-    assert b["mini_batch_rows"] == 6
-    assert b["shuffle_seed"] == (42 * 1_000_003 + 7 * 7919 + 1) % (2**31 - 1) == 42_055_560
+    assert b.settings.mini_batch_rows == 6
+    assert b.settings.shuffle_seed == (42 * 1_000_003 + 7 * 7919 + 1) % (2**31 - 1) == 42_055_560
     assert iteration_seed(42, 7, 1) == 42_055_560
-    assert b["loss_mask"] == [[1.0, 1.0, 1.0], [0.0], [1.0, 1.0]] and "ref_logprobs" not in b
-    assert update_batch(joined, 7, seed=42, n=3, ppo_mini_batch_size=2, use_ref_logprobs=True)["ref_logprobs"][1] \
+    assert b.rows.loss_mask == [[1.0, 1.0, 1.0], [0.0], [1.0, 1.0]] and b.rows.ref_logprobs is None
+    assert update_batch(joined, 7, seed=42, n=3, ppo_mini_batch_size=2, use_ref_logprobs=True).rows.ref_logprobs[1] \
         == pytest.approx([-2.1])
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trajflow.workers.distributed import LocalBackend, adamw
+from trajflow.modeling.backends import LocalBackend, adamw
 
 
 def _backend(fused: bool):

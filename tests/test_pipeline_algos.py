@@ -1,4 +1,4 @@
-"""Batch-level wiring of the algorithm family (trajflow.pipeline): score combination and shaping,
+"""Batch-level wiring of the algorithm family (stages): score combination and shaping,
 ReMax baselines, truncation masking, critic values in the advantage table, dynamic-sampling helpers.
 Expected values are worked by hand."""
 
@@ -12,7 +12,8 @@ from stages import advantage as advantage_stage
 from stages import dynamic_sampling, seeds
 from stages import reward as reward_stage
 from stages import rollout as rollout_stage
-from trajflow import pipeline
+from stages.policy_update import actor_loss_mask, critic_batch, update_batch, update_batch_options
+from stages.rollout import Generation
 
 ALGO = {"adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True,
         "use_kl_in_reward": False, "kl_penalty": "kl"}
@@ -91,12 +92,12 @@ def test_gae_advantage_table_stores_the_critic_values():
 
 def test_actor_loss_mask_zeroes_truncated_rows_and_keeps_quarantine():
     t = rollout([[5, 6], [7, 8, 9], [1]], finish=["stop", "length", "stop"])
-    assert pipeline.actor_loss_mask(t, False) == (None, {})
-    mask, m = pipeline.actor_loss_mask(t, True)
+    assert actor_loss_mask(t, False) == (None, {})
+    mask, m = actor_loss_mask(t, True)
     assert mask == [[1.0, 1.0], [0.0, 0.0, 0.0], [1.0]]
     assert m == {"batch/masked_truncated": 1.0}
     quarantined = t.append_column("loss_mask", pa.array([[1.0, 1.0], [1.0, 1.0, 1.0], [0.0]], pa.list_(pa.float32())))
-    mask, _ = pipeline.actor_loss_mask(quarantined, True)
+    mask, _ = actor_loss_mask(quarantined, True)
     assert mask == [[1.0, 1.0], [0.0, 0.0, 0.0], [0.0]]
 
 
@@ -111,7 +112,9 @@ def test_sample_ids_continue_across_generation_batches_and_baseline_columns():
     sids, gids = rollout_stage.sample_ids(3, 2, 2, offset=4)
     assert sids == ["it000003-p0004-s0", "it000003-p0004-s1", "it000003-p0005-s0", "it000003-p0005-s1"]
     assert gids == ["it000003-p0004"] * 2 + ["it000003-p0005"] * 2
-    cols = rollout_stage.baseline_columns([0, 0, 1, 1], {"response_ids": [[4, 2], [9]], "response_text": ["a", "b"]})
+    greedy = Generation(response_ids=[[4, 2], [9]], response_text=["a", "b"], finish_reason=["stop", "stop"],
+                        old_logprobs=None, policy_version=0)
+    cols = rollout_stage.baseline_columns([0, 0, 1, 1], greedy)
     assert cols["baseline_response_ids"].to_pylist() == [[4, 2], [4, 2], [9], [9]]
     assert cols["baseline_response_text"].to_pylist() == ["a", "a", "b", "b"]
 
@@ -145,13 +148,14 @@ def test_update_and_critic_batches_carry_the_new_options():
     cfg = load_config(None, ["algorithm.mask_truncated_samples=true", "algorithm.rollout_is=sequence",
                              "algorithm.rollout_is_threshold=3", "rollout.n=2", "data.train_batch_size=4",
                              "actor.ppo_mini_batch_size=2", "trainer.seed=7"])
-    b = pipeline.update_batch(t, 5, **pipeline.update_batch_options(cfg))
-    assert b["loss_mask"] == [[1.0, 1.0], [0.0, 0.0, 0.0]]  # the truncated row is out of the policy loss
-    assert (b["rollout_is"], b["rollout_is_threshold"]) == ("sequence", 3.0)
-    assert b["mini_batch_rows"] == 4 and b["shuffle_seed"] == seeds.iteration_seed(7, 5, 1)
-    plain = pipeline.update_batch(t, 5, seed=7, n=2, ppo_mini_batch_size=2, use_ref_logprobs=False)
-    assert "loss_mask" not in plain and "rollout_is" not in plain
-    c = pipeline.critic_batch(t, 5, cfg)
-    assert c["values"] == [[pytest.approx(0.1), pytest.approx(0.2)], [0.0, 0.0, pytest.approx(0.3)]]
-    assert c["returns"] == [[1.0, 1.0], [0.0, 0.0, 0.0]] and "loss_mask" not in c  # truncation: actor only
-    assert c["mini_batch_rows"] == 4 and c["shuffle_seed"] == seeds.iteration_seed(7, 5, 4)
+    b = update_batch(t, 5, **update_batch_options(cfg))
+    assert b.rows.loss_mask == [[1.0, 1.0], [0.0, 0.0, 0.0]]  # the truncated row is out of the policy loss
+    assert (b.settings.rollout_is, b.settings.rollout_is_threshold) == ("sequence", 3.0)
+    assert b.settings.mini_batch_rows == 4 and b.settings.shuffle_seed == seeds.iteration_seed(7, 5, 1)
+    plain = update_batch(t, 5, seed=7, n=2, ppo_mini_batch_size=2, use_ref_logprobs=False)
+    assert plain.rows.loss_mask is None and plain.settings.rollout_is is None
+    c = critic_batch(t, 5, cfg)
+    assert c.rows.values == [[pytest.approx(0.1), pytest.approx(0.2)], [0.0, 0.0, pytest.approx(0.3)]]
+    assert c.rows.returns == [[1.0, 1.0], [0.0, 0.0, 0.0]] and c.rows.loss_mask is None  # truncation: actor only
+    assert c.settings.mini_batch_rows == 4 and c.settings.shuffle_seed == seeds.iteration_seed(7, 5, 4)
+

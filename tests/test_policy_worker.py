@@ -4,20 +4,27 @@ import numpy as np
 import pytest
 import torch
 
+from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
 from stages.rollout import SamplingParams
-from trajflow.workers.forward import forward_micro_batch, pack
+from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
+from trajflow.modeling.forward import forward_micro_batch
+from trajflow.modeling.packing import pack
 from trajflow.workers.policy import PolicyWorker
 
 ACTOR = dict(lr=1e-3, betas=[0.9, 0.999], weight_decay=0.0, ppo_micro_batch_size=2, ppo_epochs=1, shuffle=False,
              policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
              loss_agg_mode="token-mean", entropy_coeff=0.0, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
              grad_clip=1.0)
+MODEL = ModelConfig(dtype="float32")
+
+
+def _rollout_cfg(temperature=0.7):
+    return RolloutConfig(micro_batch_size=4, temperature=temperature)
 
 
 @pytest.fixture
 def worker(tiny_model_dir):
-    return PolicyWorker(str(tiny_model_dir), ACTOR, {"dtype": "float32"}, {"micro_batch_size": 4}, seed=0,
-                        num_threads=1)
+    return PolicyWorker(str(tiny_model_dir), ActorConfig(**ACTOR), MODEL, _rollout_cfg(), seed=0, num_threads=1)
 
 
 def _rollout(worker, temperature=0.7):
@@ -29,10 +36,9 @@ def _rollout(worker, temperature=0.7):
     return rows, out
 
 
-def _batch(rows, out, mini_rows):
-    return {"prompt_ids": rows, "response_ids": out["response_ids"], "old_logprobs": out["old_logprobs"],
-            "advantages": [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out["response_ids"])],
-            "mini_batch_rows": mini_rows}
+def _batch(rows, out, mini_rows, advantages=None):
+    adv = advantages or [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out.response_ids)]
+    return UpdateBatch(UpdateRows(rows, out.response_ids, out.old_logprobs, adv), UpdateSettings(mini_rows))
 
 
 def test_recomputed_old_logprobs_give_ratio_exactly_one(worker):
@@ -40,20 +46,20 @@ def test_recomputed_old_logprobs_give_ratio_exactly_one(worker):
     # update's own packing, so the first step's ratio is 1 bit for bit (temperature 0.7).
     rows, out = _rollout(worker, temperature=0.7)
     worker.model.train()
-    packed = pack(rows[:2], out["response_ids"][:2], worker.pad_id)
+    packed = pack(rows[:2], out.response_ids[:2], worker.pad_id)
     logp, _ = forward_micro_batch(worker.model, packed, 0.7)
-    recomputed = worker.compute_log_prob(rows, out["response_ids"], 0.7)
+    recomputed = worker.compute_log_prob(rows, out.response_ids, 0.7)
     for j in range(2):
-        n = len(out["response_ids"][j])
+        n = len(out.response_ids[j])
         assert torch.equal(torch.exp(logp[j, :n].detach() - torch.from_numpy(recomputed[j])), torch.ones(n))
-    metrics = worker.update_actor(_batch(rows, out, mini_rows=2), temperature=0.7)
+    metrics = worker.update_actor(_batch(rows, out, mini_rows=2))
     assert metrics["actor/ratio_first_step_max_abs_dev"] == 0.0
     assert metrics["policy_version"] == 1
 
 
 def test_single_step_update_is_on_policy_and_matches_rollout_logprobs(worker):
     rows, out = _rollout(worker, temperature=0.7)
-    metrics = worker.update_actor(_batch(rows, out, mini_rows=4), temperature=0.7)
+    metrics = worker.update_actor(_batch(rows, out, mini_rows=4))
     assert metrics["actor/ratio_first_step_max_abs_dev"] == 0.0
     assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/ppo_kl"] == 0.0
     # The engine's sampling log-probs agree with the trainer's at the same temperature.
@@ -62,31 +68,30 @@ def test_single_step_update_is_on_policy_and_matches_rollout_logprobs(worker):
 
 def test_rollout_logprobs_use_the_sampling_temperature(worker):
     rows, out = _rollout(worker, temperature=0.7)
-    same = worker.compute_log_prob(rows, out["response_ids"], 0.7)
-    other = worker.compute_log_prob(rows, out["response_ids"], 1.0)
-    assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(same, out["old_logprobs"]))
-    assert not all(np.allclose(a, b, atol=1e-2) for a, b in zip(other, out["old_logprobs"]))
+    same = worker.compute_log_prob(rows, out.response_ids, 0.7)
+    other = worker.compute_log_prob(rows, out.response_ids, 1.0)
+    assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(same, out.old_logprobs))
+    assert not all(np.allclose(a, b, atol=1e-2) for a, b in zip(other, out.old_logprobs))
 
 
 def test_generation_is_a_function_of_the_seed(worker):
     _, a = _rollout(worker)
     _, b = _rollout(worker)
-    assert a["response_ids"] == b["response_ids"]
+    assert a.response_ids == b.response_ids
 
 
 def test_checkpoint_round_trip(worker, tiny_model_dir, tmp_path):
     rows, out = _rollout(worker)
-    batch = {"prompt_ids": rows, "response_ids": out["response_ids"], "old_logprobs": out["old_logprobs"],
-             "advantages": [[0.5] * len(r) for r in out["response_ids"]], "mini_batch_rows": 4}
-    worker.update_actor(batch, 0.7)
+    batch = _batch(rows, out, 4, [[0.5] * len(r) for r in out.response_ids])
+    worker.update_actor(batch)
     worker.save_checkpoint(str(tmp_path / "ck"))
-    other = PolicyWorker(str(tiny_model_dir), ACTOR, {"dtype": "float32"}, {"micro_batch_size": 4}, seed=5, num_threads=1)
+    other = PolicyWorker(str(tiny_model_dir), ActorConfig(**ACTOR), MODEL, _rollout_cfg(), seed=5, num_threads=1)
     other.load_checkpoint(str(tmp_path / "ck"))
     assert other.weights_digest() == worker.weights_digest()
     assert other.policy_version == 1
     # The optimizer state came along: the next identical update gives identical weights.
-    worker.update_actor(batch, 0.7)
-    other.update_actor(batch, 0.7)
+    worker.update_actor(batch)
+    other.update_actor(batch)
     assert other.weights_digest() == worker.weights_digest()
 
 
@@ -95,17 +100,16 @@ def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(tiny_model_
     # norm is the entropy bonus's: zero without it, positive with it.
     norms = {}
     for coeff in (0.0, 0.01):
-        w = PolicyWorker(str(tiny_model_dir), ACTOR | {"entropy_coeff": coeff}, {"dtype": "float32"},
-                         {"micro_batch_size": 4}, seed=0, num_threads=1)
+        w = PolicyWorker(str(tiny_model_dir), ActorConfig(**(ACTOR | {"entropy_coeff": coeff})), MODEL,
+                         _rollout_cfg(), seed=0, num_threads=1)
         rows, out = _rollout(w)
-        batch = _batch(rows, out, mini_rows=4)
-        batch["advantages"] = [[0.0] * len(r) for r in out["response_ids"]]
-        norms[coeff] = w.update_actor(batch, temperature=0.7)["actor/grad_norm"]
+        batch = _batch(rows, out, mini_rows=4, advantages=[[0.0] * len(r) for r in out.response_ids])
+        norms[coeff] = w.update_actor(batch)["actor/grad_norm"]
     assert norms[0.0] == 0.0 and norms[0.01] > 0.0
 
 
 def test_token_budget_slices_by_hand():
-    from trajflow.workers.forward import micro_batch_plan, token_budget_slices
+    from trajflow.modeling.packing import micro_batch_plan, token_budget_slices
 
     prompts = [[1, 2, 3]] * 3 + [[4, 5]]
     responses = [[9, 9], [9, 9, 9], [9], [9, 9, 9, 9]]
@@ -126,24 +130,42 @@ def test_dynamic_micro_batches_update_like_fixed_ones(tiny_model_dir):
     # The same batch, one optimizer step: 2-row micro-batches vs token-budget micro-batches (a budget
     # that cuts the 4 rows into 3 pieces) vs the whole mini-batch at once. Gradient accumulation is
     # exact, so the weights agree to float rounding; a lost or doubled micro-batch moves them ~1e-3.
-    from trajflow.workers.forward import micro_batch_plan
+    from trajflow.modeling.packing import micro_batch_plan
 
     weights = {}
     for name, extra in (("fixed", {}), ("dynamic", {"use_dynamic_bsz": True}), ("whole", {"ppo_micro_batch_size": 4})):
-        w = PolicyWorker(str(tiny_model_dir), {**ACTOR, **extra}, {"dtype": "float32"}, {"micro_batch_size": 4},
+        w = PolicyWorker(str(tiny_model_dir), ActorConfig(**{**ACTOR, **extra}), MODEL, _rollout_cfg(1.0),
                          seed=0, num_threads=1)
         before = {k: v.detach().clone() for k, v in w.model.state_dict().items()}
         rows, out = _rollout(w, temperature=1.0)
         if name == "dynamic":
-            lens = [len(p) + len(r) for p, r in zip(rows, out["response_ids"])]
+            lens = [len(p) + len(r) for p, r in zip(rows, out.response_ids)]
             budget = max(lens) + 1  # room for a row and its group partner's response, rarely more
-            w.actor["ppo_max_token_len_per_gpu"] = budget
-            plan = micro_batch_plan(rows, out["response_ids"], 2, budget)
+            w.actor.ppo_max_token_len_per_gpu = budget
+            plan = micro_batch_plan(rows, out.response_ids, 2, budget)
             assert len(plan) >= 2 and [sl.stop - sl.start for sl in plan] != [2, 2], plan
-        m = w.update_actor(_batch(rows, out, mini_rows=4), temperature=1.0)
+        m = w.update_actor(_batch(rows, out, mini_rows=4))
         assert m["actor/ratio_first_step_max_abs_dev"] == 0.0
         weights[name] = {k: v.detach().clone() for k, v in w.model.state_dict().items()}
         assert max(float((weights[name][k] - before[k]).abs().max()) for k in before) > 1e-4  # it did step
     for name in ("dynamic", "whole"):
         for k, v in weights["fixed"].items():
             assert torch.allclose(weights[name][k], v, atol=1e-6, rtol=0), (name, k)
+
+
+def test_split_generations_merge_in_row_order():
+    # 3 prompts, 2 samples each; rank 0 got prompts [0, 2], rank 1 prompt [1] plus one padding prompt.
+    from stages.rollout import Generation
+    from trajflow.workers.group import merge_split
+
+    g0 = Generation([[1], [2], [5], [6]], ["a", "b", "e", "f"], ["stop"] * 4, [[-1.0], [-2.0], [-5.0], [-6.0]], 3,
+                    {"timing_s/gen": 1.0, "timing_s/old_log_prob": 0.5})
+    g1 = Generation([[3], [4], [9], [9]], ["c", "d", "x", "x"], ["length"] * 4, [[-3.0], [-4.0], [-9.0], [-9.0]], 3,
+                    {"timing_s/gen": 2.0, "timing_s/old_log_prob": 0.25})
+    out = merge_split([g0, g1], [[0, 2], [1]], [0, 1], 3)
+    assert out == Generation([[1], [2], [3], [4], [5], [6]], list("abcdef"), ["stop", "stop", "length", "length",
+                             "stop", "stop"], [[-1.0], [-2.0], [-3.0], [-4.0], [-5.0], [-6.0]], 3,
+                             {"timing_s/gen": 2.0, "timing_s/old_log_prob": 0.5})
+    greedy = [Generation([[1]], ["a"], ["stop"], None, 0, {"timing_s/gen": 1.0}),
+              Generation([[2]], ["b"], ["stop"], None, 0, {"timing_s/gen": 1.5})]
+    assert merge_split(greedy, [[0], [1]], [0, 0], 2).old_logprobs is None

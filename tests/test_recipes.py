@@ -255,14 +255,15 @@ def test_dapo_resume_replays_the_extra_prompt_draws(env, dapo_run):
 
 def test_remax_with_reward_model_and_truncation_mask(env, tmp_path_factory):
     """ReMax's greedy baseline, a reward model combined with the rule score, truncated-response masking."""
+    from trajflow.config import ModelConfig, RewardModelConfig
     from trajflow.workers.reward_model import RewardModelWorker
 
     rm_dir = make_tiny_reward_model(tmp_path_factory.mktemp("recipe-rm"))
     d = run(env, "grpo_default", **{"algorithm.adv_estimator": "remax", "reward.reward_model.enable": True,
                                     "reward.reward_model.path": str(rm_dir), "reward.reward_model.rule_weight": 1.0,
                                     "reward.reward_model.rm_weight": 0.5, "algorithm.mask_truncated_samples": True})
-    rm = RewardModelWorker(str(rm_dir), {"micro_batch_size": 4, "max_length": 2048},
-                           {"dtype": "float32", "attn_implementation": "sdpa"}, "cpu", 1)
+    rm = RewardModelWorker(str(rm_dir), RewardModelConfig(micro_batch_size=4, max_length=2048),
+                           ModelConfig(dtype="float32", attn_implementation="sdpa"), "cpu", 1)
     for it in (1, 2):
         rows = joined(d, it)
         prompts = [json.loads(p) for p in rows["prompt"]]

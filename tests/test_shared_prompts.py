@@ -8,9 +8,10 @@ from transformers import AutoModelForCausalLM
 
 from stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
-from trajflow.workers.forward import (forward_micro_batch, layout_prompts, length_buckets, pack, shared_prompt_rows,
-                                     uses_tree_packing)
-from trajflow.workers.tree import tree_pack, tree_packed_tokens
+from trajflow.modeling.forward import (forward_micro_batch, layout_prompts, length_buckets, shared_prompt_rows,
+                                      uses_tree_packing)
+from trajflow.modeling.packing import pack
+from trajflow.modeling.tree import tree_pack, tree_packed_tokens
 
 PAD = 2
 

@@ -31,7 +31,7 @@ def _instrumented_worker(log: Path):
     from trajflow.workers.policy import PolicyWorker
 
     class RecordingPolicyWorker(PolicyWorker):
-        def update_actor(self, batch: dict, temperature: float) -> dict:
+        def update_actor(self, batch) -> dict:
             seen = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
             first_attempt = not any(e["version"] == self.policy_version for e in seen)
             with open(log, "a") as f:
@@ -39,7 +39,7 @@ def _instrumented_worker(log: Path):
                                     "digest": self.weights_digest()}) + "\n")
             if self.policy_version == 1 and first_attempt:
                 time.sleep(120)  # killed by the test long before this ends
-            return super().update_actor(batch, temperature)
+            return super().update_actor(batch)
 
     return RecordingPolicyWorker
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trajflow.workers.token_logprobs import token_logprobs_entropy
+from trajflow.modeling.token_logprobs import token_logprobs_entropy
 
 # softmax(log [1, 2, 3]) = [1/6, 2/6, 3/6]
 P = [1 / 6, 2 / 6, 3 / 6]

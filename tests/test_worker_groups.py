@@ -215,12 +215,13 @@ def test_gpu_requests_fail_with_one_clear_line():
 def test_vllm_engine_module_imports_without_vllm_and_refuses_cleanly():
     import importlib
 
+    from trajflow.config import ModelConfig, RolloutConfig
     from trajflow.errors import DeviceError
 
     mod = importlib.import_module("trajflow.engines.vllm")
     assert "vllm" not in sys.modules
     with pytest.raises(DeviceError, match=r"trajflow\[gpu\]"):
-        mod.VLLMRolloutEngine("/nonexistent", {}, {}, [2])
+        mod.VLLMRolloutEngine("/nonexistent", RolloutConfig(), ModelConfig(), [2])
 
 
 def test_cli_cuda_on_cpu_machine_is_one_line(tmp_path):
@@ -242,43 +243,46 @@ ACTOR = dict(lr=1e-3, betas=[0.9, 0.999], weight_decay=0.0, ppo_micro_batch_size
 
 
 def test_separate_rollout_workers_get_weights_after_each_update(ray_local, tiny_model_dir):
+    from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
     from stages.rollout import SamplingParams
+    from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
     from trajflow.workers.policy import PolicyWorker
     from trajflow.workers.rollout import RolloutWorker
 
     path = str(tiny_model_dir)
-    rollout_cfg = {"micro_batch_size": 4, "engine": "hf", "pool": "gen"}
-    policy = WorkerGroup.spawn(PolicyWorker, (path, ACTOR, {"dtype": "float32"}, rollout_cfg, 0, "cpu", 1),
+    rollout_cfg = RolloutConfig(micro_batch_size=4, engine="hf", pool="gen", temperature=1.0)
+    model_cfg = ModelConfig(dtype="float32")
+    policy = WorkerGroup.spawn(PolicyWorker, (path, ActorConfig(**ACTOR), model_cfg, rollout_cfg, 0, "cpu", 1),
                                [{"num_cpus": 0}], "actor")
-    engines = WorkerGroup.spawn(RolloutWorker, (path, rollout_cfg, {"dtype": "float32"}, 0, "cpu", 1),
+    engines = WorkerGroup.spawn(RolloutWorker, (path, rollout_cfg, model_cfg, 0, "cpu", 1),
                                 [{"num_cpus": 0}] * 2, "rollout")
     try:
         policy.execute("attach_rollout", engines.handles)
-        local = PolicyWorker(path, ACTOR, {"dtype": "float32"}, {"micro_batch_size": 4}, seed=0, num_threads=1)
+        local = PolicyWorker(path, ActorConfig(**ACTOR), model_cfg, RolloutConfig(micro_batch_size=4, temperature=1.0),
+                             seed=0, num_threads=1)
         messages = [[{"role": "user", "content": f"Calculate {i} + {i + 2}."}] for i in range(4)]
         prompts = local.tokenize_prompts(messages, 256)
         greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, seed=0)
         remote = policy.execute("generate_sequences", prompts, greedy, False)
-        assert remote["response_ids"] == local.generate_sequences(prompts, greedy, False)["response_ids"]
+        assert remote.response_ids == local.generate_sequences(prompts, greedy, False).response_ids
         engine_pids = {ray_local.get(h.pid.remote()) for h in engines.handles}
         assert ray_local.get(policy.info.remote())["pid"] not in engine_pids
 
         sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
         out = policy.execute("generate_sequences", prompts, sampled)
         rows = [p for p in prompts for _ in range(2)]
-        assert [len(x) for x in out["old_logprobs"]] == [len(r) for r in out["response_ids"]]
-        batch = {"prompt_ids": rows, "response_ids": out["response_ids"],
-                 "old_logprobs": [list(x) for x in out["old_logprobs"]],
-                 "advantages": [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out["response_ids"])],
-                 "mini_batch_rows": 8}
-        policy.execute("update_actor", batch, 1.0)
-        local.update_actor(batch, 1.0)
+        assert [len(x) for x in out.old_logprobs] == [len(r) for r in out.response_ids]
+        batch = UpdateBatch(UpdateRows(rows, out.response_ids, [list(x) for x in out.old_logprobs],
+                                       [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out.response_ids)]),
+                            UpdateSettings(mini_batch_rows=8))
+        policy.execute("update_actor", batch)
+        local.update_actor(batch)
         digest = policy.execute("weights_digest")
         assert digest == local.weights_digest()
         assert engines.execute("weights_digest", mode="gather") == [digest, digest]  # pushed to both engines
         # Both engines now generate with the updated policy.
         remote = policy.execute("generate_sequences", prompts, greedy, False)
-        assert remote["response_ids"] == local.generate_sequences(prompts, greedy, False)["response_ids"]
+        assert remote.response_ids == local.generate_sequences(prompts, greedy, False).response_ids
     finally:
         policy.kill()
         engines.kill()

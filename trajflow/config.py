@@ -268,7 +268,7 @@ class ResourcesConfig:
     placement_timeout_s: float = _f(300.0, "seconds to wait for a pool's placement groups before failing", gt=0.0)
     allocator: str = _f("auto", "memory allocator preloaded into the Ray workers: auto (tcmalloc if the system "
                         "has it, else the system's), system, or the path of a shared library "
-                        "(see trajflow/allocator.py)")
+                        "(see trajflow/infra/allocator.py)")
 
 
 @dataclass
@@ -389,7 +389,7 @@ def _registry_names(kind: str) -> list[str]:
     if kind == "adv_estimator":
         from stages.advantage import ADV_ESTIMATORS as reg
     elif kind == "policy_loss":
-        from stages.policy_update import POLICY_LOSSES as reg
+        from stages.policy_losses import POLICY_LOSSES as reg
     elif kind == "kl":
         from stages.kl import KL_ESTIMATORS as reg
     else:  # pragma: no cover - programming error

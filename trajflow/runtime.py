@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
+
 import time
 from typing import Any, Iterator
 
@@ -33,7 +33,7 @@ policy_worker_cls: type | None = None
 
 
 def placement(ctx: RunContext) -> Any:
-    """The run's :class:`trajflow.resources.Placement` (pools -> placement groups -> actor options), made once."""
+    """The run's :class:`trajflow.infra.placement.Placement` (pools -> placement groups -> actor options), made once."""
     from trajflow.infra.placement import Placement
 
     if ctx.placement is None:
@@ -53,7 +53,7 @@ def create_policy_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
 
     Raises:
         ray.exceptions.RayActorError: the model could not be loaded (the cause names it).
-        trajflow.resources.DeviceError: a pool does not fit the cluster.
+        trajflow.errors.DeviceError: a pool does not fit the cluster.
     """
     from trajflow.workers.group import WorkerGroup
     from trajflow.workers.policy import PolicyWorker
@@ -62,8 +62,8 @@ def create_policy_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
     place = placement(ctx)
     ctx.actor = WorkerGroup.spawn(
         policy_worker_cls or PolicyWorker,
-        (ctx.model_path, ctx.plain("actor"), ctx.plain("model"), ctx.plain("rollout"), int(cfg.trainer.seed),
-         cfg.trainer.device, int(cfg.trainer.num_threads)),
+        (ctx.model_path, OmegaConf.to_object(cfg.actor), OmegaConf.to_object(cfg.model),
+         OmegaConf.to_object(cfg.rollout), int(cfg.trainer.seed), cfg.trainer.device, int(cfg.trainer.num_threads)),
         [place.actor_options("actor", r) for r in range(place.world_size("actor"))], "actor",
         lockstep=cfg.actor.strategy == "deepspeed" and cfg.actor.zero_stage == 3)
     if wait_loaded:
@@ -85,8 +85,8 @@ def finish_policy_worker(ctx: RunContext) -> None:
 
             place = placement(ctx)
             ctx.rollout = WorkerGroup.spawn(
-                RolloutWorker, (ctx.model_path, ctx.plain("rollout"), ctx.plain("model"), int(cfg.trainer.seed),
-                                cfg.trainer.device, int(cfg.trainer.num_threads)),
+                RolloutWorker, (ctx.model_path, OmegaConf.to_object(cfg.rollout), OmegaConf.to_object(cfg.model),
+                                int(cfg.trainer.seed), cfg.trainer.device, int(cfg.trainer.num_threads)),
                 [place.actor_options("rollout", r) for r in range(place.world_size("rollout"))], "rollout")
         ray.get([h.pid.remote() for h in ctx.rollout.handles])
         ctx.actor.execute("attach_rollout", ctx.rollout.handles)
@@ -109,7 +109,7 @@ def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
         ref_path = str(resolve_model_path(ref_path, cfg.model.cache_dir))
     place = placement(ctx)
     ctx.reference = WorkerGroup.spawn(
-        ReferenceWorker, (ref_path or ctx.model_path, ctx.plain("model"), int(cfg.rollout.log_prob_micro_batch_size),
+        ReferenceWorker, (ref_path or ctx.model_path, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.rollout),
                           cfg.trainer.device, int(cfg.trainer.num_threads)),
         [place.actor_options("reference", r) for r in range(place.world_size("reference"))], "reference")
     if wait_loaded:
@@ -128,7 +128,8 @@ def create_critic_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
     path = str(resolve_model_path(cfg.critic.path, cfg.model.cache_dir)) if cfg.critic.path else ctx.model_path
     # One actor on the critic's pool (its slot 0; num_cpus=0 when no pools are declared).
     ctx.critic = ray.remote(max_restarts=0)(CriticWorker).options(**placement(ctx).actor_options("critic", 0)).remote(
-        path, ctx.plain("critic"), ctx.plain("model"), cfg.trainer.device, int(cfg.trainer.num_threads))
+        path, OmegaConf.to_object(cfg.critic), OmegaConf.to_object(cfg.model), cfg.trainer.device,
+        int(cfg.trainer.num_threads))
     if wait_loaded:
         ray.get(ctx.critic.pid.remote())
 
@@ -143,7 +144,7 @@ def create_reward_model_worker(ctx: RunContext, wait_loaded: bool = True) -> Non
     cfg = ctx.cfg
     path = str(resolve_model_path(cfg.reward.reward_model.path, cfg.model.cache_dir))
     ctx.reward_model = ray.remote(RewardModelWorker).options(num_cpus=0).remote(
-        path, OmegaConf.to_container(cfg.reward.reward_model, resolve=True), ctx.plain("model"), cfg.trainer.device,
+        path, OmegaConf.to_object(cfg.reward.reward_model), OmegaConf.to_object(cfg.model), cfg.trainer.device,
         int(cfg.trainer.num_threads))
     if wait_loaded:
         ray.get(ctx.reward_model.pid.remote())
@@ -154,7 +155,7 @@ def create_workers(ctx: RunContext) -> None:
     advantage estimator needs values and the reward model when it is enabled; they load in parallel,
     and load errors (bad model directory, ...) surface here rather than at the first stage.
 
-    Where the policy, reference and critic run comes from :class:`trajflow.resources.Placement`
+    Where the policy, reference and critic run comes from :class:`trajflow.infra.placement.Placement`
     (``resources.pools``, ``resources.placement``, ``<role>.pool``); the Ray node of every rank is
     recorded in ``run.json`` (``worker_nodes``).
     """
@@ -347,8 +348,8 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
 def restore_policy(ctx: RunContext, through: int) -> int:
     """Bring a freshly created policy worker to the state after iteration ``through`` (see
     :func:`ensure_workers`); returns the number of updates re-applied."""
+    from stages.policy_update import update_batch, update_batch_options, with_loss_mask
     from trajflow import checkpoint as ckpt
-    from trajflow import pipeline
     from trajflow.batch import join_stages
     from trajflow.store import STAGES
 
@@ -365,9 +366,9 @@ def restore_policy(ctx: RunContext, through: int) -> int:
         if it <= (base or 0) or it > through or store.read_iteration_json(it, "update.json") is None:
             continue
         joined = join_stages([store.read_stage(it, stage) for stage in STAGES])
-        joined = pipeline.with_loss_mask(joined, store.read_iteration_json(it, "gate.json"))
-        batch = pipeline.update_batch(joined, it, **pipeline.update_batch_options(cfg))
-        wait(ctx, ctx.actor.update_actor.remote(batch, cfg.rollout.temperature))
+        joined = with_loss_mask(joined, store.read_iteration_json(it, "gate.json"))
+        batch = update_batch(joined, it, **update_batch_options(cfg))
+        wait(ctx, ctx.actor.update_actor.remote(batch))
         replayed += 1
     version = int(wait(ctx, ctx.actor.info.remote())["policy_version"])
     if version != ctx.policy_version:
@@ -386,8 +387,8 @@ def restore_critic(ctx: RunContext, through: int) -> int:
     Raises:
         trajflow.store.StoreError: an iteration to re-apply lacks verified stage outputs.
     """
+    from stages.policy_update import critic_batch, with_loss_mask
     from trajflow import checkpoint as ckpt
-    from trajflow import pipeline
     from trajflow.batch import join_stages
     from trajflow.store import STAGES
 
@@ -404,9 +405,9 @@ def restore_critic(ctx: RunContext, through: int) -> int:
         if it <= (base or 0) or it > through or store.read_iteration_json(it, "update.json") is None:
             continue
         joined = join_stages([store.read_stage(it, stage) for stage in STAGES])
-        joined = pipeline.with_loss_mask(joined, store.read_iteration_json(it, "gate.json"))
+        joined = with_loss_mask(joined, store.read_iteration_json(it, "gate.json"))
         if "values" in joined.column_names:
-            wait(ctx, ctx.critic.update_critic.remote(pipeline.critic_batch(joined, it, cfg)))
+            wait(ctx, ctx.critic.update_critic.remote(critic_batch(joined, it, cfg)))
             replayed += 1
     return replayed
 

@@ -1,4 +1,4 @@
-"""Policy/critic losses and aggregation modes, checked against values worked by hand."""
+"""Policy/critic losses, aggregation modes and the actor objective, checked against values worked by hand."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from stages.policy_losses import AGG_MODES, POLICY_LOSSES, PolicyLossConfig, agg_loss, compute_policy_loss
 from stages.policy_update import (
-    AGG_MODES,
-    POLICY_LOSSES,
-    PolicyLossConfig,
-    agg_loss,
-    compute_policy_loss,
+    ACTOR_LOSS_SHARES,
+    ActorLossConfig,
+    UpdateRows,
+    actor_loss,
     entropy_from_logits,
     kl_loss,
     value_loss,
@@ -410,3 +410,112 @@ def test_explained_variance_by_hand():
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0, abs=1e-5)
     assert explained_variance(torch.full_like(returns, 2.5), returns, mask) == pytest.approx(0.0, abs=1e-5)
     assert explained_variance(values, returns, torch.tensor([[1, 0, 0], [0, 0, 0]])) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ actor_loss
+
+# 2 rows x 3 tokens; the last token of row 1 is padding (mask 0) and holds values that must not count.
+RATIO = np.array([[1.5, 0.7, 1.0], [0.9, 1.3, 5.0]])
+ADVS = np.array([[1.0, -1.0, 0.5], [-2.0, 1.0, 7.0]])
+MASK = np.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+ENT = np.array([[0.5, 1.0, 1.5], [2.0, 0.25, 9.0]])
+LOGP = np.log(np.array([[0.5, 0.25, 0.8], [0.1, 0.6, 0.3]]))
+REF = LOGP - np.array([[0.1, -0.2, 0.0], [0.3, 0.05, 4.0]])  # logp - ref = the log-ratio to the reference
+EPS_LOW, EPS_HIGH, C_DUAL, C_ENT, C_KL = 0.2, 0.28, 3.0, 0.01, 0.1
+
+
+def _cfg(entropy_coeff=C_ENT, kl_loss_coef=C_KL, mode="token-mean"):
+    loss = PolicyLossConfig(clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, clip_ratio_c=C_DUAL, loss_agg_mode=mode)
+    return ActorLossConfig("vanilla", loss, entropy_coeff, kl_loss_coef, "low_var_kl")
+
+
+def _tensors():
+    logp = torch.tensor(LOGP, requires_grad=True)
+    old = torch.tensor(LOGP - np.log(RATIO))
+    ent = torch.tensor(ENT, requires_grad=True)
+    return logp, old, torch.tensor(ADVS), torch.tensor(MASK), ent, torch.tensor(REF)
+
+
+def _by_hand(weights=None):
+    """PPO eq. 7 with clip-higher and dual clip, token-mean over the 5 valid tokens, in numpy."""
+    unclipped = -ADVS * RATIO
+    clipped = -ADVS * np.clip(RATIO, 1 - EPS_LOW, 1 + EPS_HIGH)
+    ppo = np.maximum(unclipped, clipped)
+    pg_tok = np.where(ADVS < 0, np.minimum(ppo, -ADVS * C_DUAL), ppo)
+    if weights is not None:
+        pg_tok = pg_tok * weights
+    n = MASK.sum()
+    pg = (pg_tok * MASK).sum() / n
+    ent = (ENT * MASK).sum() / n
+    lr = LOGP - REF
+    kl = ((np.exp(-lr) + lr - 1) * MASK).sum() / n  # k3: exp(-x) - (-x) - 1
+    return pg, ent, kl, {
+        "actor/pg_clipfrac": ((clipped > unclipped) * MASK).sum() / n,
+        "actor/ppo_kl": (-np.log(RATIO) * MASK).sum() / n,
+        "actor/pg_clipfrac_lower": (((ppo > -ADVS * C_DUAL) & (ADVS < 0)) * MASK).sum() / n,
+    }
+
+
+def test_actor_loss_combines_ppo_entropy_and_kl_by_hand():
+    logp, old, adv, mask, ent, ref = _tensors()
+    loss, m = actor_loss(logp, old, adv, mask, entropy=ent, ref_logp=ref, cfg=_cfg(), agg_kw={})
+    pg, h, kl, pg_m = _by_hand()
+    assert loss.item() == pytest.approx(pg - C_ENT * h + C_KL * kl, rel=1e-12)
+    assert m["actor/pg_loss"] == pytest.approx(pg, rel=1e-12)
+    assert m["actor/entropy"] == pytest.approx(h, rel=1e-12)
+    assert m["actor/kl_loss"] == pytest.approx(kl, rel=1e-12)
+    assert m["actor/kl_coef"] == C_KL
+    for k, v in pg_m.items():
+        assert m[k] == pytest.approx(v, rel=1e-12), k
+    assert set(ACTOR_LOSS_SHARES) <= set(m)
+    # The entropy bonus's gradient: -c_H / 5 on every valid token, nothing on padding.
+    loss.backward()
+    np.testing.assert_allclose(ent.grad.numpy(), -C_ENT * MASK / MASK.sum(), rtol=1e-12)
+
+
+def test_actor_loss_without_entropy_bonus_or_reference():
+    logp, old, adv, mask, ent, ref = _tensors()
+    pg, h, _, _ = _by_hand()
+    loss, m = actor_loss(logp, old, adv, mask, entropy=ent, ref_logp=None, cfg=_cfg(entropy_coeff=0.0), agg_kw={})
+    assert loss.item() == pytest.approx(pg, rel=1e-12)
+    assert m["actor/entropy"] == pytest.approx(h, rel=1e-12)  # still reported, as a metric
+    assert "actor/kl_loss" not in m and "actor/kl_coef" not in m
+    loss.backward()
+    assert ent.grad is None  # detached: no gradient through the entropy
+    # A reference with kl_loss_coef = 0 adds no KL term either.
+    _, m0 = actor_loss(logp, old, adv, mask, entropy=ent, ref_logp=ref, cfg=_cfg(kl_loss_coef=0.0), agg_kw={})
+    assert "actor/kl_loss" not in m0
+
+
+def test_actor_loss_rollout_is_weights_scale_the_policy_gradient_only():
+    logp, old, adv, mask, ent, ref = _tensors()
+    w = np.array([[2.0, 1.0, 0.5], [1.5, 1.0, 100.0]])
+    loss, m = actor_loss(logp, old, adv, mask, entropy=ent, ref_logp=ref, cfg=_cfg(), agg_kw={},
+                         rollout_is_weights=torch.tensor(w))
+    pg, h, kl, _ = _by_hand(weights=w)
+    assert m["actor/pg_loss"] == pytest.approx(pg, rel=1e-12)
+    assert loss.item() == pytest.approx(pg - C_ENT * h + C_KL * kl, rel=1e-12)
+
+
+def test_actor_loss_micro_batches_add_up_with_global_denominators():
+    # seq-mean-token-sum-norm with horizon H = 4 over N = 2 rows: sum_i sum_t l_it / H / N. Each row as its
+    # own micro-batch, given the whole batch's denominators, contributes its share; the shares add up.
+    logp, old, adv, mask, ent, ref = _tensors()
+    cfg = _cfg(mode="seq-mean-token-sum-norm")
+    kw = dict(global_num_tokens=5.0, global_num_seqs=2.0, horizon=4)
+    whole, _ = actor_loss(logp, old, adv, mask, entropy=ent, ref_logp=ref, cfg=cfg, agg_kw=kw)
+    parts = [actor_loss(logp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1], entropy=ent[i:i + 1],
+                        ref_logp=ref[i:i + 1], cfg=cfg, agg_kw=kw)[0] for i in range(2)]
+    unclipped = -ADVS * RATIO
+    ppo = np.maximum(unclipped, -ADVS * np.clip(RATIO, 1 - EPS_LOW, 1 + EPS_HIGH))
+    pg_tok = np.where(ADVS < 0, np.minimum(ppo, -ADVS * C_DUAL), ppo)
+    lr = LOGP - REF
+    tok = pg_tok - C_ENT * ENT + C_KL * (np.exp(-lr) + lr - 1)
+    assert whole.item() == pytest.approx((tok * MASK).sum() / 4 / 2, rel=1e-12)
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+def test_update_rows_need_one_entry_per_row():
+    UpdateRows([[1]], [[2, 3]], [[-1.0, -1.0]], [[0.5, 0.5]])
+    with pytest.raises(ValueError, match="one entry per row"):
+        UpdateRows([[1], [1]], [[2, 3]], [[-1.0, -1.0]], [[0.5, 0.5]])

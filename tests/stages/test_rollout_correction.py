@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stages.policy_update import PolicyLossConfig, compute_policy_loss
+from stages.policy_losses import PolicyLossConfig, compute_policy_loss
 from stages.rollout_correction import rollout_is_weights
 
 # Row 0: old - rollout = [ln 1.5, ln 0.5, ln 4]   -> token weights 1.5, 0.5, min(4, 2) = 2

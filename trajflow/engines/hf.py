@@ -9,7 +9,7 @@ import torch
 
 from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish, sample_tokens
 from trajflow.engines.base import GenerationOutput
-from trajflow.workers.forward import PromptLayout, encode_prompts, layout_prompts
+from trajflow.modeling.forward import PromptLayout, encode_prompts, layout_prompts
 
 
 class HFRolloutEngine:
@@ -18,7 +18,7 @@ class HFRolloutEngine:
     Sharing the module means weight sync is free and the rollout always uses the newest policy.
     Prompts are sorted by length (so padding wastes little compute) and generated
     ``micro_batch_size // n`` prompts (all ``n`` samples of each) per ``generate`` call. The call's
-    prompts are prefilled around their common prefix (:class:`trajflow.workers.forward.PromptLayout`:
+    prompts are prefilled around their common prefix (:class:`trajflow.modeling.forward.PromptLayout`:
     the prefix once, each prompt's remainder once) and the KV cache is copied to each prompt's ``n``
     rows, so no prompt token is computed twice. Responses are returned in prompt-major order.
 

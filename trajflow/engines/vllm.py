@@ -1,38 +1,9 @@
 """Rollout with vLLM on a GPU (optional ``gpu`` extra: ``pip install 'trajflow[gpu]'``).
 
 vLLM is imported only when an engine is built, so this module imports on any machine; building
-an engine without vLLM raises :class:`trajflow.resources.DeviceError` with the install hint.
-
-Written against **vLLM 0.32.0** (the last release pinning torch 2.13.0, which trajflow pins; the
-``gpu`` extra pins it). What is used, and where it is documented:
-
-- ``LLM(model=..., dtype=..., gpu_memory_utilization=..., seed=..., enable_sleep_mode=...,
-  logprobs_mode="processed_logprobs", worker_extension_cls=...)`` and ``LLM.generate(prompts,
-  sampling_params)`` with token-id prompts (``{"prompt_token_ids": [...]}``) and one
-  ``SamplingParams(n, temperature, top_p, top_k, max_tokens, logprobs=0, seed,
-  stop_token_ids)`` per prompt. ``logprobs=0`` returns the sampled token's log-prob only;
-  ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) makes it the log-prob under the
-  distribution sampling drew from (after temperature / top-k / top-p) rather than the raw
-  logits', which is what the rollout importance-sampling correction needs.
-- Weight updates follow vLLM's RLHF examples (``examples/offline_inference/rlhf_utils.py``,
-  ``ColocateWorkerExtension``): a *worker extension class* named by ``worker_extension_cls`` is
-  mixed into vLLM's GPU worker, and ``LLM.collective_rpc(method, args=...)`` calls its method on
-  every worker, which runs ``self.model_runner.model.load_weights(weights=[(name, tensor), ...])``
-  and then ``process_weights_after_loading(model, model_config, device)``. The engine runs with
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and tensor parallel size 1, so the engine core and its one
-  worker live in this process and ``collective_rpc`` hands the tensors over by reference (no CUDA
-  IPC or NCCL group needed for the colocated case). vLLM 0.16+ also has a native weight-transfer
-  API (``WeightTransferConfig``, ``init_weight_transfer_engine`` / ``update_weights``); it is built
-  around trainer/engine processes exchanging NCCL or CUDA-IPC handles, which this in-process engine
-  does not need.
-- Sleep mode (docs "Sleep Mode"): with ``enable_sleep_mode=True``, ``LLM.sleep(level=1)`` offloads
-  the weights to CPU and drops the KV cache; ``LLM.wake_up(tags=["weights"])`` restores the
-  weights only (so the update can load new ones without the KV cache taking memory), then
-  ``wake_up(tags=["kv_cache"])``. ``LLM.reset_prefix_cache()`` drops cached prefixes computed with
-  the old weights.
-
-Not verified on a GPU in this repository's CI (there is none); ``benchmarks/gpu_check.sh`` runs
-it on one GPU machine.
+an engine without vLLM raises :class:`trajflow.errors.DeviceError` with the install hint.
+Written against **vLLM 0.32.0** (the last release pinning torch 2.13.0, which trajflow pins);
+:class:`VLLMRolloutEngine` lists the vLLM APIs used and where they are documented.
 """
 
 from __future__ import annotations
@@ -41,6 +12,7 @@ import os
 from typing import Any, Sequence
 
 from stages.rollout import SamplingParams
+from trajflow.config import ModelConfig, RolloutConfig
 from trajflow.engines.base import GenerationOutput
 
 
@@ -67,22 +39,52 @@ class TrajflowWorkerExtension:
 class VLLMRolloutEngine:
     """A vLLM engine (tensor parallel 1) on this process's GPU, behind the rollout-engine interface.
 
+    What is used of vLLM 0.32.0 (the ``gpu`` extra pins it), and where it is documented:
+
+    - ``LLM(model=..., dtype=..., gpu_memory_utilization=..., seed=..., enable_sleep_mode=...,
+      logprobs_mode="processed_logprobs", worker_extension_cls=...)`` and ``LLM.generate(prompts,
+      sampling_params)`` with token-id prompts (``{"prompt_token_ids": [...]}``) and one
+      ``SamplingParams(n, temperature, top_p, top_k, max_tokens, logprobs=0, seed,
+      stop_token_ids)`` per prompt. ``logprobs=0`` returns the sampled token's log-prob only;
+      ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) makes it the log-prob under the
+      distribution sampling drew from (after temperature / top-k / top-p) rather than the raw
+      logits', which is what the rollout importance-sampling correction needs.
+    - Weight updates follow vLLM's RLHF examples (``examples/offline_inference/rlhf_utils.py``,
+      ``ColocateWorkerExtension``): a *worker extension class* named by ``worker_extension_cls``
+      is mixed into vLLM's GPU worker, and ``LLM.collective_rpc(method, args=...)`` calls its
+      method on every worker, which runs ``self.model_runner.model.load_weights(weights=[(name,
+      tensor), ...])`` and then ``process_weights_after_loading(model, model_config, device)``. The
+      engine runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and tensor parallel size 1, so the
+      engine core and its one worker live in this process and ``collective_rpc`` hands the tensors
+      over by reference (no CUDA IPC or NCCL group needed for the colocated case). vLLM 0.16+ also
+      has a native weight-transfer API (``WeightTransferConfig``, ``init_weight_transfer_engine`` /
+      ``update_weights``); it is built around trainer/engine processes exchanging NCCL or CUDA-IPC
+      handles, which this in-process engine does not need.
+    - Sleep mode (docs "Sleep Mode"): with ``enable_sleep_mode=True``, ``LLM.sleep(level=1)``
+      offloads the weights to CPU and drops the KV cache; ``LLM.wake_up(tags=["weights"])``
+      restores the weights only (so the update can load new ones without the KV cache taking
+      memory), then ``wake_up(tags=["kv_cache"])``. ``LLM.reset_prefix_cache()`` drops cached
+      prefixes computed with the old weights.
+
+    Not verified on a GPU in this repository's CI (there is none); ``benchmarks/gpu_check.sh`` runs
+    it on one GPU machine.
+
     Args:
         model_path: Hugging Face directory of the initial policy.
-        rollout: the ``rollout`` config section as a dict (``gpu_memory_utilization``, ``max_new_tokens``).
-        model_cfg: the ``model`` config section as a dict (``dtype``).
+        rollout: the ``rollout`` config section (``gpu_memory_utilization``).
+        model_cfg: the ``model`` config section (``dtype``).
         eos_ids: token ids that end a response (vLLM stops on all of them).
         seed: engine seed; each prompt's sampling seed is ``params.seed + prompt index``.
         colocated: the engine shares its GPU with training: it sleeps between rollouts.
 
     Raises:
-        trajflow.resources.DeviceError: vLLM is not installed, or no CUDA GPU is visible.
+        trajflow.errors.DeviceError: vLLM is not installed, or no CUDA GPU is visible.
     """
 
     rank0_push = False
 
-    def __init__(self, model_path: str, rollout: dict, model_cfg: dict, eos_ids: Sequence[int], seed: int = 0,
-                 colocated: bool = True) -> None:
+    def __init__(self, model_path: str, rollout: RolloutConfig, model_cfg: ModelConfig, eos_ids: Sequence[int],
+                 seed: int = 0, colocated: bool = True) -> None:
         from trajflow.infra.devices import require_device, require_vllm
 
         require_vllm()
@@ -94,8 +96,8 @@ class VLLMRolloutEngine:
         self.eos_ids = [int(e) for e in eos_ids]
         self.colocated = colocated
         self.asleep = False
-        self.llm = LLM(model=str(model_path), tokenizer=str(model_path), dtype=model_cfg.get("dtype", "float32"),
-                       gpu_memory_utilization=float(rollout.get("gpu_memory_utilization", 0.4)),
+        self.llm = LLM(model=str(model_path), tokenizer=str(model_path), dtype=model_cfg.dtype,
+                       gpu_memory_utilization=float(rollout.gpu_memory_utilization),
                        seed=int(seed), enable_sleep_mode=colocated, tensor_parallel_size=1,
                        logprobs_mode="processed_logprobs",
                        worker_extension_cls=f"{__name__}.TrajflowWorkerExtension", disable_log_stats=True)

@@ -58,7 +58,7 @@ def preflight(cfg: DictConfig) -> None:
     Raises:
         trajflow.prompts.DataError: the dataset spec or a row is invalid (names file and row).
         trajflow.models.ModelLoadError: ``model.path`` is not loadable.
-        trajflow.resources.DeviceError: ``trainer.device`` or the vLLM engine is not available here.
+        trajflow.errors.DeviceError: ``trainer.device`` or the vLLM engine is not available here.
     """
     from trajflow.prompts import load_prompt_dataset, load_spec
     from trajflow.models import resolve_model_path

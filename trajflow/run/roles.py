@@ -13,13 +13,13 @@ import pyarrow as pa
 import ray
 
 from stages.reward import score_rows
-from stages.rollout import SamplingParams, baseline_columns
+from stages.rollout import Generation, SamplingParams, baseline_columns
 from trajflow.faults import fault_point
 from trajflow.run.context import RunContext
 from trajflow.runtime import wait
 
 
-def generate(ctx: RunContext, prompts: list, params: SamplingParams, iteration: int | None = None) -> tuple[list, dict]:
+def generate(ctx: RunContext, prompts: list, params: SamplingParams, iteration: int | None = None) -> tuple[list, Generation]:
     """Tokenize the prompts' messages and sample ``params.n`` responses per prompt with the engine's log-probs.
 
     Returns:

@@ -41,8 +41,8 @@ def run_validation(ctx: RunContext, step: int) -> dict[str, float]:
     prompt_ids = wait(ctx, ctx.actor.tokenize_prompts.remote([p.messages for p in prompts], cfg.data.max_prompt_length))
     gen = wait(ctx, ctx.actor.generate_sequences.remote(prompt_ids, params, False))
     rows = [p for p in prompts for _ in range(n)]
-    result = score_rows([p.data_source for p in rows], gen["response_text"], [str(p.ground_truth) for p in rows],
+    result = score_rows([p.data_source for p in rows], gen.response_text, [str(p.ground_truth) for p in rows],
                         [json.dumps(p.extra_info, default=str) for p in rows], ctx.reward_settings())
-    metrics = validation_metrics([p.data_source for p in rows], result.scores, result.extras, gen["response_ids"], n)
+    metrics = validation_metrics([p.data_source for p in rows], result.scores, result.extras, gen.response_ids, n)
     metrics["timing_s/testing"] = time.perf_counter() - t0
     return metrics

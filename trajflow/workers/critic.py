@@ -1,23 +1,13 @@
 """The critic worker: a value model V(s_t) for GAE, trained with the clipped value loss.
 
-The value model is a causal LM's transformer body (``model.get_decoder()``: embeddings, blocks, final
-norm; no LM head) plus a ``torch.nn.Linear(hidden, 1)`` value head, as verl's and TRL's critics. It
-starts from ``critic.path`` when set, else from the policy's initial weights, and has its own AdamW
-(``critic.lr``). The head starts at zero (V = 0 everywhere), so the first GAE advantages are the
-discounted returns.
-
-Values use the packing of :mod:`trajflow.workers.forward`: the value of response token ``t`` is read
-at the hidden state that predicts it (column ``P - 1 + t``), the state *before* the token is
-generated, which is what GAE's ``V(s_t)`` means (verl reads ``values[:, -T-1:-1]`` the same way).
-
-A plain class, run as a Ray actor by :func:`trajflow.runtime.create_workers` only when the advantage
-estimator needs values (``algorithm.adv_estimator=gae``).
+A causal LM's transformer body plus a zero-initialised linear value head (:class:`ValueModel`),
+with its own AdamW; run as a Ray actor by :func:`trajflow.runtime.create_workers` only when the
+advantage estimator needs values (``algorithm.adv_estimator=gae``).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -25,15 +15,24 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.policy_update import explained_variance, value_loss
+from stages.policy_update import CriticBatch, CriticRows, explained_variance, value_loss
+from trajflow.config import CriticConfig, ModelConfig
+from trajflow.modeling.backends import adamw
+from trajflow.modeling.packing import PackedBatch, micro_batch_slices, pack
 from trajflow.models import load_causal_lm, load_tokenizer
-from trajflow.workers.distributed import adamw
-from trajflow.workers.forward import PackedBatch, micro_batch_slices, pack
-from trajflow.workers.policy import set_threads
+from trajflow.workers.base import Worker
 
 
 class ValueModel(torch.nn.Module):
     """Transformer body + linear value head.
+
+    The body is a causal LM's ``model.get_decoder()`` (embeddings, blocks, final norm; no LM head),
+    as verl's and TRL's critics. It starts from ``critic.path`` when set, else from the policy's
+    initial weights. The head starts at zero (V = 0 everywhere), so the first GAE advantages are
+    the discounted returns. Values use the packing of :mod:`trajflow.modeling.packing`: the value
+    of response token ``t`` is read at the hidden state that predicts it (column ``P - 1 + t``),
+    the state *before* the token is generated, which is what GAE's ``V(s_t)`` means (verl reads
+    ``values[:, -T-1:-1]`` the same way).
 
     Args:
         decoder: the body of a causal LM (``model.get_decoder()``), returning ``last_hidden_state``.
@@ -51,7 +50,7 @@ class ValueModel(torch.nn.Module):
         """Values of the response positions.
 
         Args:
-            packed: a micro-batch from :func:`trajflow.workers.forward.pack`.
+            packed: a micro-batch from :func:`trajflow.modeling.packing.pack`.
 
         Returns:
             ``(b, T)`` float32 values V(s_t) for response tokens ``t = 0..T-1``; entries outside
@@ -64,15 +63,15 @@ class ValueModel(torch.nn.Module):
         return self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 
-class CriticWorker:
+class CriticWorker(Worker):
     """Value model and its optimizer, resident across iterations (a Ray actor in the pipeline).
 
     Args:
         model_path: resolved Hugging Face directory of a causal LM whose body becomes the critic
             (``critic.path`` or the policy's ``model.path``).
-        critic: the ``critic`` config section as a dict (``lr``, ``cliprange_value``, ``ppo_epochs``,
+        critic: the ``critic`` config section (``lr``, ``cliprange_value``, ``ppo_epochs``,
             ``ppo_micro_batch_size``, ``grad_clip``).
-        model_cfg: the ``model`` config section as a dict (``dtype``, ``attn_implementation``,
+        model_cfg: the ``model`` config section (``dtype``, ``attn_implementation``,
             ``gradient_checkpointing``).
         device: torch device.
         num_threads: torch threads (0 = all CPUs).
@@ -81,25 +80,20 @@ class CriticWorker:
         trajflow.models.ModelLoadError: the directory cannot be loaded.
     """
 
-    def __init__(self, model_path: str, critic: dict, model_cfg: dict, device: str = "cpu",
+    def __init__(self, model_path: str, critic: CriticConfig, model_cfg: ModelConfig, device: str = "cpu",
                  num_threads: int = 0) -> None:
-        set_threads(num_threads)
+        self._start(device, num_threads)
         self.cfg = critic
-        self.device = device
-        lm = load_causal_lm(model_path, model_cfg.get("dtype", "float32"), device,
-                            model_cfg.get("attn_implementation", "sdpa"))
-        if model_cfg.get("gradient_checkpointing"):
+        lm = load_causal_lm(model_path, model_cfg.dtype, device, model_cfg.attn_implementation)
+        if model_cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable()
         hidden = int(lm.config.hidden_size)
         self.model = ValueModel(lm.get_decoder(), hidden).to(device)
         del lm
         self.pad_id = int(load_tokenizer(model_path).pad_token_id)
-        self.optimizer = adamw(self.model.parameters(), critic["lr"], weight_decay=critic.get("weight_decay", 0.0),
-                               device=device)
+        # The critic section has no weight decay setting: AdamW's 0.
+        self.optimizer = adamw(self.model.parameters(), critic.lr, device=device)
         self.optimizer_steps = 0
-
-    def pid(self) -> int:
-        return os.getpid()
 
     # ------------------------------------------------------------------ values
     @torch.no_grad()
@@ -109,7 +103,7 @@ class CriticWorker:
         self.model.eval()
         out: list[np.ndarray] = []
         try:
-            for sl in micro_batch_slices(len(prompt_ids), int(self.cfg["ppo_micro_batch_size"])):
+            for sl in micro_batch_slices(len(prompt_ids), int(self.cfg.ppo_micro_batch_size)):
                 packed = pack(prompt_ids[sl], response_ids[sl], self.pad_id, self.device)
                 v = self.model(packed)
                 for j, r in enumerate(response_ids[sl]):
@@ -119,15 +113,13 @@ class CriticWorker:
         return out
 
     # ------------------------------------------------------------------ update
-    def update_critic(self, batch: dict) -> dict:
-        """Clipped value-loss regression of V onto the GAE returns.
+    def update_critic(self, batch: CriticBatch) -> dict:
+        """Clipped value-loss regression of V onto the returns (:func:`stages.policy_update.critic_batch`).
 
-        ``batch`` holds per-row lists: ``prompt_ids``, ``response_ids``, ``values`` (the values
-        computed before the update, ragged), ``returns`` (ragged), optional ``loss_mask`` (ragged
-        0/1), plus ``mini_batch_rows`` (rows per optimizer step), ``shuffle`` and ``shuffle_seed``.
         The loss is :func:`stages.policy_update.value_loss` with ``critic.cliprange_value``,
-        token-mean over each mini-batch (exact under micro-batching), for ``critic.ppo_epochs``
-        passes.
+        token-mean over each mini-batch of ``settings.mini_batch_rows`` rows (exact under
+        micro-batching), rows in ``settings.shuffle_seed``'s order with ``settings.shuffle``, for
+        ``critic.ppo_epochs`` passes.
 
         Returns:
             Metrics averaged over optimizer steps: ``critic/vf_loss``, ``critic/vf_clipfrac``,
@@ -136,26 +128,27 @@ class CriticWorker:
         """
         t0 = time.perf_counter()
         c = self.cfg
-        n_rows = len(batch["response_ids"])
-        mini_rows = int(batch.get("mini_batch_rows") or n_rows)
-        rng = np.random.default_rng(int(batch.get("shuffle_seed", 0)))
-        lm = batch.get("loss_mask")
+        rows, settings = batch.rows, batch.settings
+        n_rows = len(rows.response_ids)
+        mini_rows = int(settings.mini_batch_rows or n_rows)
+        rng = np.random.default_rng(int(settings.shuffle_seed))
+        lm = rows.loss_mask
 
         def row_mask(r: int) -> np.ndarray:
-            return np.asarray(lm[r], np.float32) if lm is not None else np.ones(len(batch["response_ids"][r]), np.float32)
+            return np.asarray(lm[r], np.float32) if lm is not None else np.ones(len(rows.response_ids[r]), np.float32)
 
-        def ragged(key: str, rows: Sequence[int], width: int) -> torch.Tensor:
-            t = torch.zeros((len(rows), width), dtype=torch.float32)
-            for j, r in enumerate(rows):
-                v = np.asarray(batch[key][r], dtype=np.float32)[:width]
+        def ragged(values: Sequence[Sequence[float]], ids: Sequence[int], width: int) -> torch.Tensor:
+            t = torch.zeros((len(ids), width), dtype=torch.float32)
+            for j, r in enumerate(ids):
+                v = np.asarray(values[r], dtype=np.float32)[:width]
                 t[j, :len(v)] = torch.from_numpy(v)
             return t.to(self.device)
 
-        ev = self._explained_variance(batch, row_mask)
+        ev = self._explained_variance(rows, row_mask)
         self.model.train()
         sums: dict[str, list[float]] = {}
-        for _ in range(int(c.get("ppo_epochs", 1))):
-            order = rng.permutation(n_rows) if batch.get("shuffle") else np.arange(n_rows)
+        for _ in range(int(c.ppo_epochs)):
+            order = rng.permutation(n_rows) if settings.shuffle else np.arange(n_rows)
             for m0 in range(0, n_rows, mini_rows):
                 mini = order[m0:m0 + mini_rows]
                 global_tokens = float(sum(row_mask(int(r)).sum() for r in mini))
@@ -163,24 +156,24 @@ class CriticWorker:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 step: dict[str, float] = {}
-                for sl in micro_batch_slices(len(mini), int(c["ppo_micro_batch_size"])):
-                    rows = [int(r) for r in mini[sl]]
-                    packed = pack([batch["prompt_ids"][r] for r in rows], [batch["response_ids"][r] for r in rows],
+                for sl in micro_batch_slices(len(mini), int(c.ppo_micro_batch_size)):
+                    ids = [int(r) for r in mini[sl]]
+                    packed = pack([rows.prompt_ids[r] for r in ids], [rows.response_ids[r] for r in ids],
                                   self.pad_id, self.device)
                     T = packed.responses.shape[1]
                     mask = packed.response_mask.float()
                     if lm is not None:
-                        mask = mask * ragged("loss_mask", rows, T)
+                        mask = mask * ragged(lm, ids, T)
                     vpreds = self.model(packed)
-                    loss, m = value_loss(vpreds, ragged("values", rows, T), ragged("returns", rows, T), mask,
-                                         float(c["cliprange_value"]), "token-mean", global_num_tokens=global_tokens)
+                    loss, m = value_loss(vpreds, ragged(rows.values, ids, T), ragged(rows.returns, ids, T), mask,
+                                         float(c.cliprange_value), "token-mean", global_num_tokens=global_tokens)
                     loss.backward()
                     frac = float(mask.sum()) / global_tokens
                     step["critic/vf_loss"] = step.get("critic/vf_loss", 0.0) + float(loss.item())
                     for k, v in m.items():
                         step[k] = step.get(k, 0.0) + float(v) * frac
-                if c.get("grad_clip", 0) > 0:
-                    gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c["grad_clip"]))
+                if c.grad_clip > 0:
+                    gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip))
                 else:
                     gn = float(torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in self.model.parameters()
                                               if p.grad is not None)))
@@ -198,9 +191,9 @@ class CriticWorker:
         return metrics
 
     @staticmethod
-    def _explained_variance(batch: dict, row_mask) -> float:
-        vals = [np.asarray(v, np.float64) for v in batch["values"]]
-        rets = [np.asarray(r, np.float64) for r in batch["returns"]]
+    def _explained_variance(rows: CriticRows, row_mask) -> float:
+        vals = [np.asarray(v, np.float64) for v in rows.values]
+        rets = [np.asarray(r, np.float64) for r in rows.returns]
         width = max([len(v) for v in vals] + [1])
         V = torch.zeros((len(vals), width), dtype=torch.float64)
         R = torch.zeros_like(V)

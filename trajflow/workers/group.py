@@ -1,30 +1,22 @@
 """Worker groups: N identical Ray actors of one role over a resource pool, called like one actor.
 
-A :class:`WorkerGroup` holds the ranks of a role (the policy's data-parallel ranks, the reference's
-replicas, rollout engines). Calling a method dispatches it by *mode*:
-
-- ``split``: the row arguments (lists with one entry per row) are cut across ranks, balanced by
-  token count (:func:`balanced_partition`), each rank computes its rows, and the results are
-  gathered back **in the original row order**;
-- ``broadcast``: every rank gets the same arguments; rank 0's result is returned (used for
-  state-changing calls that all ranks must make, e.g. ``update_actor``, ``save_checkpoint``);
-- ``gather``: every rank gets the same arguments; the list of per-rank results is returned;
-- ``rank0``: only rank 0 runs it (cheap queries: ``info``, ``tokenize_prompts``).
-
-A worker method declares its mode with the :func:`dispatch` decorator; undecorated methods are
-``broadcast`` (safe: ranks never drift apart). The group also quacks like a Ray actor handle:
-``group.method.remote(*args)`` returns one ``ObjectRef`` (for one rank it *is* the actor's own
-call, so a single-actor run behaves and costs exactly as before; for several ranks a zero-CPU Ray
-task combines the ranks' results), which keeps ``ray.get(ctx.actor.update_actor.remote(...))`` in
-the flow's tasks unchanged. :meth:`WorkerGroup.execute` is the synchronous form.
+A worker method declares with :func:`dispatch` how it runs on a :class:`WorkerGroup`: ``split``
+(row arguments cut across ranks, results gathered in row order), ``broadcast`` (the default),
+``gather`` or ``rank0``; the class docstring describes each mode.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+from trajflow.modeling.packing import balanced_partition
+
+__all__ = ["MODES", "DispatchSpec", "WorkerGroup", "balanced_partition", "dispatch", "dispatch_spec", "free_address",
+           "kill_workers", "merge_split", "plan_split"]
 
 MODES = ("split", "broadcast", "gather", "rank0")
 
@@ -44,7 +36,7 @@ class DispatchSpec:
 
 
 def dispatch(mode: str, split_args: Sequence[str] = ()) -> Callable[[Callable], Callable]:
-    """Declare how a worker method runs on a :class:`WorkerGroup` (see the module doc).
+    """Declare how a worker method runs on a :class:`WorkerGroup` (see the modes there).
 
     Raises:
         ValueError: unknown mode, or ``split`` without row arguments.
@@ -70,38 +62,6 @@ def dispatch_spec(cls: type, method: str) -> DispatchSpec:
 
 # --------------------------------------------------------------------------------------------
 # splitting rows
-
-
-def balanced_partition(weights: Sequence[float], k: int, equal_size: bool = True) -> list[list[int]]:
-    """Cut rows into ``k`` parts whose total weights (tokens) are close, keeping each part sorted.
-
-    Greedy longest-processing-time: rows in decreasing weight go to the lightest part that still
-    has room. With ``equal_size`` every part holds ``n // k`` or ``n // k + 1`` rows (parts
-    ``0 .. n % k - 1`` the larger), which data-parallel ranks need to run the same number of
-    micro-batches. Deterministic: ties break by row index, then part index.
-
-    Args:
-        weights: one non-negative weight per row (e.g. prompt + response tokens).
-        k: number of parts (ranks), >= 1.
-        equal_size: bound the part sizes as above (else only the weights are balanced).
-
-    Returns:
-        ``k`` lists of row indices, each ascending; together a partition of ``range(n)``.
-
-    Raises:
-        ValueError: ``k < 1``.
-    """
-    if k < 1:
-        raise ValueError(f"balanced_partition: k={k} must be >= 1")
-    n = len(weights)
-    cap = [n // k + (1 if r < n % k else 0) for r in range(k)] if equal_size else [n] * k
-    load = [0.0] * k
-    parts: list[list[int]] = [[] for _ in range(k)]
-    for i in sorted(range(n), key=lambda j: (-float(weights[j]), j)):
-        r = min((r for r in range(k) if len(parts[r]) < cap[r]), key=lambda r: (load[r], len(parts[r]), r))
-        parts[r].append(i)
-        load[r] += float(weights[i])
-    return [sorted(p) for p in parts]
 
 
 def _row_weight(values: Sequence[Any]) -> float:
@@ -136,9 +96,13 @@ def _take(seq: Any, idx: list[int]) -> list:
 def merge_split(results: Sequence[Any], parts: Sequence[list[int]], pads: Sequence[int], n: int) -> Any:
     """Put per-rank results of a ``split`` call back into the original row order.
 
-    A list result (or a dict's list value) with ``b`` entries per input row on every rank is
+    A list result (or a dict's or frozen dataclass's list value, e.g. the fields of
+    :class:`stages.rollout.Generation`) with ``b`` entries per input row on every rank is
     reassembled row by row (``b`` = e.g. ``rollout.n`` samples per prompt); padding rows are
-    dropped. Other dict values come from rank 0, except ``timing_s/*`` (the slowest rank).
+    dropped. Other values come from rank 0 (a ``Generation``'s ``policy_version``: the ranks
+    hold the same weights), except timings: ``timing_s/*`` entries of a dict, or of a dataclass's
+    dict field (``Generation.timing``), are the maximum over ranks (the slowest rank is what the
+    call waited for).
     """
     def rows_per_input(value: Any, rank: int) -> int | None:
         m = len(parts[rank]) + pads[rank]
@@ -157,19 +121,37 @@ def merge_split(results: Sequence[Any], parts: Sequence[list[int]], pads: Sequen
                 out[row * b:(row + 1) * b] = list(v[j * b:(j + 1) * b])
         return out
 
-    first = results[0]
-    if isinstance(first, dict):
+    def merge_dicts(dicts: Sequence[dict]) -> dict:
         merged: dict = {}
-        for key in first:
-            values = [res[key] for res in results]
-            lst = merge_lists(values) if isinstance(first[key], (list, tuple)) else None
+        for key in dicts[0]:
+            values = [d[key] for d in dicts]
+            lst = merge_lists(values) if isinstance(dicts[0][key], (list, tuple)) else None
             if lst is not None:
                 merged[key] = lst
             elif key.startswith("timing_s/") and all(isinstance(v, (int, float)) for v in values):
                 merged[key] = max(values)
             else:
-                merged[key] = first[key]
+                merged[key] = dicts[0][key]
         return merged
+
+    first = results[0]
+    if isinstance(first, dict):
+        return merge_dicts(results)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        fields = {}
+        for f in dataclasses.fields(first):
+            values = [getattr(res, f.name) for res in results]
+            if isinstance(values[0], dict):
+                fields[f.name] = merge_dicts(values)
+            elif isinstance(values[0], (list, tuple)):
+                lst = merge_lists(values)
+                if lst is None:
+                    raise ValueError(f"split results' {type(first).__name__}.{f.name} must have a fixed number of "
+                                     "entries per row on every rank")
+                fields[f.name] = lst
+            else:
+                fields[f.name] = values[0]
+        return dataclasses.replace(first, **fields)
     lst = merge_lists(results)
     if lst is None:
         raise ValueError("split results must be lists (or dicts of lists) with a fixed number of entries per row")
@@ -221,7 +203,23 @@ class _Method:
 
 
 class WorkerGroup:
-    """The ranks of one role, dispatched by mode (see the module doc).
+    """The ranks of one role (the policy's data-parallel ranks, the reference's replicas, rollout
+    engines), dispatched by mode:
+
+    - ``split``: the row arguments (lists with one entry per row) are cut across ranks, balanced by
+      token count (:func:`balanced_partition`), each rank computes its rows, and the results are
+      gathered back **in the original row order** (:func:`merge_split`);
+    - ``broadcast``: every rank gets the same arguments; rank 0's result is returned (used for
+      state-changing calls that all ranks must make, e.g. ``update_actor``, ``save_checkpoint``);
+    - ``gather``: every rank gets the same arguments; the list of per-rank results is returned;
+    - ``rank0``: only rank 0 runs it (cheap queries: ``info``, ``tokenize_prompts``).
+
+    Undecorated methods are ``broadcast`` (safe: ranks never drift apart). The group quacks like a
+    Ray actor handle: ``group.method.remote(*args)`` returns one ``ObjectRef`` (for one rank it *is*
+    the actor's own call, so a single-actor run behaves and costs exactly as before; for several
+    ranks a zero-CPU Ray task combines the ranks' results), which keeps
+    ``ray.get(ctx.actor.update_actor.remote(...))`` in the flow's tasks unchanged.
+    :meth:`execute` is the synchronous form.
 
     Args:
         handles: the Ray actor handles, rank order.

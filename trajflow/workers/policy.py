@@ -2,41 +2,32 @@
 
 A plain class, run as a long-lived Ray actor by :mod:`trajflow.workers.group`. Methods are named
 for their role in RL as in verl's workers: ``generate_sequences``, ``compute_log_prob``,
-``update_actor``, plus checkpointing. Inputs and outputs are plain Python/numpy (cheap to move
-through Ray's object store); tensors only exist inside the worker.
+``update_actor``, plus checkpointing. Inputs and outputs are plain Python/numpy or the typed
+batches of :mod:`stages` (cheap to move through Ray's object store); tensors only exist inside.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from stages.policy_update import PolicyLossConfig, agg_loss, compute_policy_loss, kl_loss
-from stages.rollout import SamplingParams
+from stages.policy_update import ACTOR_LOSS_SHARES, ActorLossConfig, UpdateBatch, UpdateRows, actor_loss
+from stages.rollout import Generation, SamplingParams
 from stages.rollout_correction import rollout_is_weights
-from trajflow.config import ActorConfig
+from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.hf import HFRolloutEngine
+from trajflow.modeling.backends import LocalBackend, adamw
+from trajflow.modeling.forward import compute_log_probs
+from trajflow.modeling.packing import micro_batch_plan, pack
 from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
-from trajflow.workers.distributed import LocalBackend, adamw
-from trajflow.workers.forward import compute_log_probs, micro_batch_plan, pack
+from trajflow.workers.base import Worker
 from trajflow.workers.group import dispatch, free_address
-
-
-def set_threads(num_threads: int) -> int:
-    """Use ``num_threads`` torch threads (0: every CPU of the machine).
-
-    Ray sets ``OMP_NUM_THREADS`` to an actor's ``num_cpus`` (often 1), which would leave a CPU
-    worker using one core.
-    """
-    n = num_threads or os.cpu_count() or 1
-    torch.set_num_threads(n)
-    return n
 
 
 def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_prompt_length: int) -> list[list[int]]:
@@ -58,7 +49,17 @@ def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_pr
     return out
 
 
-class PolicyWorker:
+@dataclass
+class _UpdateState:
+    """What one :meth:`PolicyWorker.update_actor` call collects across its micro-batches."""
+
+    trainer_old: list[np.ndarray] | None  # the trainer's old log-probs (None: fully on-policy)
+    diffs: list[float] = field(default_factory=list)  # |trainer old - engine| per micro-batch
+    is_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # rollout-IS inputs
+    first_step_ratio_dev: float | None = None
+
+
+class PolicyWorker(Worker):
     """Actor and rollout in one process (the ``hf`` engine shares the trained module).
 
     With ``actor.strategy=deepspeed`` the worker is one rank of a data-parallel group
@@ -70,48 +71,39 @@ class PolicyWorker:
 
     Args:
         model_path: a resolved Hugging Face directory.
-        actor: the ``actor`` config section as a dict.
-        model_cfg: the ``model`` config section as a dict.
-        rollout: the ``rollout`` config section as a dict.
+        actor: the ``actor`` config section.
+        model_cfg: the ``model`` config section.
+        rollout: the ``rollout`` config section (``temperature`` is the one the PPO ratio's
+            log-probs use: the sampling temperature).
         seed: initial torch/numpy/random seed.
         device: ``cpu``, ``cuda`` or ``npu``.
         num_threads: torch threads (0 = all CPUs).
     """
 
-    def __init__(self, model_path: str, actor: dict, model_cfg: dict, rollout: dict, seed: int,
-                 device: str = "cpu", num_threads: int = 0) -> None:
-        from trajflow.infra.devices import require_device
-
-        require_device(device, "this Ray worker's node")
-        self.threads = set_threads(num_threads)
-        torch.manual_seed(seed)
-        np.random.seed(seed % 2**32)
-        random.seed(seed)
+    def __init__(self, model_path: str, actor: ActorConfig, model_cfg: ModelConfig, rollout: RolloutConfig,
+                 seed: int, device: str = "cpu", num_threads: int = 0) -> None:
+        self._start(device, num_threads, seed)
         self.actor = actor
-        self.rollout_cfg = rollout
-        self.device = device
+        self.rollout = rollout
+        self.model_cfg = model_cfg
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_causal_lm(model_path, model_cfg.get("dtype", "float32"), device,
-                                    model_cfg.get("attn_implementation", "sdpa"))
-        if model_cfg.get("gradient_checkpointing"):
+        self.model = load_causal_lm(model_path, model_cfg.dtype, device, model_cfg.attn_implementation)
+        if model_cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.config.use_cache = True
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.eos_ids = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
-        self.model_cfg = model_cfg
         self.optimizer = None
         self.backend: Any = None
-        if actor.get("strategy", "none") != "deepspeed":
-            self.optimizer = adamw(self.model.parameters(), actor["lr"], actor.get("betas", (0.9, 0.999)),
-                                   actor.get("weight_decay", 0.0), device)
+        if actor.strategy != "deepspeed":
+            self.optimizer = adamw(self.model.parameters(), actor.lr, actor.betas, actor.weight_decay, device)
             self.backend = LocalBackend(self.model, self.optimizer)
-        if rollout.get("engine", "hf") == "vllm" and rollout.get("pool") is None:
+        if rollout.engine == "vllm" and rollout.pool is None:
             from trajflow.engines.vllm import VLLMRolloutEngine
 
             self.engine = VLLMRolloutEngine(model_path, rollout, model_cfg, self.eos_ids, seed=seed, colocated=True)
         else:
-            self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.get("micro_batch_size", 32),
-                                          device)
+            self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.micro_batch_size, device)
         self.policy_version = 0
         self.optimizer_steps = 0
 
@@ -127,14 +119,13 @@ class PolicyWorker:
         Raises:
             RuntimeError: ``actor.strategy`` is not ``deepspeed``.
         """
-        if self.actor.get("strategy") != "deepspeed":
-            raise RuntimeError(f"init_distributed needs actor.strategy='deepspeed', got {self.actor.get('strategy')!r}")
-        from trajflow.workers.distributed import DeepSpeedBackend, setup_rank_env
+        if self.actor.strategy != "deepspeed":
+            raise RuntimeError(f"init_distributed needs actor.strategy='deepspeed', got {self.actor.strategy!r}")
+        from trajflow.modeling.backends import DeepSpeedBackend, setup_rank_env
 
         setup_rank_env(master_addr, master_port, rank, world_size, self.device)
         t0 = time.perf_counter()
-        self.backend = DeepSpeedBackend(self.model, self.actor, self.model_cfg.get("dtype", "float32"), self.device,
-                                        rank, world_size)
+        self.backend = DeepSpeedBackend(self.model, self.actor, self.model_cfg.dtype, self.device, rank, world_size)
         if self.backend.zero_stage == 3 and isinstance(self.engine, HFRolloutEngine):
             # Sharded parameters: every decoding step gathers them, so ranks step together.
             self.engine.synced_gpus = world_size > 1
@@ -177,16 +168,9 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ info
     @dispatch("rank0")
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    @dispatch("rank0")
     def info(self) -> dict:
-        return {"pid": os.getpid(), "threads": self.threads, "policy_version": self.policy_version,
-                "eos_ids": self.eos_ids, "pad_id": self.pad_id,
-                "num_params": sum(p.numel() for p in self.model.parameters())}
+        return {**super().info(), "policy_version": self.policy_version, "eos_ids": self.eos_ids,
+                "pad_id": self.pad_id, "num_params": sum(p.numel() for p in self.model.parameters())}
 
     # ------------------------------------------------------------------ rollout
     @dispatch("rank0")
@@ -195,201 +179,117 @@ class PolicyWorker:
 
     @dispatch("split", split_args=("prompt_ids",))
     def generate_sequences(self, prompt_ids: list[list[int]], params: SamplingParams,
-                           recompute_log_prob: bool = False) -> dict:
+                           recompute_log_prob: bool = False) -> Generation:
         """Sample ``params.n`` responses per prompt with their rollout log-probs.
 
         The log-probs are read from the generation's own logits under the sampling temperature
         (no second forward pass); ``recompute_log_prob`` recomputes them teacher-forced instead.
 
         Returns:
-            dict with ``response_ids`` (list of int lists, prompt-major), ``response_text``,
-            ``finish_reason``, ``old_logprobs`` (list of float lists; absent for greedy decoding),
-            ``timing_s/gen`` (seconds) and ``policy_version``.
+            :class:`~stages.rollout.Generation`, rows prompt-major; ``old_logprobs`` is ``None`` for
+            greedy decoding; ``timing`` has ``timing_s/gen`` and, when recomputed,
+            ``timing_s/old_log_prob`` (seconds).
         """
         t0 = time.perf_counter()
         out = self.engine.generate(prompt_ids, params)
         if getattr(self.engine, "colocated", False):
             self.engine.sleep()  # free the GPU memory vLLM holds for the forward passes and the update
         t1 = time.perf_counter()
-        result = {"response_ids": out.response_ids, "finish_reason": out.finish_reason,
-                  "response_text": self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True),
-                  "policy_version": self.policy_version, "timing_s/gen": t1 - t0}
+        text = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        timing = {"timing_s/gen": t1 - t0}
+        old_logprobs = None
         if not params.greedy:
             if recompute_log_prob or out.logprobs is None:
                 rows = [p for p in prompt_ids for _ in range(params.n)]
-                result["old_logprobs"] = [x.tolist() for x in self.compute_log_prob(rows, out.response_ids, params.temperature)]
-                result["timing_s/old_log_prob"] = time.perf_counter() - t1
+                old_logprobs = [x.tolist() for x in self.compute_log_prob(rows, out.response_ids, params.temperature)]
+                timing["timing_s/old_log_prob"] = time.perf_counter() - t1
             else:
-                result["old_logprobs"] = out.logprobs
-        return result
+                old_logprobs = out.logprobs
+        return Generation(response_ids=out.response_ids, response_text=text, finish_reason=out.finish_reason,
+                          old_logprobs=old_logprobs, policy_version=self.policy_version, timing=timing)
 
     @dispatch("split", split_args=("prompt_ids", "response_ids"))
     def compute_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
                          temperature: float) -> list[np.ndarray]:
         """Per-token log-probs under the current policy, packed exactly as :meth:`update_actor` packs."""
         logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
-                                    micro_batch_size=self.actor["ppo_micro_batch_size"], pad_id=self.pad_id,
+                                    micro_batch_size=self.actor.ppo_micro_batch_size, pad_id=self.pad_id,
                                     device=self.device, max_tokens=self._max_tokens())
         return logp
 
     def _max_tokens(self) -> int | None:
         """The micro-batches' token budget (``actor.use_dynamic_bsz``), or None for fixed-size ones."""
-        if self.actor.get("use_dynamic_bsz"):
-            return int(self.actor.get("ppo_max_token_len_per_gpu", ActorConfig.ppo_max_token_len_per_gpu))
-        return None
+        return int(self.actor.ppo_max_token_len_per_gpu) if self.actor.use_dynamic_bsz else None
 
-    def _split_rows(self, batch: dict):
-        """Row ids -> micro-batches, as :func:`trajflow.workers.forward.micro_batch_plan` cuts them."""
-        def split(rows: list[int]) -> list[list[int]]:
-            plan = micro_batch_plan([batch["prompt_ids"][r] for r in rows], [batch["response_ids"][r] for r in rows],
-                                    int(self.actor["ppo_micro_batch_size"]), self._max_tokens())
-            return [rows[sl] for sl in plan]
+    def _split_rows(self, rows: UpdateRows):
+        """Row ids -> micro-batches, as :func:`trajflow.modeling.packing.micro_batch_plan` cuts them."""
+        def split(ids: list[int]) -> list[list[int]]:
+            plan = micro_batch_plan([rows.prompt_ids[r] for r in ids], [rows.response_ids[r] for r in ids],
+                                    int(self.actor.ppo_micro_batch_size), self._max_tokens())
+            return [ids[sl] for sl in plan]
         return split
+
+    def _ragged(self, values: Sequence[Sequence[float]], rows: Sequence[int], width: int) -> torch.Tensor:
+        """``(len(rows), width)`` float32 on the device: each row's values, zero-padded (or cut) to ``width``."""
+        t = torch.full((len(rows), width), 0.0, dtype=torch.float32)
+        for j, r in enumerate(rows):
+            v = np.asarray(values[r], dtype=np.float32)
+            t[j, :len(v)] = torch.from_numpy(v[:width])
+        return t.to(self.device)
 
     # ------------------------------------------------------------------ update
     @dispatch("broadcast")
-    def update_actor(self, batch: dict, temperature: float) -> dict:
-        """PPO-style policy update over one iteration's batch.
+    def update_actor(self, batch: UpdateBatch) -> dict:
+        """PPO-style policy update over one iteration's batch (:func:`stages.policy_update.update_batch`).
 
-        ``batch`` holds per-row lists: ``prompt_ids``, ``response_ids``, ``old_logprobs`` (the
-        rollout engine's), ``advantages`` (ragged, aligned with ``response_ids``), optional
-        ``ref_logprobs`` and ``loss_mask`` (ragged 0/1; rows or tokens excluded from the loss).
-
-        The behaviour policy's log-probs in the PPO ratio are the trainer's own: when the whole
-        batch is one optimizer step of one epoch (fully on-policy), they are the current forward's
-        log-probs detached, so the ratio is exactly 1 and no extra forward pass is spent; otherwise
-        they are recomputed before the first step with the same packing as the update. The
-        engine's log-probs are compared with them (``actor/rollout_logprob_diff``) and, with
-        ``batch["rollout_is"]`` (``"token"``/``"sequence"``, threshold ``batch["rollout_is_threshold"]``),
+        The loss of each micro-batch is :func:`stages.policy_update.actor_loss` (policy gradient,
+        entropy bonus, KL loss), with the log-probs under ``rollout.temperature``. The behaviour
+        policy's log-probs in the PPO ratio are the trainer's own: when the whole batch is one
+        optimizer step of one epoch (fully on-policy), they are the current forward's log-probs
+        detached, so the ratio is exactly 1 and no extra forward pass is spent; otherwise they are
+        recomputed before the first step with the same packing as the update. The engine's
+        log-probs are compared with them (``actor/rollout_logprob_diff``) and, with
+        ``settings.rollout_is`` (``"token"``/``"sequence"``, threshold ``settings.rollout_is_threshold``),
         weight the policy-gradient loss by min(pi_old / pi_rollout, threshold)
-        (:mod:`stages.rollout_correction`; metrics ``rollout_corr/*``). ``shuffle_seed`` sets the
-        mini-batch order and ``rng_seed`` (optional) seeds torch's global RNG first. The batch is cut into
-        mini-batches of ``ppo_mini_batch_size * n`` rows (one optimizer step each) and those into
-        micro-batches of ``ppo_micro_batch_size`` rows, or of at most ``ppo_max_token_len_per_gpu``
-        computed tokens with ``use_dynamic_bsz`` (gradient accumulation, exact thanks to the
-        mini-batch-wide denominators of :func:`stages.policy_update.agg_loss`), for ``ppo_epochs``
-        passes. Under DeepSpeed every rank gets the whole batch, keeps the mini-batch-wide
-        denominators and trains on its token-balanced share of each mini-batch
-        (:class:`trajflow.workers.distributed.DeepSpeedBackend`); metrics are combined across ranks.
+        (:mod:`stages.rollout_correction`; metrics ``rollout_corr/*``). ``settings.shuffle_seed`` sets
+        the mini-batch order and ``settings.rng_seed`` (optional) seeds torch's global RNG first. The
+        batch is cut into mini-batches of ``settings.mini_batch_rows`` rows (one optimizer step each)
+        and those into micro-batches of ``ppo_micro_batch_size`` rows, or of at most
+        ``ppo_max_token_len_per_gpu`` computed tokens with ``use_dynamic_bsz`` (gradient
+        accumulation, exact thanks to the mini-batch-wide denominators of
+        :func:`stages.policy_update.agg_loss`), for ``ppo_epochs`` passes. Under DeepSpeed every rank
+        gets the whole batch, keeps the mini-batch-wide denominators and trains on its
+        token-balanced share of each mini-batch (:class:`trajflow.modeling.backends.DeepSpeedBackend`);
+        metrics are combined across ranks.
 
         Returns:
             Metrics averaged over optimizer steps, verl names (``actor/pg_loss``, ``actor/pg_clipfrac``,
             ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``, ``actor/lr``,
-            ``actor/ratio_first_step_max_abs_dev``) plus ``timing_s/update_actor``.
+            ``actor/ratio_first_step_max_abs_dev``) plus ``timing_s/update_actor`` and ``policy_version``.
         """
         t0 = time.perf_counter()
+        rows, settings = batch.rows, batch.settings
         sums: dict[str, list[float]] = {}
-        a = self.actor
-        n_rows = len(batch["response_ids"])
-        mini_rows = int(batch.get("mini_batch_rows") or n_rows)
-        loss_cfg = PolicyLossConfig(clip_ratio=a["clip_ratio"], clip_ratio_low=a["clip_ratio_low"],
-                                    clip_ratio_high=a["clip_ratio_high"], clip_ratio_c=a["clip_ratio_c"],
-                                    loss_agg_mode=a["loss_agg_mode"])
-        use_kl = a["kl_loss_coef"] > 0 and batch.get("ref_logprobs") is not None
-        rng = np.random.default_rng(int(batch.get("shuffle_seed", 0)))
-        if batch.get("rng_seed") is not None:
+        n_rows = len(rows.response_ids)
+        mini_rows = int(settings.mini_batch_rows or n_rows)
+        loss_cfg = ActorLossConfig.from_actor(self.actor)
+        rng = np.random.default_rng(int(settings.shuffle_seed))
+        if settings.rng_seed is not None:
             # Any draw inside the update (dropout, ...) depends on (seed, iteration) only, not on
             # whatever ran in this process before: a resumed run updates exactly as an uninterrupted one.
-            torch.manual_seed(int(batch["rng_seed"]))
-        single_step = a["ppo_epochs"] == 1 and mini_rows >= n_rows
+            torch.manual_seed(int(settings.rng_seed))
         trainer_old = None
-        if not single_step:
+        if not (self.actor.ppo_epochs == 1 and mini_rows >= n_rows):
             t_old = time.perf_counter()
-            trainer_old = self.compute_log_prob(batch["prompt_ids"], batch["response_ids"], temperature)
+            trainer_old = self.compute_log_prob(rows.prompt_ids, rows.response_ids, self.rollout.temperature)
             sums["timing_s/old_log_prob"] = [time.perf_counter() - t_old]
-        diffs: list[float] = []
-        is_level = batch.get("rollout_is")
-        is_threshold = float(batch.get("rollout_is_threshold") or 2.0)
-        is_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        state = _UpdateState(trainer_old)
         self.model.train()
-        first_step_ratio_dev = None
-
-        def ragged(key: str, rows: Sequence[int], width: int, fill: float = 0.0) -> torch.Tensor:
-            t = torch.full((len(rows), width), fill, dtype=torch.float32)
-            for j, r in enumerate(rows):
-                v = np.asarray(batch[key][r], dtype=np.float32)
-                t[j, :len(v)] = torch.from_numpy(v[:width])
-            return t.to(self.device)
-
-        for epoch in range(a["ppo_epochs"]):
-            order = np.arange(n_rows)
-            if a.get("shuffle"):
-                order = rng.permutation(n_rows)
+        for epoch in range(self.actor.ppo_epochs):
+            order = rng.permutation(n_rows) if self.actor.shuffle else np.arange(n_rows)
             for m0 in range(0, n_rows, mini_rows):
-                mini = order[m0:m0 + mini_rows]
-                masks = []
-                for r in mini:
-                    lm = batch.get("loss_mask")
-                    masks.append(np.asarray(lm[r], dtype=np.float32) if lm is not None
-                                 else np.ones(len(batch["response_ids"][r]), np.float32))
-                global_tokens = float(sum(m.sum() for m in masks))
-                global_seqs = float(sum(1 for m in masks if m.sum() > 0))
-                if global_tokens == 0:
-                    continue
-                self.backend.zero_grad()
-                step_metrics: dict[str, float] = {}
-                tokens = [len(batch["prompt_ids"][r]) + len(batch["response_ids"][r]) for r in mini]
-                for rows, live in self.backend.micro_batches(mini, self._split_rows(batch), tokens):
-                    packed = pack([batch["prompt_ids"][r] for r in rows], [batch["response_ids"][r] for r in rows],
-                                  self.pad_id, self.device)
-                    T = packed.responses.shape[1]
-                    mask = packed.response_mask.float() * ragged("loss_mask", rows, T) if batch.get("loss_mask") is not None \
-                        else packed.response_mask.float()
-                    logp, ent = self.backend.forward(packed, temperature, compute_entropy=True,
-                                                     entropy_grad=bool(a["entropy_coeff"]))
-                    if trainer_old is None:
-                        old = logp.detach()
-                    else:
-                        old = torch.zeros_like(logp)
-                        for j, r in enumerate(rows):
-                            old[j, :len(trainer_old[r])] = torch.from_numpy(trainer_old[r])
-                    is_w = None
-                    if live and batch.get("old_logprobs") is not None:
-                        rollout_lp = ragged("old_logprobs", rows, T)
-                        m = packed.response_mask
-                        if epoch == 0:
-                            diffs.append(float(((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)))
-                        if is_level:  # truncated IS: min(pi_old / pi_rollout, C), a constant weight
-                            is_w, _ = rollout_is_weights(old, rollout_lp, m, is_level, is_threshold)
-                            if epoch == 0:
-                                for j, r in enumerate(rows):
-                                    n = len(batch["response_ids"][r])
-                                    is_rows[r] = (old[j, :n].cpu().numpy(), rollout_lp[j, :n].cpu().numpy())
-                    adv = ragged("advantages", rows, T)
-                    # Dr. GRPO's constant normaliser is the response cap (verl pads responses to it), not
-                    # the micro-batch's longest response, so micro-batches add up to the mini-batch loss.
-                    agg_kw = dict(global_num_tokens=global_tokens, global_num_seqs=global_seqs,
-                                  horizon=int(self.rollout_cfg.get("max_new_tokens") or T))
-                    pg_loss, pg_m = compute_policy_loss(a["policy_loss"], old, logp, adv, mask, loss_cfg,
-                                                        rollout_is_weights=is_w, **agg_kw)
-                    loss = pg_loss
-                    ent_loss = agg_loss(ent.detach() if a["entropy_coeff"] == 0 else ent, mask, a["loss_agg_mode"], **agg_kw)
-                    if a["entropy_coeff"]:
-                        loss = loss - a["entropy_coeff"] * ent_loss
-                    if use_kl:
-                        ref = ragged("ref_logprobs", rows, T)
-                        kl = kl_loss(logp, ref, mask, a["kl_loss_type"], a["loss_agg_mode"], **agg_kw)
-                        loss = loss + a["kl_loss_coef"] * kl
-                    if not live:  # a padding micro-batch of a data-parallel rank: no gradient, no metrics
-                        self.backend.backward(loss * 0.0)
-                        continue
-                    if use_kl:
-                        step_metrics["actor/kl_loss"] = step_metrics.get("actor/kl_loss", 0.0) + kl.item()
-                        step_metrics["actor/kl_coef"] = a["kl_loss_coef"]
-                    self.backend.backward(loss)
-                    if first_step_ratio_dev is None:
-                        with torch.no_grad():
-                            dev = ((logp - old).exp() - 1).abs() * mask
-                            first_step_ratio_dev = float(dev.max())
-                    step_metrics["actor/pg_loss"] = step_metrics.get("actor/pg_loss", 0.0) + pg_loss.item()
-                    step_metrics["actor/entropy"] = step_metrics.get("actor/entropy", 0.0) + ent_loss.item()
-                    frac = float(mask.sum()) / global_tokens
-                    for k, v in pg_m.items():
-                        step_metrics[k] = step_metrics.get(k, 0.0) + float(v) * frac
-                gn, stepped = self.backend.step(a["grad_clip"])
-                self.optimizer_steps += int(stepped)
-                step_metrics["actor/grad_norm"] = gn
-                for k, v in step_metrics.items():
+                step = self._mini_batch_step(batch, order[m0:m0 + mini_rows], epoch, loss_cfg, state)
+                for k, v in (step or {}).items():
                     sums.setdefault(k, []).append(v)
         self.backend.zero_grad()
         self.policy_version += 1
@@ -397,16 +297,92 @@ class PolicyWorker:
         # log-probs are from the trainer's, averaged over micro-batches (of every rank).
         metrics = self.backend.reduce_metrics(
             {k: float(np.mean(v)) for k, v in sums.items()},
-            maxima={"actor/ratio_first_step_max_abs_dev": float(first_step_ratio_dev or 0.0)},
-            means={"actor/rollout_logprob_diff": diffs})
+            maxima={"actor/ratio_first_step_max_abs_dev": float(state.first_step_ratio_dev or 0.0)},
+            means={"actor/rollout_logprob_diff": state.diffs})
         metrics["actor/lr"] = self.backend.lr()
-        is_rows = self.backend.gather_rows(is_rows)  # every rank's rows (data parallel)
+        is_rows = self.backend.gather_rows(state.is_rows)  # every rank's rows (data parallel)
         if is_rows:
-            metrics.update(self._rollout_is_metrics(is_rows, is_level, is_threshold))
+            metrics.update(self._rollout_is_metrics(is_rows, settings.rollout_is, float(settings.rollout_is_threshold)))
         self._push_weights()
         metrics["timing_s/update_actor"] = time.perf_counter() - t0
         metrics["policy_version"] = self.policy_version
         return metrics
+
+    def _mini_batch_step(self, batch: UpdateBatch, mini: np.ndarray, epoch: int, loss_cfg: ActorLossConfig,
+                         state: _UpdateState) -> dict[str, float] | None:
+        """One optimizer step over the rows ``mini``: its metrics, or None when no token counts."""
+        rows = batch.rows
+        masks = [np.asarray(rows.loss_mask[r], dtype=np.float32) if rows.loss_mask is not None
+                 else np.ones(len(rows.response_ids[r]), np.float32) for r in mini]
+        global_tokens = float(sum(m.sum() for m in masks))
+        global_seqs = float(sum(1 for m in masks if m.sum() > 0))
+        if global_tokens == 0:
+            return None
+        self.backend.zero_grad()
+        step: dict[str, float] = {}
+        tokens = [len(rows.prompt_ids[r]) + len(rows.response_ids[r]) for r in mini]
+        for ids, live in self.backend.micro_batches(mini, self._split_rows(rows), tokens):
+            self._micro_batch(batch, ids, live, epoch, loss_cfg, state, step, global_tokens, global_seqs)
+        gn, stepped = self.backend.step(self.actor.grad_clip)
+        self.optimizer_steps += int(stepped)
+        step["actor/grad_norm"] = gn
+        return step
+
+    def _micro_batch(self, batch: UpdateBatch, ids: list[int], live: bool, epoch: int, loss_cfg: ActorLossConfig,
+                     state: _UpdateState, step: dict[str, float], global_tokens: float, global_seqs: float) -> None:
+        """Forward and backward of the rows ``ids``; adds their metrics to ``step`` (``live`` only:
+        a padding micro-batch of a data-parallel rank backpropagates zero and reports nothing)."""
+        rows, settings = batch.rows, batch.settings
+        packed = pack([rows.prompt_ids[r] for r in ids], [rows.response_ids[r] for r in ids], self.pad_id, self.device)
+        T = packed.responses.shape[1]
+        mask = packed.response_mask.float() * self._ragged(rows.loss_mask, ids, T) if rows.loss_mask is not None \
+            else packed.response_mask.float()
+        logp, ent = self.backend.forward(packed, self.rollout.temperature, compute_entropy=True,
+                                         entropy_grad=bool(loss_cfg.entropy_coeff))
+        if state.trainer_old is None:
+            old = logp.detach()
+        else:
+            old = torch.zeros_like(logp)
+            for j, r in enumerate(ids):
+                old[j, :len(state.trainer_old[r])] = torch.from_numpy(state.trainer_old[r])
+        is_w = None
+        if live:
+            rollout_lp = self._ragged(rows.old_logprobs, ids, T)
+            m = packed.response_mask
+            if epoch == 0:
+                state.diffs.append(float(((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)))
+            if settings.rollout_is:  # truncated IS: min(pi_old / pi_rollout, C), a constant weight
+                is_w, _ = rollout_is_weights(old, rollout_lp, m, settings.rollout_is,
+                                             float(settings.rollout_is_threshold))
+                if epoch == 0:
+                    for j, r in enumerate(ids):
+                        n = len(rows.response_ids[r])
+                        state.is_rows[r] = (old[j, :n].cpu().numpy(), rollout_lp[j, :n].cpu().numpy())
+        adv = self._ragged(rows.advantages, ids, T)
+        # Dr. GRPO's constant normaliser is the response cap (verl pads responses to it), not the
+        # micro-batch's longest response, so micro-batches add up to the mini-batch loss.
+        agg_kw = dict(global_num_tokens=global_tokens, global_num_seqs=global_seqs,
+                      horizon=int(self.rollout.max_new_tokens or T))
+        use_kl = loss_cfg.kl_loss_coef > 0 and rows.ref_logprobs is not None
+        ref = self._ragged(rows.ref_logprobs, ids, T) if use_kl else None
+        loss, loss_metrics = actor_loss(logp, old, adv, mask, entropy=ent, ref_logp=ref, cfg=loss_cfg, agg_kw=agg_kw,
+                                        rollout_is_weights=is_w)
+        if not live:
+            self.backend.backward(loss * 0.0)
+            return
+        self.backend.backward(loss)
+        if state.first_step_ratio_dev is None:
+            with torch.no_grad():
+                dev = ((logp - old).exp() - 1).abs() * mask
+                state.first_step_ratio_dev = float(dev.max())
+        frac = float(mask.sum()) / global_tokens
+        for k, v in loss_metrics.items():
+            if k == "actor/kl_coef":
+                step[k] = v
+            elif k in ACTOR_LOSS_SHARES:
+                step[k] = step.get(k, 0.0) + v
+            else:  # token means of this micro-batch: weighted by its share of the mini-batch's tokens
+                step[k] = step.get(k, 0.0) + float(v) * frac
 
     @staticmethod
     def _rollout_is_metrics(rows: dict[int, tuple[np.ndarray, np.ndarray]], level: str, threshold: float) -> dict:

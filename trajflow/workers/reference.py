@@ -6,58 +6,42 @@ so runs without KL never load a second model.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-import torch
 
+from trajflow.config import ModelConfig, RolloutConfig
+from trajflow.modeling.forward import compute_log_probs
 from trajflow.models import load_causal_lm, load_tokenizer
-from trajflow.workers.forward import compute_log_probs
+from trajflow.workers.base import Worker
 from trajflow.workers.group import dispatch
-from trajflow.workers.policy import set_threads
 
 
-class ReferenceWorker:
+class ReferenceWorker(Worker):
     """Frozen reference policy (a Ray actor in the pipeline).
 
     Args:
         model_path: resolved Hugging Face directory of the reference model.
-        model_cfg: the ``model`` config section as a dict.
-        micro_batch_size: rows per forward pass.
+        model_cfg: the ``model`` config section.
+        rollout: the ``rollout`` config section: ``temperature`` (the sampling temperature, which
+            the KL terms' log-probs use too) and ``log_prob_micro_batch_size`` (rows per forward).
         device: torch device.
         num_threads: torch threads (0 = all CPUs).
     """
 
-    def __init__(self, model_path: str, model_cfg: dict, micro_batch_size: int, device: str = "cpu",
+    def __init__(self, model_path: str, model_cfg: ModelConfig, rollout: RolloutConfig, device: str = "cpu",
                  num_threads: int = 0) -> None:
-        from trajflow.infra.devices import require_device
-
-        require_device(device, "this Ray worker's node")
-        set_threads(num_threads)
-        self.model = load_causal_lm(model_path, model_cfg.get("dtype", "float32"), device,
-                                    model_cfg.get("attn_implementation", "sdpa"))
+        self._start(device, num_threads)
+        self.model = load_causal_lm(model_path, model_cfg.dtype, device, model_cfg.attn_implementation)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.pad_id = int(load_tokenizer(model_path).pad_token_id)
-        self.micro_batch_size = micro_batch_size
-        self.device = device
-
-    @dispatch("rank0")
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    @dispatch("rank0")
-    def pid(self) -> int:
-        return os.getpid()
+        self.rollout = rollout
 
     @dispatch("split", split_args=("prompt_ids", "response_ids"))
-    def compute_ref_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                             temperature: float) -> list[np.ndarray]:
-        """Per-token log-probs of each response under the reference policy, float32 ragged."""
-        logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
-                                    micro_batch_size=self.micro_batch_size, pad_id=self.pad_id,
+    def compute_ref_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
+        """Per-token log-probs of each response under the reference policy at ``rollout.temperature``,
+        float32 ragged."""
+        logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=self.rollout.temperature,
+                                    micro_batch_size=int(self.rollout.log_prob_micro_batch_size), pad_id=self.pad_id,
                                     device=self.device)
         return logp

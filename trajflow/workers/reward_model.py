@@ -1,28 +1,22 @@
 """The reward-model worker: scores (prompt, response) pairs with a sequence-classification model.
 
-The model at ``reward.reward_model.path`` is loaded with ``AutoModelForSequenceClassification`` and
-must have one label (a scalar reward head, as trained by TRL's ``RewardTrainer`` or OpenRLHF). Each
-response is scored as a chat: the prompt's messages plus an ``assistant`` turn holding the response
-text, rendered with the reward model's own chat template (its tokenizer may differ from the
-policy's), without a generation prompt. The score is the head's output at the last non-padding token
-(transformers' own pooling, the one the reward model was trained with).
-
 Only created when ``reward.reward_model.enable`` is true; the reward stage combines its scores with
-the rule-based ones (``rule_weight * rule + rm_weight * rm``).
+the rule-based ones (``rule_weight * rule + rm_weight * rm``). :class:`RewardModelWorker` says what
+the model must be and how a response is scored.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from trajflow.config import ModelConfig, RewardModelConfig
 from trajflow.errors import ModelLoadError
+from trajflow.modeling.packing import micro_batch_slices
 from trajflow.models import _DTYPES, load_tokenizer
-from trajflow.workers.forward import micro_batch_slices
-from trajflow.workers.policy import set_threads
+from trajflow.workers.base import Worker
 
 
 def chat_token_ids(tokenizer: Any, messages: Sequence[dict], response: str, max_length: int) -> list[int]:
@@ -42,14 +36,20 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[dict], response: str, max_
     return ids[-max_length:]
 
 
-class RewardModelWorker:
+class RewardModelWorker(Worker):
     """A frozen sequence-classification reward model (a Ray actor in the pipeline).
+
+    The model at ``reward.reward_model.path`` is loaded with ``AutoModelForSequenceClassification``
+    and must have one label (a scalar reward head, as trained by TRL's ``RewardTrainer`` or
+    OpenRLHF). Each response is scored as a chat: the prompt's messages plus an ``assistant`` turn
+    holding the response text, rendered with the reward model's own chat template (its tokenizer
+    may differ from the policy's), without a generation prompt. The score is the head's output at
+    the last non-padding token (transformers' own pooling, the one the reward model was trained with).
 
     Args:
         model_path: Hugging Face directory of the reward model.
-        rm_cfg: the ``reward.reward_model`` config section as a dict (``micro_batch_size``,
-            ``max_length``).
-        model_cfg: the ``model`` config section as a dict (``dtype``, ``attn_implementation``).
+        rm_cfg: the ``reward.reward_model`` config section (``micro_batch_size``, ``max_length``).
+        model_cfg: the ``model`` config section (``dtype``, ``attn_implementation``).
         device: torch device.
         num_threads: torch threads (0 = all CPUs).
 
@@ -58,15 +58,15 @@ class RewardModelWorker:
             head does not have exactly one label.
     """
 
-    def __init__(self, model_path: str, rm_cfg: dict, model_cfg: dict, device: str = "cpu",
+    def __init__(self, model_path: str, rm_cfg: RewardModelConfig, model_cfg: ModelConfig, device: str = "cpu",
                  num_threads: int = 0) -> None:
         from transformers import AutoModelForSequenceClassification
 
-        set_threads(num_threads)
+        self._start(device, num_threads)
         try:
             model = AutoModelForSequenceClassification.from_pretrained(
-                str(model_path), dtype=getattr(torch, _DTYPES[model_cfg.get("dtype", "float32")]),
-                attn_implementation=model_cfg.get("attn_implementation", "sdpa"))
+                str(model_path), dtype=getattr(torch, _DTYPES[model_cfg.dtype]),
+                attn_implementation=model_cfg.attn_implementation)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"reward.reward_model.path={str(model_path)!r}: transformers could not load it "
                                  f"as a sequence-classification model: {str(e).splitlines()[0]}") from None
@@ -80,12 +80,8 @@ class RewardModelWorker:
         self.model = model.to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.micro_batch_size = int(rm_cfg.get("micro_batch_size", 8))
-        self.max_length = int(rm_cfg.get("max_length", 2048))
-        self.device = device
-
-    def pid(self) -> int:
-        return os.getpid()
+        self.micro_batch_size = int(rm_cfg.micro_batch_size)
+        self.max_length = int(rm_cfg.max_length)
 
     @torch.no_grad()
     def compute_rm_score(self, messages_list: Sequence[Sequence[dict]], responses: Sequence[str]) -> np.ndarray:

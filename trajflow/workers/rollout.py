@@ -1,52 +1,46 @@
 """Rollout workers on their own resource pool (``rollout.pool``), and the policy's handle to them.
 
-By default the policy worker generates with its own module (the ``hf`` engine) or with a vLLM
-engine on its own GPU. With ``rollout.pool`` set, a group of :class:`RolloutWorker` actors (one per
-slot of that pool) holds the engines instead: the policy ranks send prompts to them through
-:class:`RemoteRolloutEngine` (data-parallel rollout: each policy rank drives its own engines) and
-rank 0 pushes the new weights to every engine after each update. Old log-probs are still computed
-by the policy itself, so the importance ratio of the first PPO step stays exactly 1.
+With ``rollout.pool`` set, a group of :class:`RolloutWorker` actors (one per slot of that pool)
+holds the engines instead of the policy workers: each policy rank sends its prompts to its own
+engines through :class:`RemoteRolloutEngine`, and rank 0 pushes the new weights to every engine
+after each update. Old log-probs are still computed by the policy itself, so the importance ratio
+of the first PPO step stays exactly 1.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
-from stages.rollout import SamplingParams
+from stages.rollout import Generation, SamplingParams
+from trajflow.config import ModelConfig, RolloutConfig
 from trajflow.engines.base import GenerationOutput
+from trajflow.workers.base import Worker
 from trajflow.workers.group import dispatch
 
 
-class RolloutWorker:
+class RolloutWorker(Worker):
     """A rollout engine in its own Ray actor: the ``hf`` engine on a copy of the policy, or vLLM.
 
     Args:
         model_path: resolved Hugging Face directory of the initial policy.
-        rollout: the ``rollout`` config section as a dict (``engine``, ``micro_batch_size``, ...).
-        model_cfg: the ``model`` config section as a dict.
-        seed: torch seed.
+        rollout: the ``rollout`` config section (``engine``, ``micro_batch_size``, ...).
+        model_cfg: the ``model`` config section.
+        seed: torch/numpy/random seed (and the vLLM engine's).
         device: torch device (``trainer.device``).
         num_threads: torch threads (0 = all CPUs).
     """
 
-    def __init__(self, model_path: str, rollout: dict, model_cfg: dict, seed: int, device: str = "cpu",
-                 num_threads: int = 0) -> None:
-        import torch
-
+    def __init__(self, model_path: str, rollout: RolloutConfig, model_cfg: ModelConfig, seed: int,
+                 device: str = "cpu", num_threads: int = 0) -> None:
         from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
-        from trajflow.infra.devices import require_device
-        from trajflow.workers.policy import set_threads
 
-        require_device(device, "this Ray worker's node")
-        set_threads(num_threads)
-        torch.manual_seed(seed)
-        tokenizer = load_tokenizer(model_path)
+        self._start(device, num_threads, seed)
+        self.tokenizer = load_tokenizer(model_path)
         self.version = 0
-        if rollout.get("engine", "hf") == "vllm":
+        if rollout.engine == "vllm":
             from transformers import GenerationConfig
 
             from trajflow.engines.vllm import VLLMRolloutEngine
@@ -55,38 +49,36 @@ class RolloutWorker:
                 gen_cfg = GenerationConfig.from_pretrained(model_path)
             except Exception:  # no generation_config.json
                 gen_cfg = None
-            eos = eos_token_ids(tokenizer, gen_cfg)
+            eos = eos_token_ids(self.tokenizer, gen_cfg)
             self.engine: Any = VLLMRolloutEngine(model_path, rollout, model_cfg, eos, seed=seed, colocated=False)
             self.model = None
         else:
             from trajflow.engines.hf import HFRolloutEngine
 
-            self.model = load_causal_lm(model_path, model_cfg.get("dtype", "float32"), device,
-                                        model_cfg.get("attn_implementation", "sdpa"))
+            self.model = load_causal_lm(model_path, model_cfg.dtype, device, model_cfg.attn_implementation)
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            eos = eos_token_ids(tokenizer, getattr(self.model, "generation_config", None))
-            self.engine = HFRolloutEngine(self.model, int(tokenizer.pad_token_id), eos,
-                                          rollout.get("micro_batch_size", 32), device)
-
-    @dispatch("rank0")
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    @dispatch("rank0")
-    def pid(self) -> int:
-        return os.getpid()
+            eos = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+            self.engine = HFRolloutEngine(self.model, int(self.tokenizer.pad_token_id), eos, rollout.micro_batch_size,
+                                          device)
 
     @dispatch("split", split_args=("prompt_ids",))
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> dict:
-        """Sample ``params.n`` responses per prompt; fields of :class:`GenerationOutput` plus ``timing_s/gen``."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
+        """Sample ``params.n`` responses per prompt (prompt-major).
+
+        Returns:
+            :class:`~stages.rollout.Generation` with the engine's log-probs as ``old_logprobs``
+            (``None`` for greedy decoding), this engine's weight version as ``policy_version`` and
+            ``timing_s/gen``.
+        """
         t0 = time.perf_counter()
         out = self.engine.generate(prompt_ids, params)
-        return {"response_ids": out.response_ids, "finish_reason": out.finish_reason,
-                "logprobs": out.logprobs, "version": self.version, "timing_s/gen": time.perf_counter() - t0}
+        timing = {"timing_s/gen": time.perf_counter() - t0}
+        return Generation(response_ids=out.response_ids,
+                          response_text=self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True),
+                          finish_reason=out.finish_reason, old_logprobs=None if params.greedy else out.logprobs,
+                          policy_version=self.version, timing=timing)
 
     @dispatch("broadcast")
     def update_weights(self, state: dict) -> int:
@@ -125,13 +117,13 @@ class RemoteRolloutEngine:
         bounds = np.linspace(0, len(prompt_ids), len(self.handles) + 1).astype(int)
         refs = [h.generate.remote([list(p) for p in prompt_ids[a:b]], params)
                 for h, a, b in zip(self.handles, bounds[:-1], bounds[1:]) if b > a]
-        outs = ray.get(refs)
+        outs: list[Generation] = ray.get(refs)
         logprobs = None
-        if outs and all(o["logprobs"] is not None for o in outs):
-            logprobs = [lp for o in outs for lp in o["logprobs"]]
-        return GenerationOutput(response_ids=[r for o in outs for r in o["response_ids"]],
-                                finish_reason=[f for o in outs for f in o["finish_reason"]], logprobs=logprobs,
-                                stats={"engine_versions": [o["version"] for o in outs]})
+        if outs and all(o.old_logprobs is not None for o in outs):
+            logprobs = [lp for o in outs for lp in o.old_logprobs]
+        return GenerationOutput(response_ids=[r for o in outs for r in o.response_ids],
+                                finish_reason=[f for o in outs for f in o.finish_reason], logprobs=logprobs,
+                                stats={"engine_versions": [o.policy_version for o in outs]})
 
     def update_weights(self, named_tensors: dict) -> None:
         """Send ``{name: tensor}`` (moved to CPU) once through the object store to every engine of ``push_to``."""

@@ -1,32 +1,10 @@
 """Training backends of a model worker: one process (torch AdamW) or DeepSpeed data parallel.
 
 The policy worker's update loop (:meth:`trajflow.workers.policy.PolicyWorker.update_actor`) is
-written once against the small interface below; the backend decides how rows reach a rank, how
-gradients are accumulated and reduced, and how optimizer state is saved.
-
-:class:`LocalBackend` is the single-process path every run used before: ``loss.backward()``,
-``clip_grad_norm_``, a step skipped on a non-finite norm. It is the default and changes nothing.
-
-:class:`DeepSpeedBackend` runs the same loop on ``world_size`` ranks with DeepSpeed ZeRO (stage
-0-3). Exactness with the single-process update rests on three facts:
-
-1. every rank sees the whole mini-batch and computes the loss denominators over all of it
-   (``global_num_tokens`` / ``global_num_seqs`` of :func:`stages.policy_update.agg_loss`), then
-   takes its own rows (a token-balanced, equal-count cut of the mini-batch); so the ranks' losses
-   *sum* to the single-process loss;
-2. DeepSpeed *averages* gradients over ranks, so each rank's loss is multiplied by ``world_size``:
-   the reduced gradient equals the single-process gradient (up to float summation order);
-3. all ranks run the same number of micro-batches (a rank with fewer rows runs zero-weighted
-   copies), because every backward (and, under ZeRO-3, every forward) is a collective.
-
-Gradient accumulation is caller-owned (``managed_gradient_accumulation: false``): backward per
-micro-batch, one ``engine.step()`` per mini-batch, however many micro-batches it had.
-
-On CPU the ranks talk over gloo with ``DS_ACCELERATOR=cpu``. DeepSpeed would JIT-compile two
-C++ ops there on first use (~40 s for the shared-memory all-reduce, ~75 s for fused Adam): the
-optimizer is ``torch_adam: true`` (torch's AdamW, the same code the single-process path runs) and
-the shared-memory op is marked unavailable (:func:`_skip_cpu_op_builds`), so gloo carries the
-collectives and nothing compiles at start-up.
+written once against the small interface of :class:`LocalBackend` (the default single-process path:
+``loss.backward()``, ``clip_grad_norm_``, a step skipped on a non-finite norm) and
+:class:`DeepSpeedBackend` (ZeRO stage 0-3 over ``world_size`` ranks; its docstring says why the
+result equals the single-process update).
 """
 
 from __future__ import annotations
@@ -40,8 +18,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from trajflow.workers.forward import PackedBatch, forward_micro_batch
-from trajflow.workers.group import balanced_partition
+from trajflow.config import ActorConfig
+from trajflow.modeling.forward import forward_micro_batch
+from trajflow.modeling.packing import PackedBatch, balanced_partition
 
 #: Metrics that are not sums over rows (everything else in an update's metrics adds up across ranks).
 NON_ADDITIVE = frozenset({"actor/grad_norm", "actor/kl_coef", "critic/grad_norm"})
@@ -84,7 +63,7 @@ class LocalBackend:
 
     def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False,
                 entropy_grad: bool = False):
-        """Training forward of one micro-batch: :func:`~trajflow.workers.forward.forward_micro_batch`."""
+        """Training forward of one micro-batch: :func:`~trajflow.modeling.forward.forward_micro_batch`."""
         return forward_micro_batch(self.model, packed, temperature, compute_entropy, entropy_grad=entropy_grad)
 
     def micro_batches(self, mini: Sequence[int], split: Callable[[list[int]], list[list[int]]],
@@ -176,7 +155,7 @@ def _skip_cpu_op_builds() -> None:
     ops["deepspeed_shm_comm"] = False
 
 
-def deepspeed_config(actor: dict, dtype: str, world_size: int) -> dict:
+def deepspeed_config(actor: ActorConfig, dtype: str, world_size: int) -> dict:
     """The DeepSpeed config built from the ``actor`` section.
 
     Args:
@@ -189,24 +168,24 @@ def deepspeed_config(actor: dict, dtype: str, world_size: int) -> dict:
     Returns:
         A dict for ``deepspeed.initialize(config=...)``.
     """
-    micro = int(actor["ppo_micro_batch_size"])
+    micro = int(actor.ppo_micro_batch_size)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "train_batch_size": micro * world_size,
         # The update loop owns accumulation: backward per micro-batch, step per mini-batch.
         "managed_gradient_accumulation": False,
-        "gradient_clipping": float(actor.get("grad_clip", 0.0)),
+        "gradient_clipping": float(actor.grad_clip),
         "optimizer": {"type": "AdamW", "params": {
-            "lr": float(actor["lr"]), "betas": [float(b) for b in actor.get("betas", (0.9, 0.999))],
-            "eps": 1e-8, "weight_decay": float(actor.get("weight_decay", 0.0)),
+            "lr": float(actor.lr), "betas": [float(b) for b in actor.betas],
+            "eps": 1e-8, "weight_decay": float(actor.weight_decay),
             # torch.optim.AdamW: the single-process path's optimizer, and no fused_adam build.
             "torch_adam": True}},
-        "zero_optimization": {"stage": int(actor.get("zero_stage", 0))},
+        "zero_optimization": {"stage": int(actor.zero_stage)},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if int(actor.get("zero_stage", 0)) == 3:
+    if int(actor.zero_stage) == 3:
         cfg["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": True})
     if dtype in _DTYPE_KEYS:
         cfg[_DTYPE_KEYS[dtype]] = {"enabled": True}
@@ -215,7 +194,7 @@ def deepspeed_config(actor: dict, dtype: str, world_size: int) -> dict:
 
 class PackedLogProbs(torch.nn.Module):
     """The policy as DeepSpeed sees it: ``forward(packed, temperature, compute_entropy)`` returns
-    :func:`~trajflow.workers.forward.forward_micro_batch`'s log-probs (and entropy).
+    :func:`~trajflow.modeling.forward.forward_micro_batch`'s log-probs (and entropy).
 
     DeepSpeed must run every training forward through its engine (``engine(...)``): that is where
     it resets its per-micro-batch gradient bookkeeping (without it ZeRO-3 overwrites instead of
@@ -233,7 +212,28 @@ class PackedLogProbs(torch.nn.Module):
 
 
 class DeepSpeedBackend:
-    """DeepSpeed ZeRO data parallel over ``world_size`` ranks (see the module doc).
+    """DeepSpeed ZeRO data parallel over ``world_size`` ranks.
+
+    Exactness with the single-process update rests on three facts:
+
+    1. every rank sees the whole mini-batch and computes the loss denominators over all of it
+       (``global_num_tokens`` / ``global_num_seqs`` of :func:`stages.policy_update.agg_loss`), then
+       takes its own rows (a token-balanced, equal-count cut of the mini-batch); so the ranks'
+       losses *sum* to the single-process loss;
+    2. DeepSpeed *averages* gradients over ranks, so each rank's loss is multiplied by
+       ``world_size``: the reduced gradient equals the single-process gradient (up to float
+       summation order);
+    3. all ranks run the same number of micro-batches (a rank with fewer rows runs zero-weighted
+       copies), because every backward (and, under ZeRO-3, every forward) is a collective.
+
+    Gradient accumulation is caller-owned (``managed_gradient_accumulation: false``): backward per
+    micro-batch, one ``engine.step()`` per mini-batch, however many micro-batches it had.
+
+    On CPU the ranks talk over gloo with ``DS_ACCELERATOR=cpu``. DeepSpeed would JIT-compile two
+    C++ ops there on first use (~40 s for the shared-memory all-reduce, ~75 s for fused Adam): the
+    optimizer is ``torch_adam: true`` (torch's AdamW, the same code the single-process path runs)
+    and the shared-memory op is marked unavailable (:func:`_skip_cpu_op_builds`), so gloo carries
+    the collectives and nothing compiles at start-up.
 
     Call from inside an actor after :func:`setup_rank_env`; all ranks construct it together
     (``deepspeed.init_distributed`` and ``deepspeed.initialize`` are collectives).
@@ -249,7 +249,7 @@ class DeepSpeedBackend:
 
     distributed = True
 
-    def __init__(self, model: torch.nn.Module, actor: dict, dtype: str, device: str, rank: int,
+    def __init__(self, model: torch.nn.Module, actor: ActorConfig, dtype: str, device: str, rank: int,
                  world_size: int) -> None:
         from trajflow.infra.devices import collective_backend
 
@@ -260,7 +260,7 @@ class DeepSpeedBackend:
         deepspeed.init_distributed(dist_backend=collective_backend(device), auto_mpi_discovery=False,
                                    rank=rank, world_size=world_size)
         self.rank, self.world_size = rank, world_size
-        self.zero_stage = int(actor.get("zero_stage", 0))
+        self.zero_stage = int(actor.zero_stage)
         self.config = deepspeed_config(actor, dtype, world_size)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=PackedLogProbs(model), model_parameters=params,

@@ -1,23 +1,10 @@
-"""Tree packing: a micro-batch's prompts and responses as one sequence, one decoder call.
-
-A micro-batch holds whole groups (a prompt's ``n`` samples) and prompts from one template share a
-long prefix. :func:`tree_pack` lays the micro-batch out as a prompt tree plus responses::
+"""Tree packing: a micro-batch's prompts and responses as one sequence, one decoder call::
 
     [common prefix | prompt 1's rest, its rows' responses | ... | prompt k's rest, its rows' responses]
 
-with per-path position ids and a tree attention mask, so each distinct prompt token is computed
-once and every linear layer runs one matmul over all of the micro-batch's tokens (its weight
-gradient formed once, not once per decoder call as with a KV cache and response buckets).
-
-Attention runs block by block (:func:`tree_attention_forward`): the prefix causally on itself, then
-each prompt's rest and its samples' responses, which sit next to each other, on the prefix plus
-themselves. One SDPA call over the whole sequence with the dense ``(N, N)`` mask would also compute
-every masked-out score: ``N^2`` where the tree needs about ``N`` times a row's context (the default
-recipe's 32-row micro-batch: 0.6 of a 2.8 s update). The blocks are slices of the query, key and
-value tensors (the prefix's keys are copied to each block), so their backward is cheap. An earlier
-version gathered the blocks with ``index_select`` into one padded SDPA call; its gathers and
-``index_add`` backward cost as much as the attention it saved. The hidden states equal the plain
-padded forward's up to float summation order.
+with per-path position ids and a tree attention mask, so each distinct prompt token is computed once
+and every linear layer runs one matmul over the micro-batch's tokens. Attention runs block by block
+(:func:`tree_attention_forward`); ``docs/scaling.md`` ("Model compute") explains why.
 """
 
 from __future__ import annotations
@@ -25,17 +12,16 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from trajflow.workers.forward import PackedBatch
+from trajflow.modeling.packing import PackedBatch
 
 # Longest packed sequence run as one decoder call. The tree builds a dense (N, N) mask (kept for
 # SDPA under activation checkpointing) and each attention block is dense over its prompt's rows;
 # past this length (long prompts or responses, large micro-batches) the cached-prompt path of
-# trajflow.workers.forward, whose attention is exact per row, is used.
+# trajflow.modeling.forward, whose attention is exact per row, is used.
 TREE_MAX_TOKENS = 2048
 
 
@@ -88,14 +74,14 @@ def common_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
     return c
 
 
-def _row_prompts(packed: "PackedBatch") -> list[tuple[int, ...]]:
+def _row_prompts(packed: PackedBatch) -> list[tuple[int, ...]]:
     P = packed.prompt_width
     lens = packed.attention_mask[:, :P].sum(-1).tolist()
     rows = packed.input_ids.tolist()
     return [tuple(rows[i][P - n:P]) for i, n in enumerate(lens)]
 
 
-def tree_packed_tokens(packed: "PackedBatch") -> int:
+def tree_packed_tokens(packed: PackedBatch) -> int:
     """Length ``N`` of :func:`tree_pack`'s sequence for ``packed``, without building it."""
     distinct = list(dict.fromkeys(_row_prompts(packed)))
     c = common_prefix_length(distinct)
@@ -103,8 +89,8 @@ def tree_packed_tokens(packed: "PackedBatch") -> int:
     return c + sum(len(p) - c for p in distinct) + resp
 
 
-def tree_pack(packed: "PackedBatch") -> TreePacking:
-    """Pack ``packed`` (from :func:`trajflow.workers.forward.pack`) as a prompt tree plus responses."""
+def tree_pack(packed: PackedBatch) -> TreePacking:
+    """Pack ``packed`` (from :func:`trajflow.modeling.packing.pack`) as a prompt tree plus responses."""
     b = packed.input_ids.shape[0]
     row_prompts = _row_prompts(packed)
     index: dict[tuple, int] = {}
@@ -218,7 +204,7 @@ def _attention_implementation(model: torch.nn.Module, name: str) -> Iterator[Non
         config._attn_implementation = before
 
 
-def tree_hidden_states(model: torch.nn.Module, packed: "PackedBatch") -> torch.Tensor:
+def tree_hidden_states(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
     """Final hidden states that predict ``packed``'s real response tokens, from one decoder call
     over :func:`tree_pack`'s sequence: ``(R, hidden)``, model dtype, rows in the row-major order of
     ``packed.response_mask.nonzero()``.

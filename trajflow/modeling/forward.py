@@ -1,32 +1,8 @@
-"""Teacher-forced forward passes over (prompt, response) pairs, shared by every model worker.
+"""Teacher-forced forward passes over packed (prompt, response) micro-batches, shared by every
+model worker: log-probs and entropy of the response tokens, computing each distinct prompt once.
 
-The policy's old log-probs, the reference's log-probs and the log-probs inside the PPO update all
-come from :func:`forward_micro_batch` over micro-batches made by :func:`micro_batch_slices`. Using
-one packing for all three is what makes the importance ratio of the first PPO step exactly 1 on
-on-policy data: same rows, same padding, same kernels, bit-identical log-probs.
-
-Packing of a micro-batch of ``b`` rows (verl's layout)::
-
-    [pad ... pad | prompt tokens | response tokens | pad ... pad]
-     <- left-padded to P (longest prompt) -><- right-padded to T (longest response) ->
-
-so every row's response starts at column ``P`` and the logits that predict response token ``t`` sit
-at column ``P - 1 + t``. Only those ``T`` positions go through the LM head, which avoids the
-``(b, P + T, vocab)`` logits tensor (49k vocab: 400 MB for 8 x 256 tokens).
-
-Shared prompts. A group's ``n`` samples share one prompt, micro-batches hold whole groups (rows are
-prompt-major), and prompts built from one template share a long prefix (system prompt, worked
-example). :func:`forward_micro_batch` therefore computes the micro-batch's common prefix once and
-each distinct prompt's remainder once. For the default recipe (85-token prompts of which 72 are
-common, ~20-token responses, n = 4) this removes most of the forward and backward compute. Two
-ways, the same values up to float rounding:
-
-- tree packing (:mod:`trajflow.workers.tree`, the default with SDPA): prefix, prompt remainders
-  and responses form one sequence with a tree attention mask, one decoder call per micro-batch;
-- cached prompts (longer micro-batches, eager attention): the prompts are encoded around their
-  common prefix (:class:`PromptLayout`), the key/value cache is copied to the rows that share each
-  prompt and the responses run against it in length buckets. Gradients flow through the copied
-  cache into the prompt's forward (the copy's backward sums the rows' contributions).
+:func:`response_hidden_states` picks tree packing (:mod:`trajflow.modeling.tree`) or cached prompts;
+``docs/scaling.md`` ("Shared prompts") describes both and what they save.
 """
 
 from __future__ import annotations
@@ -38,96 +14,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from trajflow.workers.token_logprobs import token_logprobs_entropy
-from trajflow.workers.tree import TREE_MAX_TOKENS, common_prefix_length, tree_hidden_states, tree_packed_tokens
-
-
-def micro_batch_slices(num_rows: int, micro_batch_size: int) -> list[slice]:
-    """Consecutive row slices of at most ``micro_batch_size`` rows (the last may be shorter)."""
-    return [slice(i, min(i + micro_batch_size, num_rows)) for i in range(0, num_rows, micro_batch_size)]
-
-
-def token_budget_slices(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                        max_tokens: int) -> list[slice]:
-    """Consecutive row slices whose computed tokens stay within ``max_tokens`` (verl's
-    ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``).
-
-    A row costs its response, plus its prompt unless a row of the same slice already has that
-    prompt (the forward computes each distinct prompt once per micro-batch; a common prefix shared
-    by different prompts is not subtracted, so the bound is conservative). A row that alone exceeds
-    the budget gets a slice of its own: the budget bounds memory, it never drops a row.
-
-    Raises:
-        ValueError: ``max_tokens < 1``.
-    """
-    if max_tokens < 1:
-        raise ValueError(f"actor.ppo_max_token_len_per_gpu must be >= 1, got {max_tokens}")
-    slices, start, used, seen = [], 0, 0, set()
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        key = tuple(p)
-        cost = len(r) + (0 if key in seen else len(p))
-        if i > start and used + cost > max_tokens:
-            slices.append(slice(start, i))
-            start, used, seen = i, 0, set()
-            cost = len(r) + len(p)
-        used += cost
-        seen.add(key)
-    if len(prompt_ids) > start:
-        slices.append(slice(start, len(prompt_ids)))
-    return slices
-
-
-def micro_batch_plan(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                     micro_batch_size: int, max_tokens: int | None = None) -> list[slice]:
-    """The micro-batches of consecutive rows every forward of a worker uses: by token budget when
-    ``max_tokens`` is set (:func:`token_budget_slices`), else ``micro_batch_size`` rows each."""
-    if max_tokens:
-        return token_budget_slices(prompt_ids, response_ids, int(max_tokens))
-    return micro_batch_slices(len(prompt_ids), micro_batch_size)
-
-
-@dataclass
-class PackedBatch:
-    """One micro-batch packed for a forward pass.
-
-    Attributes:
-        input_ids: ``(b, P + T)`` int64.
-        attention_mask: ``(b, P + T)`` int64, 1 on prompt and response tokens.
-        position_ids: ``(b, P + T)`` int64, counting real tokens only.
-        responses: ``(b, T)`` int64 response tokens (pad 0).
-        response_mask: ``(b, T)`` bool, True on real response tokens.
-        prompt_width: ``P``.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    responses: torch.Tensor
-    response_mask: torch.Tensor
-    prompt_width: int
-
-
-def pack(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int,
-         device: str | torch.device = "cpu") -> PackedBatch:
-    """Pack prompts (left-padded) and responses (right-padded) into one batch; see module doc."""
-    b = len(prompt_ids)
-    p_len = np.array([len(p) for p in prompt_ids])
-    r_len = np.array([len(r) for r in response_ids])
-    P, T = int(p_len.max()), max(int(r_len.max()), 1)
-    ids = np.full((b, P + T), pad_id, dtype=np.int64)
-    attn = np.zeros((b, P + T), dtype=np.int64)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids[i, P - len(p):P] = p
-        ids[i, P:P + len(r)] = r
-        attn[i, P - len(p):P + len(r)] = 1
-    attention_mask = torch.from_numpy(attn)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    input_ids = torch.from_numpy(ids)
-    responses = input_ids[:, P:].clone()
-    rmask = attention_mask[:, P:].bool()
-    responses[~rmask] = 0
-    return PackedBatch(input_ids.to(device), attention_mask.to(device), position_ids.to(device),
-                       responses.to(device), rmask.to(device), P)
+from trajflow.modeling.packing import PackedBatch, micro_batch_plan, pack
+from trajflow.modeling.token_logprobs import token_logprobs_entropy
+from trajflow.modeling.tree import TREE_MAX_TOKENS, common_prefix_length, tree_hidden_states, tree_packed_tokens
 
 
 def shared_prompt_rows(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -295,7 +184,7 @@ def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_pr
     row per True entry of ``packed.response_mask`` in row-major order (padding is never kept).
 
     With ``share_prompts`` each distinct prompt token is computed once per micro-batch, in one of two
-    ways (same values up to float rounding; see the module doc):
+    ways (same values up to float rounding):
 
     - **tree packing** (:func:`uses_tree_packing`: SDPA and at most ``tree_max_tokens`` packed
       tokens): the prompts and responses form one sequence with a tree attention mask
@@ -399,12 +288,12 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
         temperature: sampling temperature of the rollout (> 0).
         compute_entropy: also return the per-token entropy of ``softmax(logits / temperature)``.
         logits_chunk: response positions sent through the LM head at a time.
-        share_prompts: run each distinct prompt once (see the module doc); same values up to rounding.
+        share_prompts: run each distinct prompt once (see :func:`response_hidden_states`); same values up to rounding.
         bucket_overhead: see :func:`length_buckets`.
         tree_max_tokens: longest micro-batch run as one tree-packed sequence (:func:`uses_tree_packing`).
         entropy_grad: make the entropy differentiable (only an entropy bonus needs it). Without
             it the entropy is a metric with no gradient, and the backward keeps only the softmax
-            of each chunk (:class:`trajflow.workers.token_logprobs.LogProbEntropy`).
+            of each chunk (:class:`trajflow.modeling.token_logprobs.LogProbEntropy`).
 
     Returns:
         ``log_probs`` ``(b, T)`` float32 and ``entropy`` ``(b, T)`` float32 or ``None``; 0 at positions
