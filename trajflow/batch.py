@@ -10,12 +10,16 @@ padded ``(rows, max_len)`` tensor and :func:`to_ragged` goes back, keeping only 
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from trajflow.errors import BatchError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, not for Arrow-only callers
+    import torch
 
 SCHEMA_VERSION = 1
 
@@ -141,8 +145,3 @@ def join_stages(tables: Sequence[pa.Table]) -> pa.Table:
                 raise BatchError(f"column {name!r} is written by two stages")
             out = out.append_column(name, t.column(name))
     return out
-
-
-def select_rows(table: pa.Table, keep: np.ndarray) -> pa.Table:
-    """Rows where the boolean mask ``keep`` (rows,) is true."""
-    return table.filter(pa.array(np.asarray(keep, dtype=bool)))

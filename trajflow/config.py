@@ -566,20 +566,3 @@ def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
-
-
-def help_table() -> list[tuple[str, str, str]]:
-    """(key, default, help) for every leaf key, for docs and ``trajflow config --help``."""
-    rows = []
-
-    def walk(cls: type, prefix: str) -> None:
-        inst = cls()
-        for f in dataclasses.fields(cls):
-            sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-            if dataclasses.is_dataclass(sub):
-                walk(sub, f"{prefix}{f.name}.")
-            else:
-                rows.append((f"{prefix}{f.name}", repr(getattr(inst, f.name)), f.metadata.get("help", "")))
-
-    walk(TrajflowConfig, "")
-    return rows
