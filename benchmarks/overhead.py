@@ -254,7 +254,7 @@ def main() -> None:
                  "trainer.progress=false", *extra]
     print(f"default recipe with {overrides} in {root}", flush=True)
     cfg = load_config(None, overrides)
-    # Start Ray as trajflow.runtime.start_ray would, so it stays up for the Ray probes after the run.
+    # Start Ray as trajflow.infra.ray_cluster.start_ray would, so it stays up for the Ray probes after the run.
     for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss it
         try:
             env_vars = worker_env_vars(cfg.resources.allocator)

@@ -30,7 +30,9 @@ from trajflow.config import load_config  # noqa: E402
 from trajflow.errors import StoreError  # noqa: E402
 from trajflow.run.context import RunContext, get_context, register  # noqa: E402
 from trajflow.run.validation import run_validation  # noqa: E402
-from trajflow.runtime import close, ensure_workers, stage_guard, start_ray  # noqa: E402
+from trajflow.infra.ray_cluster import start_ray  # noqa: E402
+from trajflow.run.recovery import ensure_workers, stage_guard  # noqa: E402
+from trajflow.run.workers import close  # noqa: E402
 from trajflow.store import RunStore, atomic_write_json  # noqa: E402
 
 

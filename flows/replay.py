@@ -56,7 +56,7 @@ from trajflow.errors import ReplayError, RunExistsError  # noqa: E402
 from trajflow.metrics import batch_metrics  # noqa: E402
 from trajflow.run import lifecycle as run  # noqa: E402
 from trajflow.run.context import RunContext  # noqa: E402
-from trajflow.runtime import close  # noqa: E402
+from trajflow.run.workers import close  # noqa: E402
 from trajflow.errors import StoreError  # noqa: E402
 from trajflow.store import StageRef, RunStore  # noqa: E402
 

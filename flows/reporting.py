@@ -88,7 +88,7 @@ def iteration_artifact(ctx, iteration: int, metrics: Mapping[str, float]) -> UUI
     """Publish the iteration's metrics table as a Prefect markdown artifact of the current flow run.
 
     Args:
-        ctx: the run (:class:`trajflow.runtime.RunContext` with a tracker).
+        ctx: the run (:class:`trajflow.run.context.RunContext` with a tracker).
         iteration: the finished iteration.
         metrics: its metrics (as logged to MLflow).
 

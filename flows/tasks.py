@@ -36,7 +36,7 @@ from trajflow.run import roles
 from trajflow.run.cache_keys import advantage_inputs, reward_inputs, rollout_inputs
 from trajflow.run.context import RunContext, get_context
 from trajflow.run.validation import run_validation
-from trajflow.runtime import ensure_workers, retry_on_transient, stage_guard, stage_timeout, wait
+from trajflow.run.recovery import ensure_workers, retry_on_transient, stage_guard, stage_timeout, wait
 from trajflow.store import StageRef
 
 __all__ = ["stage_task", "stages_for", "rollout_stage", "reward_stage", "gate_stage", "advantage_stage",
@@ -53,7 +53,7 @@ def stage_task(stage: Stage, *, inputs: Callable | None = None, on_reuse: Callab
     The task (called as ``task(run_id, iteration, *refs)``) looks up the run's context; when
     ``inputs`` is given it computes the stage's input digests and returns the stored output instead
     of recomputing it if one verifies against them (calling ``on_reuse(ctx, iteration)``); otherwise
-    it runs the body inside :func:`~trajflow.runtime.stage_guard`, after recreating lost workers in
+    it runs the body inside :func:`~trajflow.run.recovery.stage_guard`, after recreating lost workers in
     the state after iteration ``iteration - 1``, and records the body's seconds as ``timer`` in the
     iteration's timings.
 

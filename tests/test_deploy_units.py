@@ -90,7 +90,7 @@ def test_only_transient_failures_are_retried():
     from prefect.states import Failed
 
     from trajflow.errors import GateFailed
-    from trajflow.runtime import retry_on_transient
+    from trajflow.run.recovery import retry_on_transient
 
     def retried(exc: BaseException) -> bool:
         return retry_on_transient(None, None, Failed(data=exc))
@@ -107,7 +107,7 @@ def test_only_transient_failures_are_retried():
 
 def test_stage_timeouts_and_retries_come_from_config():
     from flows.tasks import stages_for
-    from trajflow.runtime import stage_timeout
+    from trajflow.run.recovery import stage_timeout
 
     cfg = load_config(None, ["trainer.stage_timeout_s=600", "trainer.stage_timeouts={update_actor: 30, gate: 0}",
                              "trainer.stage_retries=4", "trainer.stage_retry_delay_s=2.5"])
@@ -133,9 +133,9 @@ def test_bad_retry_and_timeout_config_names_the_key(override, message):
 def test_stage_deadline_drops_a_stuck_worker_and_keeps_a_healthy_one(tmp_path, ray_local):
     import ray
 
-    import trajflow.runtime as runtime
+    import trajflow.run.recovery as runtime
     from trajflow.run.context import RunContext
-    from trajflow.runtime import stage_guard, wait
+    from trajflow.run.recovery import stage_guard, wait
     from trajflow.store import RunStore
 
     @ray.remote(num_cpus=0)

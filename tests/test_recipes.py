@@ -119,7 +119,8 @@ def test_lost_critic_is_rebuilt_from_the_stored_updates(env, ppo_run):
     import ray
     from omegaconf import OmegaConf
 
-    from trajflow import runtime
+    from trajflow.run import recovery, workers
+    from trajflow.run.context import RunContext
     from trajflow.config import load_config
     from trajflow.store import RunStore
 
@@ -127,12 +128,12 @@ def test_lost_critic_is_rebuilt_from_the_stored_updates(env, ppo_run):
     saved = env.root / "critic-after-it1"
     shutil.move(str(d / "checkpoints" / "000001"), saved)  # no checkpoint at or before iteration 1 now
     cfg = load_config(base=OmegaConf.load(d / "config.yaml"))
-    ctx = runtime.RunContext(cfg=cfg, store=RunStore(cfg.store.root, d.name), model_path=str(env.model))
-    truth = runtime.RunContext(cfg=cfg, store=ctx.store, model_path=str(env.model))
+    ctx = RunContext(cfg=cfg, store=RunStore(cfg.store.root, d.name), model_path=str(env.model))
+    truth = RunContext(cfg=cfg, store=ctx.store, model_path=str(env.model))
     try:
-        runtime.create_critic_worker(ctx)
-        assert runtime.restore_critic(ctx, through=1) == 1
-        runtime.create_critic_worker(truth)
+        workers.create_critic_worker(ctx)
+        assert recovery.restore_critic(ctx, through=1) == 1
+        workers.create_critic_worker(truth)
         ray.get(truth.critic.load_checkpoint.remote(str(saved / "critic")))
         assert ray.get(ctx.critic.weights_digest.remote()) == ray.get(truth.critic.weights_digest.remote())
     finally:

@@ -58,7 +58,7 @@ def _kill_when_update_starts(log: Path, version: int, killed: dict, stop: thread
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory, tiny_model_dir, ray_local):
-    import trajflow.runtime as runtime
+    import trajflow.run.workers as runtime
     from flows.train import train
 
     tmp = tmp_path_factory.mktemp("retry")

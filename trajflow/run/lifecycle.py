@@ -23,7 +23,8 @@ from trajflow.config import to_yaml
 from trajflow.errors import RunExistsError, StoreError
 from trajflow.run.context import IterationState, RunContext, register
 from trajflow.run.progress import Progress
-from trajflow.runtime import close, create_workers, start_ray
+from trajflow.infra.ray_cluster import start_ray
+from trajflow.run.workers import close, create_workers
 from trajflow.store import STAGES, RunStore
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The driver's calls into the role workers that the stage tasks share: tokenize and generate on the
 policy (or rollout) workers, and score responses on Ray tasks (rules) plus the reward-model worker.
 
-Every wait is bounded by the running stage's deadline (:func:`trajflow.runtime.wait`).
+Every wait is bounded by the running stage's deadline (:func:`trajflow.run.recovery.wait`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from stages.reward import score_rows
 from stages.rollout import Generation, SamplingParams, baseline_columns
 from trajflow.faults import fault_point
 from trajflow.run.context import RunContext
-from trajflow.runtime import wait
+from trajflow.run.recovery import wait
 
 
 def generate(ctx: RunContext, prompts: list, params: SamplingParams, iteration: int | None = None) -> tuple[list, Generation]:

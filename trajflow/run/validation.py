@@ -10,7 +10,7 @@ from stages.rollout import sampling_params
 from stages.seeds import Salt, iteration_seed
 from trajflow.metrics import validation_metrics
 from trajflow.run.context import RunContext
-from trajflow.runtime import wait
+from trajflow.run.recovery import wait
 
 
 def run_validation(ctx: RunContext, step: int) -> dict[str, float]:

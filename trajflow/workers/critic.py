@@ -1,7 +1,7 @@
 """The critic worker: a value model V(s_t) for GAE, trained with the clipped value loss.
 
 A causal LM's transformer body plus a zero-initialised linear value head (:class:`ValueModel`),
-with its own AdamW; run as a Ray actor by :func:`trajflow.runtime.create_workers` only when the
+with its own AdamW; run as a Ray actor by :func:`trajflow.run.workers.create_workers` only when the
 advantage estimator needs values (``algorithm.adv_estimator=gae``).
 """
 

@@ -1,0 +1,185 @@
+"""Start and stop the run's role workers: the policy (actor + rollout) ranks, the reference policy,
+the critic, the reward model and separate rollout workers, each placed on its resource pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from trajflow.infra.ray_cluster import stop_ray, watch_new_ray_processes
+from trajflow.run.context import RunContext, unregister
+
+log = logging.getLogger(__name__)
+
+#: Run this class instead of :class:`trajflow.workers.policy.PolicyWorker` (a subclass: extensions,
+#: instrumented workers in tests). ``None``: the stock worker.
+policy_worker_cls: type | None = None
+
+
+def placement(ctx: RunContext) -> Any:
+    """The run's :class:`trajflow.infra.placement.Placement` (pools -> placement groups -> actor options), made once."""
+    from trajflow.infra.placement import Placement
+
+    if ctx.placement is None:
+        ctx.placement = Placement(ctx.cfg)
+    return ctx.placement
+
+
+def create_policy_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start the policy workers (actor + rollout) as a :class:`~trajflow.workers.group.WorkerGroup`
+    with the initial model: ``actor.world_size`` ranks on the actor's pool (one rank and today's actor
+    options when no pools are declared).
+
+    Args:
+        ctx: the run (``ctx.actor`` is set; it is called like one actor handle).
+        wait_loaded: wait until the model is loaded (and, for DeepSpeed, the ranks have joined their
+            process group, and separate rollout workers are attached), so that errors surface here.
+
+    Raises:
+        ray.exceptions.RayActorError: the model could not be loaded (the cause names it).
+        trajflow.errors.DeviceError: a pool does not fit the cluster.
+    """
+    from trajflow.workers.group import WorkerGroup
+    from trajflow.workers.policy import PolicyWorker
+
+    cfg = ctx.cfg
+    place = placement(ctx)
+    ctx.actor = WorkerGroup.spawn(
+        policy_worker_cls or PolicyWorker,
+        (ctx.model_path, OmegaConf.to_object(cfg.actor), OmegaConf.to_object(cfg.model),
+         OmegaConf.to_object(cfg.rollout), int(cfg.trainer.seed), cfg.trainer.device, int(cfg.trainer.num_threads)),
+        [place.actor_options("actor", r) for r in range(place.world_size("actor"))], "actor",
+        lockstep=cfg.actor.strategy == "deepspeed" and cfg.actor.zero_stage == 3)
+    if wait_loaded:
+        finish_policy_worker(ctx)
+
+
+def finish_policy_worker(ctx: RunContext) -> None:
+    """Wait for the policy ranks to load; join DeepSpeed ranks into one process group; attach
+    separate rollout workers (``rollout.pool``), creating them on first use."""
+    import ray
+
+    cfg = ctx.cfg
+    if cfg.actor.strategy == "deepspeed":
+        ctx.actor.init_distributed()
+    if cfg.rollout.pool is not None:
+        if ctx.rollout is None:
+            from trajflow.workers.group import WorkerGroup
+            from trajflow.workers.rollout import RolloutWorker
+
+            place = placement(ctx)
+            ctx.rollout = WorkerGroup.spawn(
+                RolloutWorker, (ctx.model_path, OmegaConf.to_object(cfg.rollout), OmegaConf.to_object(cfg.model),
+                                int(cfg.trainer.seed), cfg.trainer.device, int(cfg.trainer.num_threads)),
+                [place.actor_options("rollout", r) for r in range(place.world_size("rollout"))], "rollout")
+        ray.get([h.pid.remote() for h in ctx.rollout.handles])
+        ctx.actor.execute("attach_rollout", ctx.rollout.handles)
+    ray.get(ctx.actor.info.remote())
+
+
+def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start the frozen reference policy (for KL terms) as a worker group (``ctx.reference``): one
+    rank per slot of its pool (one actor with ``num_cpus=0`` when no pools are declared)."""
+    import ray
+
+    from trajflow.workers.group import WorkerGroup
+    from trajflow.workers.reference import ReferenceWorker
+
+    cfg = ctx.cfg
+    ref_path = cfg.reference.path
+    if ref_path:
+        from trajflow.models import resolve_model_path
+
+        ref_path = str(resolve_model_path(ref_path, cfg.model.cache_dir))
+    place = placement(ctx)
+    ctx.reference = WorkerGroup.spawn(
+        ReferenceWorker, (ref_path or ctx.model_path, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.rollout),
+                          cfg.trainer.device, int(cfg.trainer.num_threads)),
+        [place.actor_options("reference", r) for r in range(place.world_size("reference"))], "reference")
+    if wait_loaded:
+        ray.get([h.pid.remote() for h in ctx.reference.handles])
+
+
+def create_critic_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start the critic (value model: ``critic.path`` or the policy's body + a value head) as a Ray
+    actor (``ctx.critic``), with fresh weights and optimizer."""
+    import ray
+
+    from trajflow.models import resolve_model_path
+    from trajflow.workers.critic import CriticWorker
+
+    cfg = ctx.cfg
+    path = str(resolve_model_path(cfg.critic.path, cfg.model.cache_dir)) if cfg.critic.path else ctx.model_path
+    # One actor on the critic's pool (its slot 0; num_cpus=0 when no pools are declared).
+    ctx.critic = ray.remote(max_restarts=0)(CriticWorker).options(**placement(ctx).actor_options("critic", 0)).remote(
+        path, OmegaConf.to_object(cfg.critic), OmegaConf.to_object(cfg.model), cfg.trainer.device,
+        int(cfg.trainer.num_threads))
+    if wait_loaded:
+        ray.get(ctx.critic.pid.remote())
+
+
+def create_reward_model_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start the reward model (``reward.reward_model.path``) as a Ray actor (``ctx.reward_model``)."""
+    import ray
+
+    from trajflow.models import resolve_model_path
+    from trajflow.workers.reward_model import RewardModelWorker
+
+    cfg = ctx.cfg
+    path = str(resolve_model_path(cfg.reward.reward_model.path, cfg.model.cache_dir))
+    ctx.reward_model = ray.remote(RewardModelWorker).options(num_cpus=0).remote(
+        path, OmegaConf.to_object(cfg.reward.reward_model), OmegaConf.to_object(cfg.model), cfg.trainer.device,
+        int(cfg.trainer.num_threads))
+    if wait_loaded:
+        ray.get(ctx.reward_model.pid.remote())
+
+
+def create_workers(ctx: RunContext) -> None:
+    """Start the policy workers, plus the reference workers when a KL term is on, the critic when the
+    advantage estimator needs values and the reward model when it is enabled; they load in parallel,
+    and load errors (bad model directory, ...) surface here rather than at the first stage.
+
+    Where the policy, reference and critic run comes from :class:`trajflow.infra.placement.Placement`
+    (``resources.pools``, ``resources.placement``, ``<role>.pool``); the Ray node of every rank is
+    recorded in ``run.json`` (``worker_nodes``).
+    """
+    import ray
+
+    create_policy_worker(ctx, wait_loaded=False)
+    if ctx.needs_reference():
+        create_reference_worker(ctx, wait_loaded=False)
+    if ctx.needs_critic():
+        create_critic_worker(ctx, wait_loaded=False)
+    if ctx.needs_reward_model():
+        create_reward_model_worker(ctx, wait_loaded=False)
+    finish_policy_worker(ctx)
+    if ctx.reference is not None:
+        ray.get([h.pid.remote() for h in ctx.reference.handles])
+    for handle in (ctx.critic, ctx.reward_model):
+        if handle is not None:
+            ray.get(handle.pid.remote())
+    groups = {"actor": ctx.actor, "reference": ctx.reference, "rollout": ctx.rollout}
+    ctx.store.update_run_meta(worker_nodes={role: g.node_ids() for role, g in groups.items() if g is not None})
+    try:
+        watch_new_ray_processes()
+    except Exception as e:  # pragma: no cover - best effort
+        log.warning("could not update the Ray watcher: %s", e)
+
+
+def close(ctx: RunContext) -> None:
+    """Stop the run's actors, release its placement groups (and stop Ray, if this run started it)."""
+    from trajflow.workers.group import kill_workers
+
+    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model, ctx.rollout):
+        kill_workers(handle)
+    ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = ctx.rollout = None
+    place, ctx.placement = ctx.placement, None
+    if place is not None:
+        place.close()
+    unregister(ctx)
+    if ctx.started_ray:
+        stop_ray()
+        ctx.started_ray = False
