@@ -1,0 +1,1 @@
+"""The driver's live run: context and typed state, lifecycle, worker start-up and recovery."""
