@@ -2,9 +2,10 @@
 
 - Runs page: :func:`list_runs` (every MLflow run of the tracking store) and
   :func:`trajflow.compare.compare_runs` for curves, final/best values and config differences.
-- Trajectory browser: :func:`find_trajectories` with a :class:`TrajectoryFilter` over a run's
-  stored trajectories (the LanceDB audit table through ``trajflow.audit.query_audit`` when it exists,
-  else the run's Parquet stage outputs), and :func:`trajectory_facets` for the filter choices.
+- Trajectory browser: :func:`find_trajectories` (one row per response) and :func:`find_groups` (a
+  prompt once with its n responses, for GRPO-style groups) with a :class:`TrajectoryFilter` over a
+  run's stored trajectories (the LanceDB audit table when it exists, else the Parquet stage outputs;
+  both give the same rows), and :func:`trajectory_facets` for the filter choices.
 - Gates page: :func:`gate_reports` from ``<run>/iterations/NNNNNN/gate.json``.
 
 :func:`serve` starts the Streamlit app (``trajflow dashboard``).
@@ -21,8 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trajflow.errors import DashboardError
-from trajflow.errors import StoreError
+from trajflow.errors import DashboardError, StoreError
 from trajflow.store import RunStore
 
 APP = Path(__file__).resolve().with_name("app.py")
@@ -122,7 +122,12 @@ class TrajectoryFilter:
         data_sources: keep rows whose ``data_source`` is one of these.
         score_range: inclusive ``(low, high)`` on ``score``.
         finish_reasons: keep rows whose ``finish_reason`` is one of these (``stop``, ``length``).
-        search: full-text search over prompt and response text.
+        search: case-insensitive substring of the prompt or response text (``TROM`` finds
+            ``trombone``), with or without the audit table.
+        fulltext: ranked full-text (BM25, whole words) query; needs the run's audit table.
+            Results come in relevance order, so ``sort_by`` does not apply.
+        sort_by: one of :data:`SORT_KEYS`.
+        descending: sort from the largest value down.
     """
 
     iterations: tuple[int, int] | None = None
@@ -130,6 +135,13 @@ class TrajectoryFilter:
     score_range: tuple[float, float] | None = None
     finish_reasons: tuple[str, ...] = ()
     search: str | None = None
+    fulltext: str | None = None
+    sort_by: str = "iteration"
+    descending: bool = False
+
+
+#: What the browser sorts by; ties keep iteration and sample id order.
+SORT_KEYS = ("iteration", "score", "advantage_mean", "response_length")
 
 
 def _sql_str(s: str) -> str:
@@ -150,6 +162,10 @@ def where_clause(flt: TrajectoryFilter) -> str | None:
         parts.append(f"score >= {float(flt.score_range[0])!r} AND score <= {float(flt.score_range[1])!r}")
     if flt.finish_reasons:
         parts.append(f"finish_reason IN ({', '.join(_sql_str(s) for s in flt.finish_reasons)})")
+    if flt.search and flt.search.strip():
+        # strpos, not LIKE: the user's text may hold % or _ without meaning wildcards.
+        q = _sql_str(flt.search.strip().lower())
+        parts.append(f"(strpos(lower(prompt_text), {q}) > 0 OR strpos(lower(response_text), {q}) > 0)")
     return " AND ".join(parts) or None
 
 
@@ -225,12 +241,10 @@ def _iteration_rows(store: RunStore, it: int) -> pa.Table | None:
     })
 
 
-def _scan_parquet(store: RunStore, flt: TrajectoryFilter, limit: int) -> pa.Table:
-    """The fallback when there is no audit table: filter the Parquet stage outputs in memory.
-
-    ``search`` is a case-insensitive substring match over prompt and response text.
-    """
-    out, total = [], 0
+def _scan_parquet(store: RunStore, flt: TrajectoryFilter) -> pa.Table:
+    """The fallback when there is no audit table: every row of the Parquet stage outputs that
+    matches ``flt`` (``search`` as in :func:`where_clause`: a case-insensitive substring)."""
+    out = []
     its = store.iterations()
     if flt.iterations is not None:
         its = [i for i in its if flt.iterations[0] <= i <= flt.iterations[1]]
@@ -246,16 +260,14 @@ def _scan_parquet(store: RunStore, flt: TrajectoryFilter, limit: int) -> pa.Tabl
         if flt.score_range is not None:
             s = t.column("score")
             mask = pc.and_(mask, pc.and_(pc.greater_equal(s, flt.score_range[0]), pc.less_equal(s, flt.score_range[1])))
-        if flt.search:
-            hit = pc.or_(pc.match_substring(t.column("prompt_text"), flt.search, ignore_case=True),
-                         pc.match_substring(t.column("response_text"), flt.search, ignore_case=True))
+        if flt.search and flt.search.strip():
+            q = flt.search.strip().lower()
+            hit = pc.or_(pc.match_substring(pc.utf8_lower(t.column("prompt_text")), q),
+                         pc.match_substring(pc.utf8_lower(t.column("response_text")), q))
             mask = pc.and_(mask, hit)
         t = t.filter(pc.fill_null(mask, False))
         if t.num_rows:
-            out.append(t.slice(0, limit - total))
-            total += min(t.num_rows, limit - total)
-        if total >= limit:
-            break
+            out.append(t)
     if not out:
         return _iteration_schema().empty_table()
     return pa.concat_tables(out)
@@ -278,11 +290,10 @@ def trajectory_source(store_root: str | Path, run_id: str) -> str:
 
 def find_trajectories(store_root: str | Path, run_id: str, flt: TrajectoryFilter = TrajectoryFilter(),
                       limit: int = 50) -> pa.Table:
-    """A run's stored trajectories matching ``flt``: the browser's one data access.
+    """A run's stored trajectories matching ``flt``, sorted by ``flt.sort_by``: the browser's one data access.
 
-    Uses ``trajflow.audit.query_audit(store_root, run_id, where=..., search=..., limit=...)`` (LanceDB,
-    full-text index) when that module is importable and the run has ``audit.lance``; otherwise reads
-    the run's Parquet stage outputs (``search`` is then a case-insensitive substring match).
+    Reads the LanceDB audit table (``trajflow.audit.query_audit``) when the run has one, else the
+    run's Parquet stage outputs; filters, substring search and sorting give the same rows either way.
 
     Args:
         store_root: the store root.
@@ -294,16 +305,75 @@ def find_trajectories(store_root: str | Path, run_id: str, flt: TrajectoryFilter
         A table with :data:`TRAJECTORY_COLUMNS`.
 
     Raises:
-        DashboardError: unknown run or ``limit`` < 1.
+        DashboardError: unknown run, ``limit`` < 1, an unknown sort key, or a full-text query on a
+            run without an audit table.
     """
     if limit < 1:
         raise DashboardError(f"limit must be >= 1, got {limit}")
+    if flt.sort_by not in SORT_KEYS:
+        raise DashboardError(f"sort_by={flt.sort_by!r}: choose one of {', '.join(SORT_KEYS)}")
     store = _store(store_root, run_id)
-    search = (flt.search or "").strip() or None
-    if trajectory_source(store_root, run_id) == "audit":
-        return _audit_query()(store.root, run_id, where=where_clause(flt), search=search, limit=limit)
-    return _scan_parquet(store, TrajectoryFilter(flt.iterations, flt.data_sources, flt.score_range,
-                                                 flt.finish_reasons, search), limit)
+    audit = trajectory_source(store_root, run_id) == "audit"
+    fulltext = (flt.fulltext or "").strip() or None
+    if fulltext:
+        if not audit:
+            raise DashboardError(f"run {run_id!r} has no audit table, so there is no full-text index; use the "
+                                 f"substring search, or build the table with 'trajflow audit {run_id} --rebuild'")
+        return _audit_query()(store.root, run_id, where=where_clause(flt), search=fulltext, limit=limit)
+    if audit:
+        rows = _audit_query()(store.root, run_id, where=where_clause(flt), limit=2**31 - 1)
+    else:
+        rows = _scan_parquet(store, flt)
+    order = [("iteration", "ascending"), ("sample_id", "ascending")]
+    if flt.sort_by != "iteration" or flt.descending:
+        order = [(flt.sort_by, "descending" if flt.descending else "ascending")] + order
+    return rows.sort_by(order).slice(0, limit)
+
+
+def find_groups(store_root: str | Path, run_id: str, flt: TrajectoryFilter = TrajectoryFilter(),
+                limit: int = 20) -> list[dict]:
+    """Whole groups (one prompt, its n sampled responses) that hold a row matching ``flt``.
+
+    The groups come in the order of their first matching row (:func:`find_trajectories`'s order);
+    each holds *all* its responses, matching or not, so scores and advantages can be compared
+    within the group as the estimator saw them.
+
+    Args:
+        store_root, run_id, flt: as :func:`find_trajectories` (``fulltext`` included).
+        limit: at most this many groups (>= 1).
+
+    Returns:
+        ``[{"iteration", "group_id", "prompt_text", "data_source", "ground_truth", "score_mean",
+        "score_std", "rows": [trajectory rows by sample_id]}]``; ``score_std`` is the population
+        std over the group's finite scores (GRPO's normaliser up to its epsilon), None without scores.
+
+    Raises:
+        DashboardError: as :func:`find_trajectories`.
+    """
+    import math
+
+    if limit < 1:
+        raise DashboardError(f"limit must be >= 1, got {limit}")
+    matched = find_trajectories(store_root, run_id, flt, limit=2**31 - 1)
+    keys = list(dict.fromkeys(zip(matched.column("iteration").to_pylist(), matched.column("group_id").to_pylist())))
+    keys = keys[:limit]
+    store = _store(store_root, run_id)
+    by_iteration: dict[int, pa.Table] = {}
+    groups = []
+    for it, gid in keys:
+        if it not in by_iteration:
+            by_iteration[it] = _iteration_rows(store, it)
+        t = by_iteration[it]
+        rows = sorted((r for r in t.filter(pc.equal(t.column("group_id"), gid)).to_pylist()),
+                      key=lambda r: r["sample_id"])
+        scores = [r["score"] for r in rows if r["score"] is not None and math.isfinite(r["score"])]
+        mean = sum(scores) / len(scores) if scores else None
+        std = math.sqrt(sum((x - mean) ** 2 for x in scores) / len(scores)) if scores else None
+        first = rows[0]
+        groups.append({"iteration": it, "group_id": gid, "prompt_text": first["prompt_text"],
+                       "data_source": first["data_source"], "ground_truth": first["ground_truth"],
+                       "score_mean": mean, "score_std": std, "rows": rows})
+    return groups
 
 
 def trajectory_facets(store_root: str | Path, run_id: str) -> dict:

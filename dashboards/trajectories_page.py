@@ -1,4 +1,5 @@
-"""Trajectory browser: a run's stored responses, filtered and searched, one card per response."""
+"""Trajectory browser: a run's stored responses, filtered, searched and sorted; one card per response,
+or one card per group (a prompt once, its n responses side by side)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import streamlit as st
 
 from dashboards.common import run_picker, settings
-from dashboards.data import TrajectoryFilter, find_trajectories, trajectory_facets, trajectory_source
+from dashboards.data import (SORT_KEYS, TrajectoryFilter, find_groups, find_trajectories, trajectory_facets,
+                             trajectory_source)
 
 
 @st.cache_data(ttl=15, show_spinner=False)
@@ -18,6 +20,11 @@ def _facets(root: str, run: str) -> dict:
 @st.cache_data(ttl=15, show_spinner="searching ...")
 def _find(root: str, run: str, flt: TrajectoryFilter, limit: int) -> list[dict]:
     return find_trajectories(root, run, flt, limit).to_pylist()
+
+
+@st.cache_data(ttl=15, show_spinner="searching ...")
+def _groups(root: str, run: str, flt: TrajectoryFilter, limit: int) -> list[dict]:
+    return find_groups(root, run, flt, limit)
 
 
 def _fmt(v, spec: str = ".4g") -> str:
@@ -50,6 +57,25 @@ def _card(row: dict) -> None:
         st.caption("reward details: " + json.dumps(details, default=str))
 
 
+def _group_card(group: dict) -> None:
+    rows = group["rows"]
+    with st.container(border=True, key=f"group_{group['iteration']}_{group['group_id']}"):
+        st.markdown(f"**{group['group_id']}** · iteration {group['iteration']} · `{group['data_source']}` · "
+                    f"{len(rows)} responses · score mean **{_fmt(group['score_mean'])}** · "
+                    f"std {_fmt(group['score_std'])} · ground truth `{group['ground_truth']}`")
+        text = group["prompt_text"] or ""
+        st.code(text, language=None, wrap_lines=True, height=150 if text.count("\n") > 5 else "content")
+        per_line = min(len(rows), 4)
+        for start in range(0, len(rows), per_line):
+            for col, row in zip(st.columns(per_line), rows[start:start + per_line]):
+                with col:
+                    st.caption(f"{row['sample_id'].rsplit('-', 1)[-1]} · score **{_fmt(row['score'])}** · "
+                               f"adv {_fmt(row['advantage_mean'])} · {row['finish_reason']} · "
+                               f"{row['response_length']} tok")
+                    with st.container(key=f"gresponse_{row['sample_id']}"):
+                        st.code(row["response_text"] or "", language=None, wrap_lines=True)
+
+
 def trajectories_page() -> None:
     cfg = settings()
     st.title("Trajectories")
@@ -72,13 +98,30 @@ def trajectories_page() -> None:
         chosen = st.slider("Score", float(smin), float(smax), (float(smin), float(smax)), key="traj_score")
         if chosen != (float(smin), float(smax)):
             score_range = chosen
-    query = st.text_input("Search prompts and responses", value=st.query_params.get("q", ""), key="traj_q",
-                          placeholder="full-text search, e.g. a word from a response")
-    flt = TrajectoryFilter(iterations=None if its == (lo, hi) else tuple(its), data_sources=tuple(sources),
-                           score_range=score_range, finish_reasons=tuple(reasons), search=query.strip() or None)
-    rows = _find(cfg.store_root, run, flt, limit)
     source = trajectory_source(cfg.store_root, run)
+    q1, q2, q3, q4 = st.columns([4, 2, 1, 2])
+    query = q1.text_input("Search prompts and responses", value=st.query_params.get("q", ""), key="traj_q",
+                          placeholder="any part of a word, case-insensitive")
+    ranked = source == "audit" and q4.toggle("Ranked full-text", key="traj_fts",
+                                             help="BM25 over whole words (audit table); results by relevance")
+    sort_by = q2.selectbox("Sort by", SORT_KEYS, key="traj_sort")
+    descending = q3.toggle("Desc.", key="traj_desc")
+    grouped = st.radio("View", ("responses", "groups"), horizontal=True, key="traj_view") == "groups"
+    text = query.strip() or None
+    flt = TrajectoryFilter(iterations=None if its == (lo, hi) else tuple(its), data_sources=tuple(sources),
+                           score_range=score_range, finish_reasons=tuple(reasons),
+                           search=None if ranked else text, fulltext=text if ranked else None,
+                           sort_by=sort_by, descending=descending)
+    where = f" · source: {'LanceDB audit table' if source == 'audit' else 'Parquet stage outputs'}"
+    if grouped:
+        groups = _groups(cfg.store_root, run, flt, limit)
+        st.caption(f"{len(groups)} group{'' if len(groups) == 1 else 's'}"
+                   + (f" (first {limit})" if len(groups) >= limit else "") + where)
+        for group in groups:
+            _group_card(group)
+        return
+    rows = _find(cfg.store_root, run, flt, limit)
     st.caption(f"{len(rows)} row{'' if len(rows) == 1 else 's'}" + (f" (first {limit})" if len(rows) >= limit else "")
-               + f" · source: {'LanceDB audit table' if source == 'audit' else 'Parquet stage outputs'}")
+               + where)
     for row in rows:
         _card(row)

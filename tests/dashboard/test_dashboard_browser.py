@@ -215,3 +215,26 @@ def test_gates_page_lists_each_iteration(two_runs, dashboard, page, tmp_path):
     assert [r[1].strip() for r in body] == ["pass" if g["success"] else "FAIL" for g in gate]
     assert [int(r[2]) for r in body] == [len(g["quarantined_sample_ids"]) for g in gate]
     _save(page, "dashboard-gates.png", tmp_path)
+
+
+def test_group_view_shows_each_prompt_once_with_its_responses(two_runs, dashboard, page, tmp_path):
+    from playwright.sync_api import expect
+
+    run = two_runs.names[0]
+    it_dir = two_runs.root / run / "iterations" / "000001"
+    ro = pq.read_table(it_dir / "rollout.parquet").to_pylist()
+    scores = {r["sample_id"]: r["score"] for r in pq.read_table(it_dir / "reward.parquet").to_pylist()}
+    group = ro[0]["group_id"]
+    members = sorted(r["sample_id"] for r in ro if r["group_id"] == group)
+    page.goto(f"{dashboard}/trajectories?run={run}")
+    page.get_by_text(re.compile(r"^\d+ rows? ·")).wait_for()
+    page.get_by_text("groups", exact=True).click()
+    page.get_by_text(re.compile(r"^6 groups ·")).wait_for()  # 3 iterations x 2 prompts
+    card = page.locator(f".st-key-group_1_{group}")
+    expect(card.locator('[class*="st-key-gresponse_"]')).to_have_count(len(members), timeout=TIMEOUT_MS)
+    text = card.inner_text()
+    user_turns = sum(m["role"] == "user" for m in json.loads(ro[0]["prompt"]))
+    assert text.count("user:") == user_turns  # the prompt once, not once per response
+    for sid in members:
+        assert f"score {format(scores[sid], '.4g')}" in text
+    _save(page, "dashboard-groups.png", tmp_path)

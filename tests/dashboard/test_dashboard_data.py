@@ -134,3 +134,66 @@ def test_lineage_tags():
 
     assert lineage_tags("grpo-1", 7, "reward") == {"trajflow.parent_run_id": "grpo-1",
                                                    "trajflow.parent_iteration": "7", "trajflow.from_stage": "reward"}
+
+
+def _by_hand_prompt_text(prompt: str) -> str:
+    return "\n".join(f"{m['role']}: {m['content']}" for m in json.loads(prompt))
+
+
+def test_substring_search_and_sorting_agree_with_and_without_the_audit_table(two_runs, tmp_path):
+    import shutil
+
+    from dashboards.data import TrajectoryFilter, find_trajectories, trajectory_source
+
+    run = two_runs.names[0]
+    rows = stored_rows(two_runs.root / run)
+    # A fragment from inside a word, in the wrong case: whole-word full-text search cannot find it.
+    word = next(w for r in rows for w in re.findall(r"[A-Za-z]{6,}", r["response_text"] or ""))
+    frag = word[1:5].upper()
+    expected = sorted(r["sample_id"] for r in rows
+                      if frag.lower() in (r["response_text"] or "").lower()
+                      or frag.lower() in _by_hand_prompt_text(r["prompt"]).lower())
+    assert expected
+    top = sorted(rows, key=lambda r: (-r["score"], r["iteration"], r["sample_id"]))[:4]
+
+    def query() -> tuple[list, list]:
+        hits = find_trajectories(two_runs.root, run, TrajectoryFilter(search=frag), limit=1000)
+        best = find_trajectories(two_runs.root, run, TrajectoryFilter(sort_by="score", descending=True), limit=4)
+        return sorted(hits.column("sample_id").to_pylist()), best.column("sample_id").to_pylist()
+
+    assert trajectory_source(two_runs.root, run) == "audit"
+    with_audit = query()
+    audit_dir = two_runs.root / run / "audit.lance"
+    shutil.move(audit_dir, tmp_path / "audit.lance")
+    try:
+        assert trajectory_source(two_runs.root, run) == "parquet"
+        without_audit = query()
+    finally:
+        shutil.move(tmp_path / "audit.lance", audit_dir)
+    assert with_audit[0] == without_audit[0] == expected
+    assert with_audit[1] == without_audit[1] == [r["sample_id"] for r in top]
+
+
+def test_group_view_holds_each_prompt_once_with_all_its_responses(two_runs):
+    from dashboards.data import TrajectoryFilter, find_groups
+
+    run = two_runs.names[0]
+    rows = stored_rows(two_runs.root / run)
+    by_group: dict = {}
+    for r in rows:
+        by_group.setdefault((r["iteration"], r["group_id"]), []).append(r)
+    # The group of the best-scoring response comes first; every group holds all its n = 2 responses.
+    best = max(rows, key=lambda r: (r["score"], -r["iteration"]))
+    groups = find_groups(two_runs.root, run, TrajectoryFilter(sort_by="score", descending=True), limit=100)
+    assert (groups[0]["iteration"], groups[0]["group_id"]) == (best["iteration"], best["group_id"])
+    assert sorted((g["iteration"], g["group_id"]) for g in groups) == sorted(by_group)
+    for g in groups:
+        stored = sorted(by_group[(g["iteration"], g["group_id"])], key=lambda r: r["sample_id"])
+        assert [r["sample_id"] for r in g["rows"]] == [r["sample_id"] for r in stored] and len(stored) == 2
+        assert g["prompt_text"] == _by_hand_prompt_text(stored[0]["prompt"])
+        scores = [r["score"] for r in stored]
+        assert g["score_mean"] == pytest.approx((scores[0] + scores[1]) / 2, rel=1e-6)
+        assert g["score_std"] == pytest.approx(abs(scores[0] - scores[1]) / 2, rel=1e-5, abs=1e-7)
+        for got, want in zip(g["rows"], stored):
+            assert got["advantage_mean"] == pytest.approx(float(np.mean(want["advantages"])), rel=1e-6, abs=1e-7)
+    assert len(find_groups(two_runs.root, run, TrajectoryFilter(iterations=(2, 2)), limit=1)) == 1
