@@ -82,9 +82,11 @@ def gate_reports(store_root: str | Path, run_id: str) -> list[dict]:
 
     Returns:
         One dict per iteration with a gate file, ascending: ``iteration``, ``success`` (bool),
-        ``failures`` (text), ``quarantined`` (count), ``warnings``, and ``gates``: a list of
-        ``{"gate", "success", "observed", "unexpected_count", "skipped"}`` parsed from the
-        ``gate/<name>/<field>`` metrics (``None`` where a field is absent).
+        ``failures`` (text), ``quarantined`` (count), ``warnings``, ``data_docs`` (path of GX's
+        Data Docs page, or None) and ``gates``: one ``{"gate", "status" (pass / warn / quarantined /
+        FAIL / skipped), "policy", "expected" (the threshold), "observed", "unexpected_count",
+        "sample_ids", "success", "skipped"}`` per expectation. Gate files of older runs hold no
+        thresholds: their rows come from the ``gate/<name>/<field>`` metrics (``None`` where absent).
 
     Raises:
         DashboardError: the run has no folder under the store root.
@@ -101,13 +103,22 @@ def gate_reports(store_root: str | Path, run_id: str) -> list[dict]:
             parts = key.split("/")
             if len(parts) == 3 and parts[0] == "gate":
                 gates.setdefault(parts[1], {})[parts[2]] = value
-        rows = [{"gate": name, "success": (None if "success" not in f else bool(f["success"])),
-                 "observed": f.get("observed"), "unexpected_count": f.get("unexpected_count"),
-                 "skipped": bool(f.get("skipped", 0.0))} for name, f in sorted(gates.items())]
+        if report.get("expectations") is not None:
+            rows = [{"gate": e["name"], "status": e["status"], "policy": e["policy"], "expected": e.get("threshold"),
+                     "observed": e.get("observed"), "unexpected_count": e.get("unexpected_count"),
+                     "sample_ids": list(e.get("sample_ids") or []), "success": e["status"] in ("pass", "skipped"),
+                     "skipped": e["status"] == "skipped"} for e in report["expectations"]]
+        else:
+            rows = [{"gate": name, "status": None, "policy": None, "expected": None,
+                     "success": (None if "success" not in f else bool(f["success"])),
+                     "observed": f.get("observed"), "unexpected_count": f.get("unexpected_count"), "sample_ids": [],
+                     "skipped": bool(f.get("skipped", 0.0))} for name, f in sorted(gates.items())]
+        docs = report.get("data_docs")
         out.append({"iteration": it, "success": bool(report.get("success", True)),
                     "failures": report.get("failures") or "",
                     "quarantined": len(report.get("quarantined_sample_ids") or []),
-                    "warnings": int(metrics.get("gate/warnings", 0) or 0), "gates": rows})
+                    "warnings": int(metrics.get("gate/warnings", 0) or 0),
+                    "data_docs": str(store.iteration_dir(it) / docs) if docs else None, "gates": rows})
     return out
 
 
@@ -122,6 +133,7 @@ class TrajectoryFilter:
         data_sources: keep rows whose ``data_source`` is one of these.
         score_range: inclusive ``(low, high)`` on ``score``.
         finish_reasons: keep rows whose ``finish_reason`` is one of these (``stop``, ``length``).
+        sample_ids: keep only these responses (the gates page links failing rows here).
         search: case-insensitive substring of the prompt or response text (``TROM`` finds
             ``trombone``), with or without the audit table.
         fulltext: ranked full-text (BM25, whole words) query; needs the run's audit table.
@@ -134,6 +146,7 @@ class TrajectoryFilter:
     data_sources: tuple[str, ...] = ()
     score_range: tuple[float, float] | None = None
     finish_reasons: tuple[str, ...] = ()
+    sample_ids: tuple[str, ...] = ()
     search: str | None = None
     fulltext: str | None = None
     sort_by: str = "iteration"
@@ -162,6 +175,8 @@ def where_clause(flt: TrajectoryFilter) -> str | None:
         parts.append(f"score >= {float(flt.score_range[0])!r} AND score <= {float(flt.score_range[1])!r}")
     if flt.finish_reasons:
         parts.append(f"finish_reason IN ({', '.join(_sql_str(s) for s in flt.finish_reasons)})")
+    if flt.sample_ids:
+        parts.append(f"sample_id IN ({', '.join(_sql_str(s) for s in flt.sample_ids)})")
     if flt.search and flt.search.strip():
         # strpos, not LIKE: the user's text may hold % or _ without meaning wildcards.
         q = _sql_str(flt.search.strip().lower())
@@ -257,6 +272,8 @@ def _scan_parquet(store: RunStore, flt: TrajectoryFilter) -> pa.Table:
             mask = pc.and_(mask, pc.is_in(t.column("data_source"), pa.array(list(flt.data_sources), pa.string())))
         if flt.finish_reasons:
             mask = pc.and_(mask, pc.is_in(t.column("finish_reason"), pa.array(list(flt.finish_reasons), pa.string())))
+        if flt.sample_ids:
+            mask = pc.and_(mask, pc.is_in(t.column("sample_id"), pa.array(list(flt.sample_ids), pa.string())))
         if flt.score_range is not None:
             s = t.column("score")
             mask = pc.and_(mask, pc.and_(pc.greater_equal(s, flt.score_range[0]), pc.less_equal(s, flt.score_range[1])))

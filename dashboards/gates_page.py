@@ -1,4 +1,5 @@
-"""Gates page: each iteration's data-quality gate result (``gate.json`` of the run)."""
+"""Gates page: each iteration's data-quality gate result (``gate.json`` of the run): per expectation
+its status, policy, threshold and observed value; failing rows link to the trajectory browser."""
 
 from __future__ import annotations
 
@@ -18,14 +19,19 @@ def _mark(ok) -> str:
     return "—" if ok is None else ("pass" if ok else "FAIL")
 
 
+#: How a status looks: a blocking failure must not look like a warning.
+STATUS_STYLE = {"pass": "color: #1a7f37; font-weight: 600", "FAIL": "color: #cf222e; font-weight: 700",
+                "warn": "color: #9a6700; font-weight: 600", "quarantined": "color: #8250df; font-weight: 600",
+                "skipped": "color: #57606a"}
+
+
 def _colour(v) -> str:
     v = str(v)
-    return "color: #1a7f37; font-weight: 600" if v.startswith("pass") else (
-        "color: #cf222e; font-weight: 700" if v.startswith("FAIL") else "")
+    return next((style for status, style in STATUS_STYLE.items() if v.startswith(status)), "")
 
 
-def _styled(df: pd.DataFrame):
-    return df.style.map(_colour).format(precision=4)
+def _styled(df: pd.DataFrame, status_columns):
+    return df.style.map(_colour, subset=list(status_columns)).format(precision=4)
 
 
 def gates_page() -> None:
@@ -43,15 +49,26 @@ def gates_page() -> None:
     names = sorted({g["gate"] for r in reports for g in r["gates"]})
     overview = pd.DataFrame(
         [{"iteration": r["iteration"], "result": _mark(r["success"]), "quarantined": r["quarantined"],
-          **{n: next((_mark(g["success"]) + (" (skipped)" if g["skipped"] else "")
+          **{n: next(((g["status"] or _mark(g["success"])) if not g["skipped"] else "skipped"
                       for g in r["gates"] if g["gate"] == n), "—") for n in names}} for r in reports])
-    st.table(_styled(overview), hide_index=True)
+    st.table(_styled(overview, ["result", *names]), hide_index=True)
     for r in reversed(reports):
-        icon = ":material/check_circle:" if r["success"] else ":material/error:"
-        with st.expander(f"{icon} iteration {r['iteration']}: {_mark(r['success'])}", expanded=not r["success"]):
+        warned = [g["gate"] for g in r["gates"] if g["status"] in ("warn", "quarantined")]
+        icon = ":material/error:" if not r["success"] else (":material/warning:" if warned else ":material/check_circle:")
+        title = f"{icon} iteration {r['iteration']}: {_mark(r['success'])}" + (f" · warnings: {', '.join(warned)}"
+                                                                             if warned else "")
+        with st.expander(title, expanded=not r["success"] or bool(warned)):
             if r["failures"]:
                 st.error(r["failures"])
             if r["gates"]:
-                details = pd.DataFrame(r["gates"])
-                details["success"] = details["success"].map(_mark)
-                st.table(_styled(details), hide_index=True)
+                details = pd.DataFrame([{"gate": g["gate"], "status": g["status"] or _mark(g["success"]),
+                                         "policy": g["policy"], "expected": g["expected"], "observed": g["observed"],
+                                         "rows": g["unexpected_count"]} for g in r["gates"]])
+                details["rows"] = details["rows"].astype("Int64")
+                st.table(_styled(details, ["status"]), hide_index=True)
+            for g in r["gates"]:
+                if g["sample_ids"]:
+                    links = " ".join(f"[{sid}](/trajectories?run={run}&sample={sid})" for sid in g["sample_ids"][:10])
+                    st.markdown(f"`{g['gate']}` rows: {links}")
+            if r["data_docs"]:
+                st.caption(f"Great Expectations Data Docs: `{r['data_docs']}`")

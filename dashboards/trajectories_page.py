@@ -108,8 +108,11 @@ def trajectories_page() -> None:
     descending = q3.toggle("Desc.", key="traj_desc")
     grouped = st.radio("View", ("responses", "groups"), horizontal=True, key="traj_view") == "groups"
     text = query.strip() or None
+    picked = tuple(s for s in st.query_params.get_all("sample") if s)  # links from the gates page
+    if picked:
+        st.caption(f"showing the linked response{'s' if len(picked) > 1 else ''}: {', '.join(picked)}")
     flt = TrajectoryFilter(iterations=None if its == (lo, hi) else tuple(its), data_sources=tuple(sources),
-                           score_range=score_range, finish_reasons=tuple(reasons),
+                           score_range=score_range, finish_reasons=tuple(reasons), sample_ids=picked,
                            search=None if ranked else text, fulltext=text if ranked else None,
                            sort_by=sort_by, descending=descending)
     where = f" · source: {'LanceDB audit table' if source == 'audit' else 'Parquet stage outputs'}"

@@ -391,3 +391,27 @@ def test_expectation_that_raises_in_gx(tmp_path):
 def test_settings_as_a_plain_dict():
     report = gates.run_gate(make_view(GOOD_SCORES), {"score_max": 0.5}, max_new_tokens=32)
     assert report.outcome("score_in_range").unexpected_count == 4  # 1.0, 0.75, 0.625, 1.0
+
+
+def test_each_expectation_says_what_it_expects_and_how_its_failure_counts():
+    finish = ["length"] * 4 + ["stop"] * 6  # truncated fraction 0.4 > 0.3: a warning
+    scores = list(GOOD_SCORES)
+    scores[3] = 2.5  # out of [0, 1]: blocking
+    scores[5] = NAN  # quarantined under its policy
+    report = run_gate(make_view(scores, finish=finish),
+                      settings(max_truncated_frac=0.3, policies={"score_not_null": "quarantine"}))
+    by = {o.name: o for o in report.results}
+    assert {n: o.status for n, o in by.items()} == {
+        "score_not_null": "quarantined", "score_finite": "FAIL", "score_in_range": "FAIL",
+        "response_length_max": "pass", "equal_reward_group_frac": "pass", "truncated_frac": "warn",
+        "scorer_error_rate": "pass", "score_mean_drift": "skipped"}
+    assert by["score_in_range"].details["threshold"] == "in [0, 1] (gates.score_min, gates.score_max)"
+    assert by["response_length_max"].details["threshold"] == "in [0, 32] (rollout.max_new_tokens)"
+    assert by["truncated_frac"].details["threshold"] == "<= 0.3 (gates.max_truncated_frac)"
+    assert by["score_not_null"].details["threshold"] == "not null"
+    assert by["score_finite"].details["threshold"] == "in {True}"
+    assert by["truncated_frac"].line() == "truncated_frac: warn (policy warn, expected <= 0.3 " \
+        "(gates.max_truncated_frac), observed 0.4, rows 4)"
+    assert "expected in [0, 1] (gates.score_min, gates.score_max)" in report.failure_message()
+    j = by["score_in_range"].to_json()
+    assert (j["status"], j["policy"], j["unexpected_count"], j["sample_ids"]) == ("FAIL", "fail", 1, ["s3"])

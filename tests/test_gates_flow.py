@@ -120,6 +120,13 @@ def test_gate_command_revalidates_with_a_stricter_suite(tiny_model_dir, ray_loca
     ok = subprocess.run([cli, "gate", summary["run_id"], "--store", str(tmp_path)], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "iteration      1: ok" in ok.stdout
+    # a constant scorer makes every group's rewards equal: 1.0 > 0.9, a warning under the default suite
+    assert ("equal_reward_group_frac: warn (policy warn, expected <= 0.9 (gates.max_equal_group_frac), "
+            "observed 1") in ok.stdout
+    stored = json.loads((Path(summary["run_dir"]) / "iterations" / "000001" / "gate.json").read_text())
+    equal = next(e for e in stored["expectations"] if e["name"] == "equal_reward_group_frac")
+    assert (equal["status"], equal["threshold"], equal["observed"]) == ("warn", "<= 0.9 (gates.max_equal_group_frac)", 1.0)
+    assert stored["data_docs"] and (Path(summary["run_dir"]) / "iterations" / "000001" / stored["data_docs"]).exists()
     suite = json.loads((Path(__file__).parents[1] / "datasets/expectations/reward_default.json").read_text())
     for e in suite["expectations"]:
         if e["meta"]["name"] == "equal_reward_group_frac":
@@ -129,6 +136,6 @@ def test_gate_command_revalidates_with_a_stricter_suite(tiny_model_dir, ray_loca
     bad = subprocess.run([cli, "gate", summary["run_id"], "--store", str(tmp_path), "--suite", str(strict)],
                          capture_output=True, text=True)
     assert bad.returncode == 3, bad.stderr
-    assert "FAILED" in bad.stdout and "equal_reward_group_frac" in bad.stdout
+    assert "FAILED" in bad.stdout and "equal_reward_group_frac: FAIL (policy fail" in bad.stdout
     missing = subprocess.run([cli, "gate", "nope", "--store", str(tmp_path)], capture_output=True, text=True)
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr

@@ -210,8 +210,9 @@ def gate(run_id: str = typer.Argument(..., help="run id under the store root"),
         status = "ok" if report.success else "FAILED"
         typer.echo(f"iteration {it:6d}: {status} ({report.rows} rows, {len(report.quarantined_sample_ids)} quarantined)")
         for o in report.results:
-            mark = "pass" if o.success else ("skip" if o.details.get("skipped") else o.policy)
-            typer.echo(f"  {o.name:28s} {mark:10s} observed={o.observed_value}")
+            typer.echo(f"  {o.line()}")
+            if o.status not in ("pass", "skipped") and o.details.get("sample_ids"):
+                typer.echo(f"    e.g. sample_ids {', '.join(o.details['sample_ids'][:5])}")
         failed |= not report.success
     if failed:
         raise typer.Exit(3)

@@ -197,3 +197,22 @@ def test_group_view_holds_each_prompt_once_with_all_its_responses(two_runs):
         for got, want in zip(g["rows"], stored):
             assert got["advantage_mean"] == pytest.approx(float(np.mean(want["advantages"])), rel=1e-6, abs=1e-7)
     assert len(find_groups(two_runs.root, run, TrajectoryFilter(iterations=(2, 2)), limit=1)) == 1
+
+
+def test_gate_reports_carry_each_expectations_threshold_and_status(two_runs):
+    from dashboards.data import gate_reports
+
+    run = two_runs.names[0]
+    reports = gate_reports(two_runs.root, run)
+    assert [r["iteration"] for r in reports] == [1, 2, 3]
+    for r in reports:
+        stored = json.loads((two_runs.root / run / "iterations" / f"{r['iteration']:06d}" / "gate.json").read_text())
+        by = {g["gate"]: g for g in r["gates"]}
+        # the tiny runs use the config's gate defaults and rollout.max_new_tokens=8
+        assert by["score_in_range"]["expected"] == "in [-10, 10] (gates.score_min, gates.score_max)"
+        assert by["response_length_max"]["expected"] == "in [0, 8] (rollout.max_new_tokens)"
+        assert by["truncated_frac"]["policy"] == "warn"
+        truncated = stored["metrics"]["gate/truncated_frac/observed"]
+        assert by["truncated_frac"]["status"] == ("pass" if truncated <= 0.5 else "warn")
+        assert by["truncated_frac"]["observed"] == pytest.approx(truncated)
+        assert r["success"] == all(g["status"] != "FAIL" for g in r["gates"])

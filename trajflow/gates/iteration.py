@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from trajflow.errors import GateFailed
 from trajflow.batch import join_stages, lengths
-from trajflow.gates.docs import write_data_docs
+from trajflow.gates.docs import json_safe, write_data_docs
 from trajflow.gates.validate import run_gate
 from trajflow.run.context import RunContext
 from trajflow.store import StageRef
@@ -62,20 +62,30 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
                       history=ctx.score_history[-cfg.gates.drift_window:])
     metrics = dict(report.metrics())
     metrics["timing_s/gate"] = time.perf_counter() - t0
+    docs = None
+    if not all(o.status in ("pass", "skipped") for o in report.results):  # a person will want GX's own page
+        try:
+            docs = write_data_docs(report, ctx.store.iteration_dir(iteration) / "data_docs")
+        except Exception as e:  # data docs are a convenience; the JSON result is stored regardless
+            log.warning("run %s: no gate data docs for iteration %d: %s", ctx.run_id, iteration, e)
     result = {"success": bool(report.success), "quarantined_sample_ids": sorted(report.quarantined_sample_ids),
               "quarantined_reason": {k: sorted(v) for k, v in report.quarantined_reason.items()},
               "metrics": metrics, "failures": report.failure_message() if not report.success else "",
+              "expectations": [json_safe(o.to_json()) for o in report.results],
+              "data_docs": None if docs is None else str(Path(docs).relative_to(ctx.store.iteration_dir(iteration))),
               "validation": report.gx_result_json}
     path = ctx.store.write_iteration_json(iteration, "gate.json", result)
     if ctx.tracker is not None:
         ctx.tracker.log_metrics(metrics, step=iteration)
+        if not ctx.state.gate_thresholds_logged:
+            # What each expectation accepts, as tags (mutable: a resumed run may change gates.* settings),
+            # once per session: the suite and settings do not change within one.
+            ctx.state.gate_thresholds_logged = True
+            ctx.tracker.set_tags({f"trajflow.gate.{o.name}": f"{o.policy}: {o.details.get('threshold') or o.details.get('type')}"
+                                 for o in report.results})
         ctx.tracker.log_artifact(path, f"gates/iteration_{iteration:06d}")
-        if not report.success:
-            try:
-                docs = write_data_docs(report, ctx.store.iteration_dir(iteration) / "data_docs")
-                ctx.tracker.log_artifact(Path(docs).parent, f"gates/iteration_{iteration:06d}/data_docs")
-            except Exception as e:  # data docs are a convenience; the JSON result is already stored
-                log.warning("run %s: no gate data docs for iteration %d: %s", ctx.run_id, iteration, e)
+        if docs is not None:
+            ctx.tracker.log_artifact(Path(docs).parent, f"gates/iteration_{iteration:06d}/data_docs")
     if not report.success:
         ctx.store.mark(iteration, "gated", gate=result["failures"])
         raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate:\n{report.failure_message()}")

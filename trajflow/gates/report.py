@@ -23,8 +23,9 @@ class ExpectationOutcome:
         unexpected_count: rows that violate it (row-level), or rows in its quarantine row set
             (summary expectations with ``meta.quarantine``); None when not defined.
         policy: ``fail``, ``warn`` or ``quarantine``.
-        details: ``type``, ``table``, ``column``, ``description``, ``sample_ids`` (first 20
-            offending ids), ``skipped`` (reason) or ``exception`` (GX's message) where they apply.
+        details: ``type``, ``table``, ``column``, ``description``, ``threshold`` (what passes, e.g.
+            ``<= 0.5 (gates.max_truncated_frac)``), ``sample_ids`` (first 20 offending ids),
+            ``skipped`` (reason) or ``exception`` (GX's message) where they apply.
     """
 
     name: str
@@ -33,6 +34,34 @@ class ExpectationOutcome:
     unexpected_count: Optional[int]
     policy: str
     details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        """``pass``, ``skipped``, or for a failed expectation what its policy made of it: ``FAIL``
+        (stops the run), ``warn`` (logged only) or ``quarantined`` (its rows left out)."""
+        if self.details.get("skipped"):
+            return "skipped"
+        if self.success:
+            return "pass"
+        return {"fail": "FAIL", "warn": "warn", "quarantine": "quarantined"}.get(self.policy, self.policy)
+
+    def line(self) -> str:
+        """One line a person reads: name, status, policy, threshold, observed value, offending rows."""
+        rows = "" if self.unexpected_count is None else f", rows {self.unexpected_count}"
+        threshold = self.details.get("threshold")
+        text = (f"{self.name}: {self.status} (policy {self.policy}"
+                + (f", expected {threshold}" if threshold else "") + f", observed {_fmt(self.observed_value)}{rows})")
+        if self.details.get("skipped"):
+            text += f": {self.details['skipped']}"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``gate.json``'s ``expectations`` list holds for this expectation."""
+        d = self.details
+        return {"name": self.name, "status": self.status, "policy": self.policy, "threshold": d.get("threshold"),
+                "observed": self.observed_value, "unexpected_count": self.unexpected_count,
+                "sample_ids": list(d.get("sample_ids") or []), "description": d.get("description"),
+                "skipped": d.get("skipped"), "exception": d.get("exception")}
 
 
 @dataclass
@@ -130,7 +159,8 @@ class GateReport:
             rows = "n/a" if r.unexpected_count is None else str(r.unexpected_count)
             what = f"{r.details.get('type')}" + (f" on {r.details['column']}"
                                                   if r.details.get("column") else "")
-            line = (f"gate expectation {r.name} failed (policy {r.policy}, {what}): "
+            threshold = f", expected {r.details['threshold']}" if r.details.get("threshold") else ""
+            line = (f"gate expectation {r.name} failed (policy {r.policy}, {what}{threshold}): "
                     f"observed {_fmt(r.observed_value)}, rows {rows}")
             if r.details.get("sample_ids"):
                 line += f", e.g. sample_ids {', '.join(r.details['sample_ids'][:5])}"

@@ -154,7 +154,7 @@ def run_gate(view: pa.Table, settings: Any = None, max_new_tokens: int | None = 
     skipped = _skipped(spec, summary)
     params = _parameters(view, s, max_new_tokens)
     gx_results, suites = _validate(rt, spec, view, summary, skipped, params)
-    outcomes, quarantined = _outcomes(spec, policies, skipped, gx_results, view)
+    outcomes, quarantined = _outcomes(spec, policies, skipped, gx_results, view, params)
     report = GateReport(
         success=True, results=outcomes,
         quarantined_sample_ids={i for ids in quarantined.values() for i in ids},
@@ -222,8 +222,48 @@ def _validate(rt: GxRuntime, spec: SuiteSpec, view: pa.Table, summary: dict[str,
     return gx_results, suites
 
 
+def threshold_text(kwargs: dict[str, Any], params: dict[str, float], expectation_type: str = "") -> str | None:
+    """What an expectation accepts, for a person: ``in [0, 1.1] (gates.score_min, gates.score_max)``,
+    ``<= 0.5 (gates.max_truncated_frac)``, ``in {True}``, ``not null``; None when it has no bound.
+
+    Args:
+        kwargs: the expectation's ``kwargs`` from the suite file (``{"$PARAMETER": name}`` allowed).
+        params: the suite parameters of this validation (:func:`suite_parameters`).
+        expectation_type: the GX expectation type (``expect_column_values_to_not_be_null`` -> ``not null``).
+    """
+    names = []
+
+    def value(v: Any) -> Any:
+        if isinstance(v, dict) and "$PARAMETER" in v:
+            key = v["$PARAMETER"]
+            names.append("rollout.max_new_tokens" if key == "max_new_tokens" else f"gates.{key}")
+            return params.get(v["$PARAMETER"])
+        return v
+
+    lo, hi = value(kwargs.get("min_value")), value(kwargs.get("max_value"))
+    if lo is not None and hi is not None:
+        text = f"in [{_fmt_bound(lo)}, {_fmt_bound(hi)}]"
+    elif lo is not None:
+        text = f">= {_fmt_bound(lo)}"
+    elif hi is not None:
+        text = f"<= {_fmt_bound(hi)}"
+    elif kwargs.get("value_set") is not None:
+        text = "in {" + ", ".join(str(x) for x in value(kwargs["value_set"])) + "}"
+    elif expectation_type.endswith("_to_not_be_null"):
+        text = "not null"
+    elif expectation_type.endswith("_to_be_null"):
+        text = "null"
+    else:
+        return None
+    return text + (f" ({', '.join(names)})" if names else "")
+
+
+def _fmt_bound(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
 def _outcomes(spec: SuiteSpec, policies: dict[str, str], skipped: dict[str, str],
-              gx_results: dict[str, Any], view: pa.Table
+              gx_results: dict[str, Any], view: pa.Table, params: dict[str, float]
               ) -> tuple[list[ExpectationOutcome], dict[str, list[str]]]:
     """One outcome per expectation in suite order, and the rows each ``quarantine`` one excludes."""
     by_name: dict[str, Any] = {}
@@ -235,7 +275,8 @@ def _outcomes(spec: SuiteSpec, policies: dict[str, str], skipped: dict[str, str]
     for e in spec.entries:
         policy = policies[e.name]
         details: dict[str, Any] = {"type": e.type, "table": e.table, "column": e.column,
-                                   "description": e.description}
+                                   "description": e.description,
+                                   "threshold": threshold_text(e.config.get("kwargs") or {}, params, e.type)}
         if e.name in skipped:
             details["skipped"] = skipped[e.name]
             outcomes.append(ExpectationOutcome(e.name, True, None, None, policy, details))

@@ -65,6 +65,7 @@ class RunState:
         deadline: ``time.monotonic()`` by which the running stage attempt must finish, or None.
         workers_lost: roles dropped after a failed stage attempt, to be recreated by the retry.
         progress: the console progress line (:class:`trajflow.run.progress.Progress`), or None.
+        gate_thresholds_logged: the gate's expectations and thresholds are on the MLflow run as tags.
     """
 
     policy_source: str = "initial"
@@ -79,6 +80,7 @@ class RunState:
     deadline: float | None = None
     workers_lost: list[str] = field(default_factory=list)
     progress: Any = None
+    gate_thresholds_logged: bool = False
 
 
 @dataclass(slots=True)
