@@ -29,6 +29,7 @@ from stages.reward import final_scores, reward_table
 from stages.rollout import rollout_table, sampling_params
 from stages.seeds import Salt, iteration_seed
 from trajflow.batch import join_stages, lengths
+from trajflow.errors import NonFiniteError
 from trajflow.faults import fault_point
 from trajflow.gates import run_iteration_gate
 from trajflow.metrics import batch_metrics
@@ -283,6 +284,13 @@ def update_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: Sta
     fault_point("update", iteration)
     metrics.update(wait(ctx, pending))
     ctx.policy_version = int(metrics["policy_version"])
+    if metrics.get("actor/nonfinite_steps_in_a_row", 0) >= cfg.trainer.max_nonfinite_steps:
+        ctx.store.write_iteration_json(iteration, "update.json", metrics)
+        raise NonFiniteError(
+            f"iteration {iteration}: {int(metrics['actor/nonfinite_steps_in_a_row'])} optimizer steps in a row had a "
+            f"non-finite gradient norm and were skipped (trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps}); "
+            f"the weights are unchanged since the last finite step. Lower actor.lr, check the rewards and advantages "
+            f"of {ctx.store.iteration_dir(iteration)}, or resume from the last checkpoint")
     metrics.update(batch_metrics(joined))
     if cfg.algorithm.mask_truncated_samples:
         metrics["batch/masked_truncated"] = float(sum(f == "length" for f in joined.column("finish_reason").to_pylist()))

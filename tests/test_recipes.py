@@ -100,7 +100,7 @@ def test_ppo_gae(env, ppo_run):
     assert all(x == 0.0 for v in joined(d, 1)["values"] for x in v)
     assert any(x != 0.0 for v in joined(d, 2)["values"] for x in v)
     ckpt = d / "checkpoints" / "000002"
-    assert (ckpt / "critic" / "model.safetensors").exists() and (ckpt / "critic" / "critic_state.pt").exists()
+    assert (ckpt / "critic" / "model.safetensors").exists() and (ckpt / "critic" / "critic_state.safetensors").exists()
     # adaptive controller (Ziegler et al. 2019): beta *= 1 + clip(KL / target - 1, +-0.2) * n / horizon,
     # n = 2 prompts x 1 sample, starting from 0.001; iteration 2's reward used the beta after iteration 1
     beta = 0.001

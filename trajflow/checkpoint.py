@@ -2,12 +2,16 @@
 
 ``<run>/checkpoints/000008/`` holds the state *after* iteration 8:
 
-- ``actor/model.safetensors`` and ``actor/actor_state.pt`` (optimizer, policy version, RNG states),
-  written by the policy worker;
-- ``critic/model.safetensors`` and ``critic/critic_state.pt`` (value model and its optimizer), when
-  the run trains a critic (``algorithm.adv_estimator=gae``);
+- ``actor/model.safetensors`` and ``actor/actor_state.{safetensors,json}`` (optimizer, policy
+  version, RNG states), written by the policy worker;
+- ``critic/model.safetensors`` and ``critic/critic_state.{safetensors,json}`` (value model and its
+  optimizer), when the run trains a critic (``algorithm.adv_estimator=gae``);
+- ``manifest.json``: sha256 and size of every file above; resume verifies them before loading;
 - ``trainer_state.json``: iteration, data cursor (prompt sampler state), KL controller state,
   score history for drift gates, MLflow run id.
+
+Nothing in a checkpoint is a pickle (:mod:`trajflow.state_files`), so a tampered checkpoint cannot
+run code; one that fails its manifest is skipped on resume, with the file named.
 
 A checkpoint is written into a hidden temp folder and renamed into place only when complete, so a
 crash mid-write leaves no folder that looks like a checkpoint. Rotation keeps the newest
@@ -28,6 +32,7 @@ from trajflow.faults import fault_point
 from trajflow.store import RunStore, _fsync_dir, atomic_write_json
 
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
 
 
 def list_checkpoints(store: RunStore) -> list[int]:
@@ -69,6 +74,7 @@ def save_checkpoint(store: RunStore, iteration: int, trainer_state: dict[str, An
     tmp.mkdir(parents=True)
     save_workers(tmp)
     fault_point("checkpoint", iteration)
+    atomic_write_json(tmp / MANIFEST, {"files": _file_hashes(tmp)})
     atomic_write_json(tmp / STATE_FILE, {**trainer_state, "iteration": iteration})
     old = None
     if final.exists():  # an earlier attempt of the same iteration completed: swap it out whole
@@ -118,6 +124,60 @@ def cleanup(store: RunStore) -> list[Path]:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
+
+
+def _file_hashes(d: Path) -> dict[str, dict[str, Any]]:
+    import hashlib
+
+    out = {}
+    for p in sorted(d.rglob("*")):
+        if p.is_file() and p.name not in (MANIFEST, STATE_FILE):
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+            out[str(p.relative_to(d))] = {"sha256": h.hexdigest(), "bytes": p.stat().st_size}
+    return out
+
+
+def verify_checkpoint(store: RunStore, iteration: int) -> str | None:
+    """Why checkpoint ``iteration`` must not be loaded, or None when every file matches its manifest.
+
+    Checks that ``trainer_state.json`` parses and that every file the manifest lists exists with its
+    size and sha256 (a checkpoint written before manifests existed has none and is trusted as is).
+    """
+    d = checkpoint_dir(store, iteration)
+    try:
+        state = json.loads((d / STATE_FILE).read_text())
+        if not isinstance(state, dict) or "policy_version" not in state:
+            return f"{d / STATE_FILE} is not a trainer state (no policy_version)"
+    except (OSError, ValueError) as e:
+        return f"{d / STATE_FILE} is unreadable ({type(e).__name__})"
+    if not (d / MANIFEST).exists():
+        return None
+    try:
+        listed = json.loads((d / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{d / MANIFEST} is unreadable ({type(e).__name__})"
+    actual = _file_hashes(d)
+    for rel, want in sorted(listed.items()):
+        got = actual.get(rel)
+        if got is None:
+            return f"{d / rel} is missing"
+        if got != want:
+            return f"{d / rel} does not match the checkpoint's manifest (truncated or changed)"
+    return None
+
+
+def newest_verified_checkpoint(store: RunStore) -> tuple[int | None, list[tuple[int, str]]]:
+    """The newest checkpoint that verifies, and the newer ones skipped with the reason for each."""
+    skipped = []
+    for it in reversed(list_checkpoints(store)):
+        why = verify_checkpoint(store, it)
+        if why is None:
+            return it, skipped
+        skipped.append((it, why))
+    return None, skipped
 
 
 def checkpoint_id(iteration: int | None) -> str:

@@ -65,6 +65,11 @@ class DeployError(TrajflowError, ValueError):
     """A deployment definition is invalid or the Prefect server cannot be used (one line)."""
 
 
+class NonFiniteError(TrajflowError, RuntimeError):
+    """Training produced non-finite numbers it cannot recover from (gradients that stay NaN/inf, or
+    non-finite weights that must not be exported); the message says what and what to change."""
+
+
 class GateFailed(TrajflowError, RuntimeError):
     """A ``fail``-policy expectation of a reward gate failed; the message names each one, its observed
     value and rows. The iteration is marked ``gated``; nothing written before it is removed."""

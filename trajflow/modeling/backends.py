@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -21,6 +20,7 @@ import torch
 from trajflow.config import ActorConfig
 from trajflow.modeling.forward import forward_micro_batch
 from trajflow.modeling.packing import PackedBatch, balanced_partition
+from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
 
 #: Metrics that are not sums over rows (everything else in an update's metrics adds up across ranks).
 NON_ADDITIVE = frozenset({"actor/grad_norm", "actor/kl_coef", "critic/grad_norm"})
@@ -380,17 +380,16 @@ class DeepSpeedBackend:
     def save(self, directory: str | Path, state: dict) -> None:
         """Sharded checkpoint: DeepSpeed's model + optimizer shards, plus this rank's RNG states.
 
-        ``state`` (policy version, step counters) is written by rank 0 to ``actor_state.pt``.
+        ``state`` (policy version, step counters) is written by rank 0 to ``actor_state.{json,safetensors}``.
         Every rank must call it, and all ranks must see the same filesystem.
         """
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.engine.save_checkpoint(str(d / "deepspeed"), tag="latest", save_latest=False)
-        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-                   d / f"rng_rank{self.rank:05d}.pt")
+        save_state(rng_state(), d, f"rng_rank{self.rank:05d}")
         if self.rank == 0:
-            torch.save({**state, "world_size": self.world_size, "zero_stage": self.zero_stage,
-                        "format": "deepspeed"}, d / "actor_state.pt")
+            save_state({**state, "world_size": self.world_size, "zero_stage": self.zero_stage, "format": "deepspeed"},
+                       d, "actor_state")
         import torch.distributed as dist
 
         dist.barrier()
@@ -402,7 +401,7 @@ class DeepSpeedBackend:
             RuntimeError: the checkpoint is not a DeepSpeed one or has another world size.
         """
         d = Path(directory)
-        state = torch.load(d / "actor_state.pt", weights_only=False)
+        state = load_state(d, "actor_state")
         if state.get("format") != "deepspeed":
             raise RuntimeError(f"{d} holds a single-process checkpoint; actor.strategy=deepspeed cannot load it")
         if int(state["world_size"]) != self.world_size:
@@ -412,8 +411,5 @@ class DeepSpeedBackend:
                                               load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {d / 'deepspeed'}")
-        rng = torch.load(d / f"rng_rank{self.rank:05d}.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
+        set_rng_state(load_state(d, f"rng_rank{self.rank:05d}"))
         return state

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from trajflow import checkpoint as ckpt
 from trajflow.config import to_yaml
-from trajflow.errors import RunExistsError, StoreError
+from trajflow.errors import NonFiniteError, RunExistsError, StoreError
 from trajflow.run.context import IterationState, RunContext, register
 from trajflow.run.progress import Progress
 from trajflow.infra.ray_cluster import start_ray
@@ -112,7 +112,11 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         start_workers(ctx)
         start = 1
         mlflow_run = store.read_run_meta().get("mlflow_run_id") if resume else None
-        latest = ckpt.latest_checkpoint(store) if resume else None
+        latest = None
+        if resume:
+            latest, skipped = ckpt.newest_verified_checkpoint(store)
+            for it, why in skipped:
+                print(f"warning: checkpoint {it:06d} skipped: {why}", file=sys.stderr, flush=True)
         if latest is not None:
             restore_checkpoint(ctx, latest)
             start = latest + 1
@@ -293,8 +297,14 @@ def restore_checkpoint(ctx: RunContext, iteration: int, source: RunStore | None 
         iteration: the checkpoint's iteration.
         source: restore from this run's checkpoint instead of the context's own (a replay starts
             from its parent's); the data cursor is then left alone.
+
+    Raises:
+        StoreError: a checkpoint file is missing or does not match the checkpoint's manifest (named).
     """
     store = source or ctx.store
+    why = ckpt.verify_checkpoint(store, iteration)
+    if why is not None:
+        raise StoreError(f"checkpoint {iteration:06d} of run {store.run_id!r} cannot be loaded: {why}")
     d = ckpt.checkpoint_dir(store, iteration)
     state = ckpt.read_trainer_state(store, iteration)
     ray.get(ctx.actor.load_checkpoint.remote(str(d / "actor")))
@@ -462,6 +472,9 @@ def finish_run(ctx: RunContext) -> dict:
     """Export the final policy to ``<run>/final`` and return the run summary."""
     store = ctx.store
     if not ctx.state.nothing_to_do or not store.final_dir.exists():
+        if not ray.get(ctx.actor.weights_finite.remote()):
+            raise NonFiniteError(f"run {ctx.run_id}: the policy's weights are not finite; the final model is not "
+                                 f"exported (the checkpoints under {store.checkpoints_dir()} hold earlier states)")
         tmp = store.run_dir / ".final-tmp"
         ray.get(ctx.actor.export_hf.remote(str(tmp)))
         if store.final_dir.exists():

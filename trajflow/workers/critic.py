@@ -20,6 +20,7 @@ from trajflow.config import CriticConfig, ModelConfig
 from trajflow.modeling.backends import adamw
 from trajflow.modeling.packing import PackedBatch, micro_batch_slices, pack
 from trajflow.models import load_causal_lm, load_tokenizer
+from trajflow.state_files import load_state, save_state
 from trajflow.workers.base import Worker
 
 
@@ -218,8 +219,8 @@ class CriticWorker(Worker):
                 state[k] = v.clone()
             seen.add(v.data_ptr())
         save_file(state, str(d / "model.safetensors"))
-        torch.save({"optimizer": self.optimizer.state_dict(), "optimizer_steps": self.optimizer_steps},
-                   d / "critic_state.pt")
+        save_state({"optimizer": self.optimizer.state_dict(), "optimizer_steps": self.optimizer_steps}, d,
+                   "critic_state")
         return {"optimizer_steps": self.optimizer_steps}
 
     def load_checkpoint(self, directory: str) -> dict:
@@ -236,7 +237,7 @@ class CriticWorker(Worker):
         if missing or unexpected:
             raise RuntimeError(f"{d}/model.safetensors does not match the critic: missing {missing[:3]}, "
                                f"unexpected {unexpected[:3]}")
-        extra = torch.load(d / "critic_state.pt", weights_only=False)
+        extra = load_state(d, "critic_state")
         self.optimizer.load_state_dict(extra["optimizer"])
         self.optimizer_steps = int(extra.get("optimizer_steps", 0))
         return {"optimizer_steps": self.optimizer_steps}

@@ -8,7 +8,7 @@ batches of :mod:`stages` (cheap to move through Ray's object store); tensors onl
 
 from __future__ import annotations
 
-import random
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,7 @@ from trajflow.modeling.backends import LocalBackend, adamw
 from trajflow.modeling.forward import compute_log_probs
 from trajflow.modeling.packing import micro_batch_plan, pack
 from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
+from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
 from trajflow.workers.base import Worker
 from trajflow.workers.group import dispatch, free_address
 
@@ -57,6 +58,7 @@ class _UpdateState:
     diffs: list[float] = field(default_factory=list)  # |trainer old - engine| per micro-batch
     is_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # rollout-IS inputs
     first_step_ratio_dev: float | None = None
+    nonfinite_steps: int = 0  # optimizer steps skipped because the gradient norm was not finite
 
 
 class PolicyWorker(Worker):
@@ -106,6 +108,7 @@ class PolicyWorker(Worker):
             self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.micro_batch_size, device)
         self.policy_version = 0
         self.optimizer_steps = 0
+        self.nonfinite_in_a_row = 0  # consecutive skipped optimizer steps, across updates
 
     # ------------------------------------------------------------------ distributed
     @dispatch("rank0")
@@ -300,6 +303,8 @@ class PolicyWorker(Worker):
             maxima={"actor/ratio_first_step_max_abs_dev": float(state.first_step_ratio_dev or 0.0)},
             means={"actor/rollout_logprob_diff": state.diffs})
         metrics["actor/lr"] = self.backend.lr()
+        metrics["actor/grad_norm_nonfinite"] = float(state.nonfinite_steps)
+        metrics["actor/nonfinite_steps_in_a_row"] = float(self.nonfinite_in_a_row)
         is_rows = self.backend.gather_rows(state.is_rows)  # every rank's rows (data parallel)
         if is_rows:
             metrics.update(self._rollout_is_metrics(is_rows, settings.rollout_is, float(settings.rollout_is_threshold)))
@@ -325,7 +330,12 @@ class PolicyWorker(Worker):
             self._micro_batch(batch, ids, live, epoch, loss_cfg, state, step, global_tokens, global_seqs)
         gn, stepped = self.backend.step(self.actor.grad_clip)
         self.optimizer_steps += int(stepped)
-        step["actor/grad_norm"] = gn
+        if math.isfinite(gn):
+            step["actor/grad_norm"] = gn
+            self.nonfinite_in_a_row = 0
+        else:  # the backend did not step: the weights stay finite; the driver stops a run that keeps doing this
+            state.nonfinite_steps += 1
+            self.nonfinite_in_a_row += 1
         return step
 
     def _micro_batch(self, batch: UpdateBatch, ids: list[int], live: bool, epoch: int, loss_cfg: ActorLossConfig,
@@ -422,10 +432,8 @@ class PolicyWorker(Worker):
                 state[k] = v.clone()
             seen[ptr] = k
         save_file(state, str(d / "model.safetensors"))
-        torch.save({"optimizer": self.optimizer.state_dict(), "policy_version": self.policy_version,
-                    "optimizer_steps": self.optimizer_steps,
-                    "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                            "python": random.getstate()}}, d / "actor_state.pt")
+        save_state({"optimizer": self.optimizer.state_dict(), "policy_version": self.policy_version,
+                    "optimizer_steps": self.optimizer_steps, "rng": rng_state()}, d, "actor_state")
         return {"policy_version": self.policy_version}
 
     @dispatch("broadcast")
@@ -445,15 +453,18 @@ class PolicyWorker(Worker):
         if unexpected or [m for m in missing if "lm_head" not in m]:
             raise RuntimeError(f"{d}/model.safetensors does not match the model: missing {missing[:3]}, "
                                f"unexpected {unexpected[:3]}")
-        extra = torch.load(d / "actor_state.pt", weights_only=False)
+        extra = load_state(d, "actor_state")
         self.optimizer.load_state_dict(extra["optimizer"])
         self.policy_version = int(extra["policy_version"])
         self.optimizer_steps = int(extra.get("optimizer_steps", 0))
-        torch.set_rng_state(extra["rng"]["torch"])
-        np.random.set_state(extra["rng"]["numpy"])
-        random.setstate(extra["rng"]["python"])
+        set_rng_state(extra["rng"])
         self._push_weights()
         return {"policy_version": self.policy_version}
+
+    @dispatch("rank0")
+    def weights_finite(self) -> bool:
+        """Whether every parameter is finite (a non-finite model is never exported)."""
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
     @dispatch("broadcast")
     def export_hf(self, directory: str) -> str:

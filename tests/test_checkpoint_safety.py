@@ -1,0 +1,121 @@
+"""A checkpoint folder cannot run code, and one that was changed is skipped on resume.
+
+Old checkpoints held the optimizer and RNG state as a torch pickle (``actor_state.pt``) read with
+``weights_only=False``: a payload planted there ran on ``resume``. Now nothing in a checkpoint is a
+pickle, and every file is checked against the checkpoint's sha256 manifest before it is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import tiny_overrides
+
+
+class _Payload:
+    """Unpickling this creates a marker file: the proof that a load ran code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_state_files_round_trip_optimizer_and_rng_exactly(tmp_path):
+    from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    opt.step()
+    np.random.seed(3)
+    files = save_state({"optimizer": opt.state_dict(), "steps": 7, "rng": rng_state()}, tmp_path, "s")
+    assert sorted(p.name for p in files) == ["s.json", "s.safetensors"]
+    expected = (torch.rand(3), np.random.rand(3), __import__("random").random())
+    back = load_state(tmp_path, "s")
+    assert back["steps"] == 7
+    ref = opt.state_dict()
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.95)
+    for pid, st in ref["state"].items():
+        for k, v in st.items():
+            got = back["optimizer"]["state"][pid][k]
+            assert got.dtype == v.dtype and torch.equal(got, v), (pid, k)
+    set_rng_state(back["rng"])
+    again = (torch.rand(3), np.random.rand(3), __import__("random").random())
+    assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and expected[2] == again[2]
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt2.load_state_dict(back["optimizer"])  # the rebuilt state is one the optimizer accepts
+    with pytest.raises(TypeError, match="without pickle"):
+        save_state({"bad": object()}, tmp_path, "x")
+
+
+def test_a_tampered_checkpoint_is_never_unpickled_and_is_skipped_on_resume(tiny_model_dir, ray_local, tmp_path,
+                                                                           capfd):
+    from flows.train import resume, train
+
+    summary = train(None, tiny_overrides(tiny_model_dir, tmp_path, **{"trainer.test_freq": 0}), run_id="tamper")
+    run = Path(summary["run_dir"])
+    actor2 = run / "checkpoints" / "000002" / "actor"
+    assert not list(run.rglob("*.pt")) and not list(run.rglob("*.pkl"))  # no pickle anywhere
+    marker = tmp_path / "payload-ran"
+    for d in (actor2, run / "checkpoints" / "000001" / "actor"):
+        (d / "actor_state.pt").write_bytes(pickle.dumps(_Payload(str(marker))))
+    st = actor2 / "actor_state.safetensors"
+    st.write_bytes(st.read_bytes()[:-64])  # truncated: fails the manifest
+
+    capfd.readouterr()
+    resumed = resume("tamper", [f"store.root={tmp_path}", "trainer.total_iterations=3"])
+    err = capfd.readouterr().err
+    assert not marker.exists()
+    assert f"checkpoint 000002 skipped: {st} does not match the checkpoint's manifest" in err
+    assert resumed["trained_iterations"] == [2, 3]  # from checkpoint 1: iteration 2 again, then 3
+    sessions = json.loads((run / "run.json").read_text())["sessions"]
+    assert sessions[-1]["resumed_from_checkpoint"] == 1
+
+
+def _nan_gradient_worker():
+    """A PolicyWorker whose every backward leaves a NaN in one gradient (a diverged step, on demand)."""
+    from trajflow.workers.policy import PolicyWorker
+
+    class NaNGradientWorker(PolicyWorker):
+        def _micro_batch(self, *args, **kwargs):
+            super()._micro_batch(*args, **kwargs)
+            p = next(p for p in self.model.parameters() if p.grad is not None)
+            p.grad.view(-1)[0] = float("nan")
+
+    return NaNGradientWorker
+
+
+def test_non_finite_gradients_skip_the_step_and_stop_the_run(tiny_model_dir, ray_local, tmp_path):
+    import trajflow.run.workers as workers
+    from flows.train import train
+    from trajflow.errors import NonFiniteError
+
+    workers.policy_worker_cls = _nan_gradient_worker()
+    try:
+        with pytest.raises(NonFiniteError, match=r"iteration 2: 2 optimizer steps in a row had a non-finite gradient"):
+            train(None, tiny_overrides(tiny_model_dir, tmp_path, **{
+                "trainer.total_iterations": 3, "trainer.max_nonfinite_steps": 2, "trainer.test_freq": 0}),
+                run_id="nan")
+    finally:
+        workers.policy_worker_cls = None
+    run = tmp_path / "nan"
+    first = json.loads((run / "iterations" / "000001" / "update.json").read_text())
+    assert first["actor/grad_norm_nonfinite"] == 1.0 and "actor/grad_norm" not in first
+    assert not (run / "final").exists() and not (run / "iterations" / "000003").exists()
+    # the skipped steps left the initial weights untouched: checkpoint 1 equals the initial model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    saved = load_file(str(run / "checkpoints" / "000001" / "actor" / "model.safetensors"))
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert all(torch.equal(saved[k], initial[k]) for k in saved if k in initial)
