@@ -59,6 +59,7 @@ __all__ = [
     "compute_grpo_passk_outcome_advantage",
     "masked_whiten",
     "needs_greedy_baseline",
+    "needs_groups",
     "needs_values",
 ]
 
@@ -70,10 +71,13 @@ class EstimatorMeta:
     Attributes:
         needs_values: it takes the critic's ``values=``, so the run creates a critic worker.
         needs_greedy_baseline: it takes ``reward_baselines=`` scored from a greedy rollout of each prompt.
+        needs_groups: its baseline is computed from the other samples of the same prompt, so it needs
+            ``rollout.n >= 2`` (with one sample per prompt every advantage is exactly 0).
     """
 
     needs_values: bool = False
     needs_greedy_baseline: bool = False
+    needs_groups: bool = False
 
 
 ADV_ESTIMATORS = Registry("advantage estimator", meta=EstimatorMeta)
@@ -238,7 +242,7 @@ def _outcome_setup(
     return scores, mask, ids, GroupStats(scores, ids, len(keys)), keys
 
 
-@ADV_ESTIMATORS.register("grpo")
+@ADV_ESTIMATORS.register("grpo", needs_groups=True)
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -277,7 +281,7 @@ def compute_grpo_outcome_advantage(
     return out, out.clone()
 
 
-@ADV_ESTIMATORS.register("rloo")
+@ADV_ESTIMATORS.register("rloo", needs_groups=True)
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -333,7 +337,7 @@ def compute_reinforce_plus_plus_advantage(
     return advantages.to(torch.float32), returns.to(torch.float32)
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline", needs_groups=True)
 def compute_reinforce_plus_plus_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -412,7 +416,7 @@ def compute_remax_advantage(
     return advantages.to(torch.float32), returns.to(torch.float32)
 
 
-@ADV_ESTIMATORS.register("opo")
+@ADV_ESTIMATORS.register("opo", needs_groups=True)
 def compute_opo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -441,7 +445,7 @@ def compute_opo_outcome_advantage(
     return out, out.clone()
 
 
-@ADV_ESTIMATORS.register("gpg")
+@ADV_ESTIMATORS.register("gpg", needs_groups=True)
 def compute_gpg_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -473,7 +477,7 @@ def compute_gpg_outcome_advantage(
     return out, out.clone()
 
 
-@ADV_ESTIMATORS.register("grpo_passk")
+@ADV_ESTIMATORS.register("grpo_passk", needs_groups=True)
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -536,6 +540,15 @@ def needs_values(name: str) -> bool:
         ValueError: unknown ``name`` (lists the registered ones).
     """
     return ADV_ESTIMATORS.meta(name).needs_values
+
+
+def needs_groups(name: str) -> bool:
+    """Whether estimator ``name`` needs several samples per prompt (:attr:`EstimatorMeta.needs_groups`).
+
+    Raises:
+        ValueError: unknown estimator (lists the registered ones).
+    """
+    return ADV_ESTIMATORS.meta(name).needs_groups
 
 
 def needs_greedy_baseline(name: str) -> bool:

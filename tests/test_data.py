@@ -287,3 +287,11 @@ def test_sampler_validation():
         s.load_state_dict({"epoch": 0, "cursor": 4, "seed": 0})
     with pytest.raises(ValueError, match="missing"):
         s.load_state_dict({"epoch": 0})
+
+
+def test_an_empty_prompt_is_rejected_naming_file_and_row(tmp_path):
+    rows = [_row(0, "1+1?", "2"), _row(1, "   ", "4")]
+    _write_jsonl(tmp_path / "train.jsonl", rows)
+    spec = _spec(tmp_path, "empty", "source: file\npath: train.jsonl\nsplit: {validation_size: 1}\n")
+    with pytest.raises(DataError, match=r"train\.jsonl.*2.*no user message with text"):
+        load_prompt_dataset(spec)

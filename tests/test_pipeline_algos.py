@@ -159,3 +159,25 @@ def test_update_and_critic_batches_carry_the_new_options():
     assert c.rows.returns == [[1.0, 1.0], [0.0, 0.0, 0.0]] and c.rows.loss_mask is None  # truncation: actor only
     assert c.settings.mini_batch_rows == 4 and c.settings.shuffle_seed == seeds.iteration_seed(7, 5, 4)
 
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["actor.lr=inf"], r"actor\.lr=inf is not a finite number"),
+    (["gates.score_min=nan"], r"gates\.score_min=nan is not a finite number"),
+    (["actor.betas=[2,3]"], r"actor\.betas=\[2, 3\] must be two numbers in \[0, 1\)"),
+    (["rollout.n=1"], r"adv_estimator='grpo' compares the samples of one prompt.*rollout\.n >= 2"),
+    (["rollout.n=1", "algorithm.adv_estimator=rloo"], r"'rloo' compares the samples"),
+])
+def test_config_that_would_train_garbage_is_rejected(overrides, match):
+    from trajflow.config import load_config
+    from trajflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_group_free_estimators_accept_one_sample_per_prompt():
+    from trajflow.config import load_config
+
+    for est in ("reinforce_plus_plus", "remax", "gae"):
+        assert load_config(None, ["rollout.n=1", f"algorithm.adv_estimator={est}"]).rollout.n == 1

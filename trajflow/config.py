@@ -17,6 +17,7 @@ metadata; ``validate`` checks them all.
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,6 +240,8 @@ class TrainerConfig:
     val_before_train: bool = _f(True, "validate before the first iteration (when test_freq > 0)")
     seed: int = _f(42, "seed for data order, sampling and initialisation", ge=0)
     max_checkpoints: int = _f(2, "checkpoints kept (0 = keep all); the newest is never deleted", ge=0)
+    max_nonfinite_steps: int = _f(3, "stop after this many optimizer steps in a row skipped for a non-finite "
+                                     "gradient norm", ge=1)
     resume: str = _f("disable", "resume a run with the same run_id", choices=["disable", "auto"])
     run_id: Optional[str] = _f(None, "run id (default: generated from time and recipe)")
     device: str = _f("cpu", "torch device for workers", choices=["cpu", "cuda", "npu"])
@@ -424,6 +427,18 @@ def _check_fields(node: DictConfig, cls: type, prefix: str, source: str) -> None
                               f"{', '.join(map(str, allowed))}{hint}")
 
 
+def _check_finite(node: Any, path: str, source: str) -> None:
+    """Every float in the config is finite: ``actor.lr=inf`` or ``gates.score_min=nan`` trains garbage."""
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            _check_finite(node[k], f"{path}{k}.", source)
+    elif isinstance(node, ListConfig):
+        for i, v in enumerate(node):
+            _check_finite(v, f"{path[:-1]}[{i}].", source)
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{source}: {path[:-1]}={node!r} is not a finite number")
+
+
 def validate(cfg: DictConfig, source: str = "config") -> None:
     """Check every field's range/choices and the cross-field rules.
 
@@ -457,9 +472,22 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if rm.enable and not rm.path:
         raise ConfigError(f"{source}: reward.reward_model.enable=true needs reward.reward_model.path "
                           "(a sequence-classification model directory)")
+    _check_finite(cfg, "", source)
+    for section in ("actor", "critic"):
+        betas = cfg[section].get("betas") if "betas" in cfg[section] else None
+        if betas is not None and not (len(betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+            raise ConfigError(f"{source}: {section}.betas={list(betas)!r} must be two numbers in [0, 1) "
+                              f"(AdamW's beta1, beta2; e.g. [0.9, 0.999])")
     if cfg.algorithm.filter_groups.enable and cfg.rollout.n < 2:
         raise ConfigError(f"{source}: algorithm.filter_groups.enable=true needs rollout.n >= 2 (got "
                           f"{cfg.rollout.n}): a group of one response never has reward variance")
+    from stages.advantage import needs_groups
+
+    if cfg.rollout.n < 2 and needs_groups(cfg.algorithm.adv_estimator):
+        raise ConfigError(f"{source}: algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares the samples of "
+                          f"one prompt, so rollout.n=1 makes every advantage 0: set rollout.n >= 2 (e.g. 4), or "
+                          f"use an estimator without groups (reinforce_plus_plus, remax, gae)")
     ob = cfg.reward.overlong_buffer
     if ob.enable and ob.len > cfg.rollout.max_new_tokens:
         raise ConfigError(f"{source}: reward.overlong_buffer.len={ob.len} must be <= rollout.max_new_tokens="

@@ -211,6 +211,9 @@ def _row_to_record(row: Any, where: str, spec: dict, split: str, n: int) -> Prom
             messages.append({"role": m["role"], "content": m["content"]})
     else:
         raise DataError(f"{where}: 'prompt' must be a list of chat messages or a string, got {type(prompt).__name__}")
+    if not any(m["content"].strip() for m in messages if m["role"] == "user"):
+        raise DataError(f"{where}: the prompt has no user message with text (an empty prompt gives the policy "
+                        f"nothing to answer); fix or drop the row")
 
     rm = row.get("reward_model")
     gt = rm.get("ground_truth") if isinstance(rm, dict) else None
