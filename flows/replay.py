@@ -177,6 +177,7 @@ def open_replay(job: ReplayJob, from_stage: str, overrides: Sequence[str]) -> Ru
     lineage = {"parent_run_id": parent.run_id, "parent_iteration": first, "parent_iterations": [first, last],
                "from_stage": from_stage}
     run.create_run_folder(store, cfg, recipe=str(cfg.recipe), kind="replay", overrides=list(overrides),
+                          custom_function=run.custom_function_record(cfg),
                           start_checkpoint=start_id, note=plan_.note, **lineage)
     print(f"trajflow replay {job.run_id}: {store.run_dir} (run {parent.run_id}, iterations {first}..{last}, "
           f"from stage {from_stage}, policy from {start_id})", flush=True)
@@ -292,6 +293,7 @@ def prepare(parent_run_id: str, from_stage: str, iteration: int | None, iteratio
     parent = RunStore(run.store_root_from(overrides), parent_run_id)
     plan_ = plan(parent, first, last, from_stage)
     cfg = load_config(base=OmegaConf.load(parent.config_path), overrides=list(overrides))
+    run.check_custom_function(cfg, parent.read_run_meta(), f"replay of run {parent_run_id!r}", same_spec_only=True)
     run.preflight(cfg)
     run_id = run_id or replay_run_id(parent_run_id, first, last, from_stage)
     target = RunStore(cfg.store.root, run_id)

@@ -82,7 +82,9 @@ def _train_unless_done(cfg, run_id: str, resume: bool) -> dict:
     """Run :func:`train_flow`, except for a resumed run with nothing left to do (its summary, with
     ``nothing_to_do=True``, without starting Ray)."""
     if resume:
-        run.check_resumable(RunStore(cfg.store.root, run_id))
+        store = RunStore(cfg.store.root, run_id)
+        run.check_resumable(store)
+        run.check_custom_function(cfg, store.read_run_meta(), f"run {run_id!r}")
         done = run.finished_summary(cfg, run_id)
         if done is not None:
             return done

@@ -311,6 +311,23 @@ def select_scorer(data_source: str, default: str | None = None) -> str:
     )
 
 
+def custom_function_file(spec: str) -> Path:
+    """The resolved file of a ``"path/to/file.py:function_name"`` spec (which need not exist).
+
+    Raises:
+        ValueError: the spec has no ``file:name`` shape.
+    """
+    if not isinstance(spec, str) or ":" not in spec or not spec.rsplit(":", 1)[0] or not spec.rsplit(":", 1)[1]:
+        raise ValueError(f"reward.custom_function must look like 'path/to/file.py:function_name', got {spec!r}")
+    return Path(spec.rsplit(":", 1)[0]).expanduser().resolve()
+
+
+def file_sha256(path: str | Path) -> str | None:
+    """sha256 of a file's bytes, or None when it does not exist."""
+    p = Path(path)
+    return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+
+
 def load_custom_function(spec: str) -> Callable[..., Any]:
     """Load a user scorer from ``"path/to/file.py:function_name"``.
 

@@ -119,3 +119,55 @@ def test_non_finite_gradients_skip_the_step_and_stop_the_run(tiny_model_dir, ray
     saved = load_file(str(run / "checkpoints" / "000001" / "actor" / "model.safetensors"))
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert all(torch.equal(saved[k], initial[k]) for k in saved if k in initial)
+
+
+REWARD = "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return {}\n"
+
+
+def test_resume_refuses_a_custom_reward_function_the_run_did_not_record(tiny_model_dir, ray_local, tmp_path, capfd):
+    from flows.train import resume, train
+    from trajflow.errors import ConfigError
+
+    fn = tmp_path / "reward.py"
+    fn.write_text(REWARD.replace("{}", "0.5"))
+    over = tiny_overrides(tiny_model_dir, tmp_path, **{"trainer.test_freq": 0, "reward.custom_function": f"{fn}:score"})
+    train(None, over, run_id="fn")
+    meta = json.loads((tmp_path / "fn" / "run.json").read_text())
+    import hashlib
+
+    assert meta["custom_function"]["sha256"] == hashlib.sha256(fn.read_bytes()).hexdigest()
+    fn.write_text(REWARD.replace("{}", "1.0"))  # someone changed the code after the run started
+    with pytest.raises(ConfigError, match=r"reward\.custom_function is .*reward\.py .* but the run recorded .*"
+                                          r"reward\.trust_changed_custom_function=true"):
+        resume("fn", [f"store.root={tmp_path}", "trainer.total_iterations=3"])
+    capfd.readouterr()
+    resumed = resume("fn", [f"store.root={tmp_path}", "trainer.total_iterations=3",
+                            "reward.trust_changed_custom_function=true"])
+    assert f"reward.custom_function: importing {fn}" in capfd.readouterr().out
+    assert resumed["trained_iterations"] == [3]
+
+
+def test_reward_reuse_key_covers_the_custom_functions_code_and_the_prompt_text(tmp_path):
+    from trajflow.config import load_config
+    from trajflow.prompts import PromptRecord
+    from trajflow.run.cache_keys import reward_inputs, rollout_inputs
+    from trajflow.run.context import IterationState, RunContext
+    from trajflow.store import RunStore, StageRef
+
+    fn = tmp_path / "reward.py"
+    fn.write_text(REWARD.replace("{}", "0.5"))
+    cfg = load_config(None, [f"reward.custom_function={fn}:score"])
+    ctx = RunContext(cfg=cfg, store=RunStore(tmp_path, "r"), model_path="m")
+    ref = StageRef(iteration=1, stage="rollout", path=str(tmp_path / "rollout.parquet"), sha256="ab", rows=2)
+    before = reward_inputs(ctx, 1, ref)
+    fn.write_text(REWARD.replace("{}", "0.75"))  # same path, other code
+    assert reward_inputs(ctx, 1, ref)["settings"] != before["settings"]
+
+    def prompt(text):
+        return PromptRecord(prompt_id="p0", data_source="s", messages=[{"role": "user", "content": text}],
+                            ground_truth="1", extra_info={})
+
+    ctx.iterations[1] = IterationState(iteration=1, prompts=[prompt("1+1?")], started=0.0)
+    a = rollout_inputs(ctx, 1)
+    ctx.iterations[1] = IterationState(iteration=1, prompts=[prompt("2+2?")], started=0.0)  # same id, new text
+    assert rollout_inputs(ctx, 1) != a

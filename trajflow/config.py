@@ -124,6 +124,8 @@ class RewardConfig:
 
     custom_function: Optional[str] = _f(None, "user scorer 'path/to/file.py:name' with verl's "
                                         "signature (data_source, solution_str, ground_truth, extra_info)")
+    trust_changed_custom_function: bool = _f(False, "resume/replay even when reward.custom_function's file "
+                                             "differs from the one the run recorded")
     default_scorer: Optional[str] = _f(None, "scorer for data sources with no built-in mapping")
     format_bonus: float = _f(0.1, "reasoning-gym scorer: bonus for an 'Answer:' line", ge=0.0)
     overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig)

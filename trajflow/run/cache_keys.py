@@ -24,21 +24,29 @@ def digest(obj) -> str:
 
 
 def rollout_inputs(ctx: RunContext, iteration: int) -> dict[str, str]:
-    """A rollout depends on the prompts, the sampling (with dynamic sampling and ReMax's greedy
+    """A rollout depends on the prompts (ids and their rendered messages: an edited template or
+    prompt text is another rollout), the sampling (with dynamic sampling and ReMax's greedy
     baseline), the policy version and the model."""
     cfg = ctx.cfg
     params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
     sampling = [dataclasses.asdict(params), OmegaConf.to_container(cfg.algorithm.filter_groups, resolve=True),
                 cfg.algorithm.adv_estimator]
-    return {"prompts": digest([str(p.prompt_id) for p in ctx.iteration(iteration).prompts]),
+    prompts = ctx.iteration(iteration).prompts
+    return {"prompts": digest([str(p.prompt_id) for p in prompts]),
+            "prompt_text": digest([p.messages for p in prompts]),
             "sampling": digest(sampling), "policy_version": str(ctx.policy_version),
             "model": digest([ctx.model_path, ctx.plain("model")])}
 
 
 def reward_inputs(ctx: RunContext, iteration: int, rollout: StageRef) -> dict[str, str]:
-    """A reward output depends on the rollout file and every setting that changes scores or KL shaping."""
+    """A reward output depends on the rollout file, every setting that changes scores or KL shaping,
+    and the code of a custom reward function (its file's sha256, not just its path)."""
+    from stages.scorers import custom_function_file, file_sha256
+
     cfg = ctx.cfg
-    settings = {"reward": ctx.reward_settings(), "max_new_tokens": cfg.rollout.max_new_tokens,
+    spec = cfg.reward.custom_function
+    settings = {"reward": ctx.reward_settings(),
+                "custom_function_sha256": file_sha256(custom_function_file(spec)) if spec else None, "max_new_tokens": cfg.rollout.max_new_tokens,
                 "temperature": cfg.rollout.temperature,
                 "kl": [bool(cfg.algorithm.use_kl_in_reward), cfg.algorithm.kl_penalty,
                        float(ctx.kl_ctrl.value) if ctx.kl_ctrl is not None else None],

@@ -141,6 +141,7 @@ class RunContext:
         """The ``reward`` section as the scorers receive it: a dataset spec may name the scorer of its
         data sources (e.g. a custom file dataset), used when ``reward.default_scorer`` is unset."""
         out = self.plain("reward")
+        out.pop("trust_changed_custom_function", None)  # says whether to run, not how to score
         if not out.get("default_scorer") and self.datasets is not None:
             out["default_scorer"] = self.datasets.spec.get("scorer")
         return out

@@ -93,7 +93,7 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     # Load inputs first: a bad dataset or model must not leave a half-created run behind.
     ctx = build_context(cfg, store)
     if not resume:
-        create_run_folder(store, cfg, recipe=str(cfg.recipe))
+        create_run_folder(store, cfg, recipe=str(cfg.recipe), custom_function=custom_function_record(cfg))
     else:
         check_resumable(store)
         removed = store.cleanup_temp() + ckpt.cleanup(store)
@@ -137,6 +137,54 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         print(f"run {run_id} already finished all {ctx.state.last_iteration} iterations; nothing to do", flush=True)
         ctx.state.nothing_to_do = True
     return ctx
+
+
+def custom_function_record(cfg: DictConfig) -> dict | None:
+    """What ``run.json`` records of ``reward.custom_function``: its spec, resolved file and sha256."""
+    from stages.scorers import custom_function_file, file_sha256
+
+    spec = cfg.reward.custom_function
+    if not spec:
+        return None
+    path = custom_function_file(spec)
+    return {"spec": spec, "path": str(path), "sha256": file_sha256(path)}
+
+
+def check_custom_function(cfg: DictConfig, meta: dict, what: str, same_spec_only: bool = False) -> None:
+    """Say which reward code a resume or replay will import, and refuse code the run did not record.
+
+    ``config.yaml`` lives in the run folder, so anyone who can write there could point
+    ``reward.custom_function`` at a file of theirs: the code imported must be the file (path and
+    sha256) the run recorded when it started, unless ``reward.trust_changed_custom_function=true``.
+
+    Args:
+        cfg: the config about to run.
+        meta: the run's ``run.json`` (``custom_function``: the record of :func:`custom_function_record`;
+            absent for runs from before it was recorded, which are not checked).
+        what: how to name the run in messages.
+        same_spec_only: check only when the spec equals the recorded one (a replay whose override
+            names another function chose it on the command line).
+
+    Raises:
+        ConfigError: the function's file differs from the recorded one (names both digests and the override).
+    """
+    now = custom_function_record(cfg)
+    if now is not None:
+        print(f"reward.custom_function: importing {now['path']} (sha256 {str(now['sha256'])[:16]})", flush=True)
+    if "custom_function" not in meta or cfg.reward.trust_changed_custom_function:
+        return
+    rec = meta["custom_function"]
+    if same_spec_only and (rec or {}).get("spec") != (now or {}).get("spec"):
+        return
+    if (rec or {}).get("path") != (now or {}).get("path") or (rec or {}).get("sha256") != (now or {}).get("sha256"):
+        from trajflow.errors import ConfigError
+
+        def show(r):
+            return "none" if not r else f"{r['path']} (sha256 {str(r['sha256'])[:16]})"
+
+        raise ConfigError(f"{what}: reward.custom_function is {show(now)}, but the run recorded {show(rec)}; "
+                          f"refusing to import code the run did not start with. Pass "
+                          f"reward.trust_changed_custom_function=true if you changed it on purpose")
 
 
 def create_run_folder(store: RunStore, cfg: DictConfig, **meta) -> None:
