@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trajflow-installed
 
-.PHONY: install train test bench clean
+.PHONY: install system-packages train test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ install: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/trajflow train $(ARGS)
 
-test: $(STAMP)
+# Chromium (browser tests) and tcmalloc, from the system's package manager when it can.
+system-packages:
+	bash infra/system/install-packages.sh
+
+test: $(STAMP) system-packages
 	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -25,7 +25,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("TRAJFLOW_TEST_CHROMIUM", "/usr/bin/chromium")
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                reason=f"{CHROMIUM} is missing: sudo apt-get install -y chromium "
+                                       "(make test installs it when run as root)")
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +48,6 @@ def dashboard(two_runs, tmp_path_factory):
     """A running ``streamlit run dashboards/app.py`` over the two runs; yields its base URL."""
     from dashboards.data import streamlit_command
 
-    assert Path(CHROMIUM).exists(), "Debian chromium is missing: apt-get update && apt-get install -y chromium"
     port = _free_port()
     log = tmp_path_factory.mktemp("streamlit") / "streamlit.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

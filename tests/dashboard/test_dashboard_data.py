@@ -216,3 +216,13 @@ def test_gate_reports_carry_each_expectations_threshold_and_status(two_runs):
         assert by["truncated_frac"]["status"] == ("pass" if truncated <= 0.5 else "warn")
         assert by["truncated_frac"]["observed"] == pytest.approx(truncated)
         assert r["success"] == all(g["status"] != "FAIL" for g in r["gates"])
+
+
+def test_browser_tests_skip_with_the_install_command_when_chromium_is_missing(tmp_path):
+    """On a machine without Chromium (and no root to install it) the README's test command still passes."""
+    env = dict(__import__("os").environ, TRAJFLOW_TEST_CHROMIUM=str(tmp_path / "no-chromium"))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          str(Path(__file__).with_name("test_dashboard_browser.py"))],
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2], timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert re.search(r"\b4 skipped\b", out.stdout) and "apt-get install -y chromium" in out.stdout
