@@ -62,8 +62,16 @@ def test_a_tampered_checkpoint_is_never_unpickled_and_is_skipped_on_resume(tiny_
                                                                            capfd):
     from flows.train import resume, train
 
-    summary = train(None, tiny_overrides(tiny_model_dir, tmp_path, **{"trainer.test_freq": 0}), run_id="tamper")
+    old_mask = os.umask(0o022)
+    try:
+        summary = train(None, tiny_overrides(tiny_model_dir, tmp_path, **{"trainer.test_freq": 0}), run_id="tamper")
+    finally:
+        os.umask(old_mask)
     run = Path(summary["run_dir"])
+    # files a user can share: every file follows the umask (022 -> 0644), none is 0600
+    modes = {str(p.relative_to(run)): oct(p.stat().st_mode & 0o777) for p in run.rglob("*")
+             if p.is_file()}
+    assert {m for m in modes.values()} == {"0o644"}, {k: v for k, v in modes.items() if v != "0o644"}
     actor2 = run / "checkpoints" / "000002" / "actor"
     assert not list(run.rglob("*.pt")) and not list(run.rglob("*.pkl"))  # no pickle anywhere
     marker = tmp_path / "payload-ran"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trajflow.faults import fault_point
-from trajflow.store import RunStore, _fsync_dir, atomic_write_json
+from trajflow.store import RunStore, _fsync_dir, atomic_write_json, follow_umask
 
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
@@ -73,6 +73,7 @@ def save_checkpoint(store: RunStore, iteration: int, trainer_state: dict[str, An
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_workers(tmp)
+    follow_umask(tmp)
     fault_point("checkpoint", iteration)
     atomic_write_json(tmp / MANIFEST, {"files": _file_hashes(tmp)})
     atomic_write_json(tmp / STATE_FILE, {**trainer_state, "iteration": iteration})

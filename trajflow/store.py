@@ -78,6 +78,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux reports it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(root: str | Path) -> None:
+    """Give every file under ``root`` (or ``root`` itself) the mode a plain ``open`` would: ``0o666 & ~umask``.
+
+    safetensors and ``mkstemp`` create files 0600, which would make a run's weights unreadable to
+    the colleagues the umask means to share them with.
+    """
+    mode = 0o666 & ~_umask()
+    root = Path(root)
+    for p in ([root] if root.is_file() else root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
 def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Run ``write(temp_path)``, fsync the temp file, rename it to ``path``, fsync the folder.
 
@@ -87,6 +113,7 @@ def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a run's files follow the umask like any other
     try:
         write(tmp)
         with open(tmp, "rb") as f:

@@ -25,7 +25,7 @@ from trajflow.run.context import IterationState, RunContext, register
 from trajflow.run.progress import Progress
 from trajflow.infra.ray_cluster import start_ray
 from trajflow.run.workers import close, create_workers
-from trajflow.store import STAGES, RunStore
+from trajflow.store import STAGES, RunStore, follow_umask
 
 log = logging.getLogger(__name__)
 
@@ -525,6 +525,7 @@ def finish_run(ctx: RunContext) -> dict:
                                  f"exported (the checkpoints under {store.checkpoints_dir()} hold earlier states)")
         tmp = store.run_dir / ".final-tmp"
         ray.get(ctx.actor.export_hf.remote(str(tmp)))
+        follow_umask(tmp)
         if store.final_dir.exists():
             import shutil
 
