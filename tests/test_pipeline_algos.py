@@ -181,3 +181,12 @@ def test_group_free_estimators_accept_one_sample_per_prompt():
 
     for est in ("reinforce_plus_plus", "remax", "gae"):
         assert load_config(None, ["rollout.n=1", f"algorithm.adv_estimator={est}"]).rollout.n == 1
+
+
+def test_smoke_recipe_and_mini_batch_that_follows_the_train_batch():
+    from trajflow.config import load_config
+
+    smoke = load_config("smoke")
+    assert (smoke.data.train_batch_size, smoke.actor.ppo_mini_batch_size, smoke.trainer.total_iterations) == (2, 2, 2)
+    assert load_config(None, ["data.train_batch_size=2"]).actor.ppo_mini_batch_size == 2  # no coupled override
+    assert load_config(None, ["data.train_batch_size=16", "actor.ppo_mini_batch_size=4"]).actor.ppo_mini_batch_size == 4

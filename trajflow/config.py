@@ -181,7 +181,8 @@ class ActorConfig:
     lr: float = _f(1e-5, "AdamW learning rate", gt=0.0)
     weight_decay: float = _f(0.0, "AdamW weight decay", ge=0.0)
     betas: list = _f([0.9, 0.999], "AdamW betas")
-    ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (rows = this * rollout.n)", ge=1)
+    ppo_mini_batch_size: Optional[int] = _f(None, "prompts per optimizer step (rows = this * rollout.n); "
+                                                  "unset: data.train_batch_size (one step per iteration)", ge=1)
     ppo_micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation)", ge=1)
     use_dynamic_bsz: bool = _f(False, "cut micro-batches by computed tokens (ppo_max_token_len_per_gpu) instead of "
                                "ppo_micro_batch_size rows")
@@ -575,6 +576,8 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as e:
             raise _explain(e, source) from None
+    if cfg.actor.ppo_mini_batch_size is None:  # verl's default: the whole batch in one optimizer step
+        cfg.actor.ppo_mini_batch_size = cfg.data.train_batch_size
     validate(cfg, "config")
     OmegaConf.set_readonly(cfg, True)
     return cfg
