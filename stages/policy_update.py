@@ -79,7 +79,8 @@ def value_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped value loss (Schulman et al. 2017 as implemented in OpenAI baselines ppo2; verl).
 
-    v_clip = values_old + clamp(vpreds - values_old, -cliprange_value, cliprange_value);
+    v_clip = clamp(vpreds, values_old - cliprange_value, values_old + cliprange_value) (the same value
+    as verl's ``values_old + clamp(vpreds - values_old, -c, c)``, without its rounding);
     loss = 0.5 * agg(max((vpreds - R)^2, (v_clip - R)^2)).
 
     Args:
@@ -103,7 +104,9 @@ def value_loss(
         raise ValueError(f"critic.cliprange_value must be a number >= 0, got {cliprange_value!r}")
     mask = bool_mask(response_mask)
     vpreds, values_old, returns = (fill_outside(t, mask) for t in (vpreds, values_old, returns))
-    vclipped = values_old + torch.clamp(vpreds - values_old, -cliprange_value, cliprange_value)
+    # Clamp vpreds itself: old + clamp(v - old) rounds twice in fp32, so inside the range it is not
+    # exactly v and the clipped error can come out larger than the unclipped one (a spurious clip).
+    vclipped = torch.clamp(vpreds, values_old - cliprange_value, values_old + cliprange_value)
     err_unclipped = (vpreds - returns) ** 2
     err_clipped = (vclipped - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(err_unclipped, err_clipped), mask, loss_agg_mode, **agg_kwargs)

@@ -519,3 +519,18 @@ def test_update_rows_need_one_entry_per_row():
     UpdateRows([[1]], [[2, 3]], [[-1.0, -1.0]], [[0.5, 0.5]])
     with pytest.raises(ValueError, match="one entry per row"):
         UpdateRows([[1], [1]], [[2, 3]], [[-1.0, -1.0]], [[0.5, 0.5]])
+
+
+def test_value_clipfrac_is_zero_inside_the_clip_range_in_float32():
+    # |vpred - old| = 0.1046 < 0.2: v_clip = vpred, so nothing is clipped (PPO value clipping).
+    # old + clamp(vpred - old) rounded in fp32 came out 1 ulp off vpred and counted as clipped.
+    v, old, ret, c = -0.0247745402, -0.1293911636, -0.4875271022, 0.2
+    vpreds = torch.tensor([[v]], dtype=torch.float32, requires_grad=True)
+    loss, metrics = value_loss(vpreds, torch.tensor([[old]]), torch.tensor([[ret]]), torch.ones(1, 1), c)
+    assert metrics["critic/vf_clipfrac"] == 0.0
+    v32, old32, ret32 = (float(np.float32(x)) for x in (v, old, ret))
+    v_clip = min(max(v32, old32 - c), old32 + c)
+    expected = 0.5 * max((v32 - ret32) ** 2, (v_clip - ret32) ** 2)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    assert vpreds.grad.item() == pytest.approx(v32 - ret32, rel=1e-6)  # the unclipped branch's gradient
