@@ -210,6 +210,8 @@ class ActorLossConfig:
         """From an ``actor`` config section (any object with :class:`trajflow.config.ActorConfig`'s
         attributes ``policy_loss``, ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
         ``clip_ratio_c``, ``loss_agg_mode``, ``entropy_coeff``, ``kl_loss_coef``, ``kl_loss_type``).
+        ``clip_ratio_low/high`` reach every policy loss (verl: GSPO reads both, CISPO the high one);
+        ``None`` leaves each loss its own default (:class:`PolicyLossConfig`).
 
         Raises:
             ValueError: invalid clip settings or aggregation mode (:class:`PolicyLossConfig`).

@@ -188,8 +188,11 @@ class ActorConfig:
     shuffle: bool = _f(False, "shuffle rows between mini-batches")
     policy_loss: str = _f("vanilla", "policy loss", choices_from="policy_loss")
     clip_ratio: float = _f(0.2, "PPO clip range (used when low/high are unset)", gt=0.0)
-    clip_ratio_low: float = _f(0.2, "PPO clip: ratio floor is 1 - clip_ratio_low", ge=0.0, lt=1.0)
-    clip_ratio_high: float = _f(0.2, "PPO clip: ratio ceiling is 1 + clip_ratio_high", ge=0.0)
+    clip_ratio_low: Optional[float] = _f(None, "ratio floor is 1 - clip_ratio_low (vanilla, gspo); null = the "
+                                         "loss's own default (vanilla: clip_ratio, gspo: 3e-4)", ge=0.0, lt=1.0)
+    clip_ratio_high: Optional[float] = _f(None, "ratio ceiling is 1 + clip_ratio_high (vanilla, gspo; cispo: the IS "
+                                          "weight's); null = the loss's own default (vanilla: clip_ratio, gspo: "
+                                          "4e-4, cispo: 4.0)", ge=0.0)
     clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages", gt=1.0)
     loss_agg_mode: str = _f("token-mean", "loss aggregation",
                             choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -447,6 +450,11 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.gates.score_min > cfg.gates.score_max:
         raise ConfigError(f"{source}: gates.score_min={cfg.gates.score_min} must be <= "
                           f"gates.score_max={cfg.gates.score_max}")
+    if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode != "seq-mean-token-mean":
+        # GSPO's objective is a mean over sequences (Zheng et al. 2025, eq. 5-7); every other mode
+        # weights a sequence by its length, which is what the sequence ratio is meant to remove.
+        raise ConfigError(f"{source}: actor.policy_loss=gspo needs actor.loss_agg_mode=seq-mean-token-mean "
+                          f"(got {cfg.actor.loss_agg_mode!r}, which weights each sequence by its length)")
     if cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size:
         raise ConfigError(f"{source}: actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be "
                           f"<= data.train_batch_size={cfg.data.train_batch_size} (both count prompts)")
