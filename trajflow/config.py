@@ -199,7 +199,8 @@ class ActorConfig:
                                      "seq-mean-token-sum-norm"])
     entropy_coeff: float = _f(0.0, "entropy bonus coefficient", ge=0.0)
     kl_loss_coef: float = _f(0.0, "KL-to-reference loss coefficient (0 = no reference model)", ge=0.0)
-    kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss", choices_from="kl")
+    kl_loss_type: str = _f("low_var_kl+", "KL estimator for the loss (default: k3's value, k2's unbiased gradient; "
+                           "verl's default low_var_kl has a biased gradient)", choices_from="kl")
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", ge=0.0)
     strategy: str = _f("none", "training backend: none (one process, torch AdamW) or deepspeed (ZeRO data "
                        "parallel over actor.world_size ranks)", choices=["none", "deepspeed"])

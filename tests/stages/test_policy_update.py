@@ -600,3 +600,54 @@ def test_gspo_with_a_length_weighted_aggregation_is_rejected_by_the_config():
     loss_cfg = ActorLossConfig.from_actor(cfg.actor).loss
     loss, _ = compute_policy_loss("gspo", old, new, adv, mask, loss_cfg)
     assert loss.item() == pytest.approx(_gspo_by_hand(GSPO_LR, GSPO_ADV, 3e-4, 4e-4), abs=1e-12)
+
+
+# ------------------------------------------------------------------------------- KL loss gradient
+
+PI = np.array([0.5, 0.25, 0.25])
+PI_REF = np.array([0.25, 0.5, 0.25])
+
+
+def _reverse_kl_grad(pi, ref):
+    """d KL(pi || ref) / d theta for pi = softmax(theta): pi_j * (log(pi_j / ref_j) - KL)."""
+    kl = float(np.sum(pi * np.log(pi / ref)))
+    return pi * (np.log(pi / ref) - kl)
+
+
+def _expected_kl_loss_grad(cfg, sample_probs, old_probs=None):
+    """E_{x ~ sample_probs}[grad_theta of actor_loss's KL term on the one-token sample x], by
+    enumerating the vocabulary: sum_x sample_probs[x] * grad loss(x). pi = softmax(theta)."""
+    total = np.zeros(len(PI))
+    for x in range(len(PI)):
+        theta = torch.tensor(np.log(PI), dtype=torch.float64, requires_grad=True)
+        logp = torch.log_softmax(theta, dim=0)[x].reshape(1, 1)
+        old = logp.detach() if old_probs is None else torch.tensor([[math.log(old_probs[x])]], dtype=torch.float64)
+        ref = torch.tensor([[math.log(PI_REF[x])]], dtype=torch.float64)
+        loss, _ = actor_loss(logp, old, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1),
+                             entropy=torch.zeros(1, 1, dtype=torch.float64), ref_logp=ref, cfg=cfg, agg_kw={})
+        loss.backward()
+        total += sample_probs[x] * theta.grad.numpy()
+    return total
+
+
+def test_default_kl_loss_has_the_reverse_kl_gradient():
+    expected = _reverse_kl_grad(PI, PI_REF)
+    np.testing.assert_allclose(expected, [0.2599, -0.2166, -0.0433], atol=1e-4)
+    cfg = ActorLossConfig(kl_loss_coef=1.0)  # the default actor.kl_loss_type
+    np.testing.assert_allclose(_expected_kl_loss_grad(cfg, PI), expected, atol=1e-12)
+    from trajflow.config import load_config
+
+    assert load_config(None, []).actor.kl_loss_type == cfg.kl_loss_type
+    # plain k3 as a loss: expected gradient pi - ref, the bias the default avoids
+    np.testing.assert_allclose(_expected_kl_loss_grad(ActorLossConfig(kl_loss_coef=1.0, kl_loss_type="low_var_kl"), PI),
+                               PI - PI_REF, atol=1e-12)
+
+
+@pytest.mark.parametrize("kl_type", ["k2", "low_var_kl+"])
+def test_off_policy_k2_gradient_is_importance_weighted(kl_type):
+    # later mini-batches / epochs: the tokens came from pi_old != pi; with w = pi / pi_old the
+    # expectation over pi_old's samples is still grad KL(pi || ref)
+    pi_old = np.array([0.4, 0.3, 0.3])
+    cfg = ActorLossConfig(kl_loss_coef=1.0, kl_loss_type=kl_type)
+    got = _expected_kl_loss_grad(cfg, pi_old, old_probs=pi_old)
+    np.testing.assert_allclose(got, _reverse_kl_grad(PI, PI_REF), atol=1e-12)
