@@ -125,6 +125,9 @@ class RewardConfig:
                                         "signature (data_source, solution_str, ground_truth, extra_info)")
     default_scorer: Optional[str] = _f(None, "scorer for data sources with no built-in mapping")
     format_bonus: float = _f(0.1, "reasoning-gym scorer: bonus for an 'Answer:' line", ge=0.0)
+    strict_format: bool = _f(True, "math_verify scorer (math and GSM8K sets): score only a stated final answer "
+                             "('Answer:', '#### ', \\boxed{}); false also lets math-verify pick a number from the "
+                             "whole response")
     overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig)
     num_workers: int = _f(1, "Ray tasks that score a batch in parallel", ge=1)
     reward_model: RewardModelConfig = _section(RewardModelConfig)
