@@ -57,7 +57,9 @@ def shared_settings(args: argparse.Namespace) -> dict:
              micro=(cfg.data.train_batch_size * cfg.rollout.n if cfg.actor.use_dynamic_bsz
                     else cfg.actor.ppo_micro_batch_size),
              mini_prompts=cfg.actor.ppo_mini_batch_size, epochs=cfg.actor.ppo_epochs,
-             clip=cfg.actor.clip_ratio_low, clip_high=cfg.actor.clip_ratio_high, grad_clip=cfg.actor.grad_clip,
+             clip=cfg.actor.clip_ratio_low if cfg.actor.clip_ratio_low is not None else cfg.actor.clip_ratio,
+             clip_high=cfg.actor.clip_ratio_high if cfg.actor.clip_ratio_high is not None else cfg.actor.clip_ratio,
+             grad_clip=cfg.actor.grad_clip,
              kl=cfg.actor.kl_loss_coef, agg=cfg.actor.loss_agg_mode, dataset=cfg.data.dataset, seed=cfg.trainer.seed,
              format_bonus=cfg.reward.format_bonus, norm_std=cfg.algorithm.norm_adv_by_std_in_grpo,
              iterations=1 + args.iterations, allocator=args.allocator, keep=args.keep)

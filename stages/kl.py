@@ -19,6 +19,13 @@ straight-through estimator whose *value* is the named estimator's and whose *gra
 (``k2 - k2.detach() + value.detach()``), because the gradient of k2 is the unbiased estimate of
 the gradient of the KL while k1/k3 are unbiased (or low-variance) estimates of its value only
 (verl's ``+`` convention).
+
+As a loss term, only estimators with k2's gradient (``k2``/``mse`` and every ``+`` name) have
+the expected gradient of KL(pi || pi_ref) when the tokens are sampled from pi: k3's expected
+gradient is ``pi - pi_ref`` per logit, not the KL's. :data:`DEFAULT_KL_LOSS_TYPE` is therefore
+``low_var_kl+`` (verl's default ``actor.kl_loss_type`` is ``low_var_kl``). When the tokens were
+sampled from an older policy, the k2 gradient needs the importance ratio pi / pi_old
+(:func:`has_k2_gradient`, :func:`stages.policy_update.kl_loss`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ import torch
 from stages.registry import Registry
 
 __all__ = [
+    "DEFAULT_KL_LOSS_TYPE",
     "KL_ESTIMATORS",
+    "has_k2_gradient",
     "kl_penalty",
     "FixedKLController",
     "AdaptiveKLController",
@@ -111,6 +120,30 @@ def _straight_through(value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Ten
 for _name in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"):
     KL_ESTIMATORS.register(f"{_name}+")(_straight_through(KL_ESTIMATORS.get(_name)))
 del _name
+
+
+#: The default KL-loss estimator (``actor.kl_loss_type``): k3's value, k2's (unbiased) gradient.
+DEFAULT_KL_LOSS_TYPE = "low_var_kl+"
+
+
+def has_k2_gradient(kl_type: str) -> bool:
+    """Whether the estimator's gradient is k2's, ``(log pi - log pi_ref) * grad log pi``.
+
+    Those are the estimators whose loss gradient is unbiased for grad KL(pi || pi_ref) on samples
+    from pi, and so the ones that an importance ratio pi / pi_old makes unbiased on samples from
+    pi_old.
+
+    Args:
+        kl_type: a name in ``KL_ESTIMATORS.names()``.
+
+    Returns:
+        True for ``k2``/``mse`` and every ``+`` name.
+
+    Raises:
+        ValueError: unknown ``kl_type`` (lists the registered names).
+    """
+    KL_ESTIMATORS.get(kl_type)
+    return kl_type in ("k2", "mse") or kl_type.endswith("+")
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_type: str) -> torch.Tensor:

@@ -40,42 +40,50 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 LOG_RATIO_CLAMP = 20.0
 #: GSPO's token ratio is clamped above at exp(10) in log space (as verl).
 GSPO_LOG_RATIO_MAX = 10.0
+#: GSPO's clip range on the sequence ratio when ``actor.clip_ratio_low/high`` are unset (Zheng et al.
+#: 2025, sec. 5.1: 3e-4 and 4e-4; ratios of sequences sit much closer to 1 than those of tokens).
+GSPO_CLIP_RATIO_LOW = 3e-4
+GSPO_CLIP_RATIO_HIGH = 4e-4
+#: CISPO's upper epsilon when ``actor.clip_ratio_high`` is unset: an IS weight of at most 5
+#: (ScaleRL's recipe, arXiv:2510.13786).
+CISPO_CLIP_RATIO_HIGH = 4.0
 
 
 @dataclass
 class PolicyLossConfig:
-    """Settings of the policy losses (config section ``actor.policy_loss`` / ``actor``).
+    """Settings of the policy losses (config section ``actor``).
+
+    ``clip_ratio_low`` / ``clip_ratio_high`` are shared by the losses as verl shares
+    ``actor.clip_ratio_low/high``; ``None`` means "the loss's own default", because the losses clip
+    different quantities on different scales (PPO a token ratio by ~0.2, GSPO a sequence ratio by
+    ~3e-4, CISPO an importance weight up to ~5).
 
     Attributes:
-        clip_ratio_low: PPO lower clip epsilon: the ratio is clipped below at 1 - clip_ratio_low.
-            None falls back to ``clip_ratio``.
-        clip_ratio_high: PPO upper clip epsilon (1 + clip_ratio_high); set it above
-            ``clip_ratio_low`` for DAPO's clip-higher. None falls back to ``clip_ratio``.
+        clip_ratio_low: lower clip epsilon. ``vanilla``: the ratio is clipped below at
+            1 - clip_ratio_low (None: ``clip_ratio``); ``gspo``: the sequence ratio is clipped below
+            at 1 - clip_ratio_low (None: :data:`GSPO_CLIP_RATIO_LOW`, the paper's 3e-4); not used by
+            ``cispo`` (see ``cispo_clip_ratio_low``).
+        clip_ratio_high: upper clip epsilon. ``vanilla``: 1 + clip_ratio_high (None: ``clip_ratio``;
+            above ``clip_ratio_low`` it is DAPO's clip-higher); ``gspo``: 1 + clip_ratio_high (None:
+            :data:`GSPO_CLIP_RATIO_HIGH`, 4e-4); ``cispo``: the IS weight is at most
+            1 + clip_ratio_high (None: :data:`CISPO_CLIP_RATIO_HIGH`, a weight of at most 5).
         clip_ratio_c: dual-clip constant c > 1: for negative advantages the loss is capped at
             c * |A| (Ye et al. 2020).
         loss_agg_mode: how the token losses become a scalar, one of :data:`AGG_MODES`.
-        clip_ratio: the symmetric epsilon used where clip_ratio_low/high are None.
-        gspo_clip_ratio_low: GSPO's lower clip on the sequence ratio (paper: 3e-4).
-        gspo_clip_ratio_high: GSPO's upper clip on the sequence ratio (paper: 4e-4).
+        clip_ratio: the symmetric PPO epsilon used where clip_ratio_low/high are None.
         cispo_clip_ratio_low: CISPO's lower bound on the IS weight is 1 - this; None (default)
             means no lower bound, as MiniMax-M1 and ScaleRL use.
-        cispo_clip_ratio_high: CISPO's upper bound on the IS weight is 1 + this (default 4.0, an
-            IS weight of at most 5, ScaleRL's recipe, arXiv:2510.13786).
     """
 
-    clip_ratio_low: float | None = 0.2
-    clip_ratio_high: float | None = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     clip_ratio: float = 0.2
-    gspo_clip_ratio_low: float = 3e-4
-    gspo_clip_ratio_high: float = 4e-4
     cispo_clip_ratio_low: float | None = None
-    cispo_clip_ratio_high: float = 4.0
 
     def __post_init__(self) -> None:
-        for name in ("clip_ratio", "gspo_clip_ratio_low", "gspo_clip_ratio_high", "cispo_clip_ratio_high"):
-            _check_nonneg(name, getattr(self, name))
+        _check_nonneg("clip_ratio", self.clip_ratio)
         for name in ("clip_ratio_low", "clip_ratio_high", "cispo_clip_ratio_low"):
             if getattr(self, name) is not None:
                 _check_nonneg(name, getattr(self, name))
@@ -94,6 +102,21 @@ class PolicyLossConfig:
     def high(self) -> float:
         """The effective PPO upper clip epsilon."""
         return float(self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high)
+
+    @property
+    def gspo_low(self) -> float:
+        """GSPO's effective lower clip on the sequence ratio."""
+        return float(GSPO_CLIP_RATIO_LOW if self.clip_ratio_low is None else self.clip_ratio_low)
+
+    @property
+    def gspo_high(self) -> float:
+        """GSPO's effective upper clip on the sequence ratio."""
+        return float(GSPO_CLIP_RATIO_HIGH if self.clip_ratio_high is None else self.clip_ratio_high)
+
+    @property
+    def cispo_high(self) -> float:
+        """CISPO's effective upper epsilon: the IS weight is at most 1 + this."""
+        return float(CISPO_CLIP_RATIO_HIGH if self.clip_ratio_high is None else self.clip_ratio_high)
 
 
 def _check_nonneg(name: str, value: Any) -> None:
@@ -310,11 +333,14 @@ def compute_policy_loss_gspo(
     Sequence ratio s_i = exp(mean over the row's valid tokens of (log_prob - old_log_prob));
     token ratio s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)] -- equal to s_i in value, with the
     gradient of the token's own log-prob (computed in log space, clamped above at 10);
-    loss_it = max(-A_it * s_it, -A_it * clip(s_it, 1 - gspo_low, 1 + gspo_high)). With
-    sequence-level advantages this is GSPO's gradient. Aggregated with ``config.loss_agg_mode``
-    (the paper's objective is ``seq-mean-token-mean``).
+    loss_it = max(-A_it * s_it, -A_it * clip(s_it, 1 - eps_low, 1 + eps_high)). With
+    sequence-level advantages this is GSPO's gradient. Aggregated with ``config.loss_agg_mode``;
+    the paper's objective (eq. 5-7: the mean over sequences of each sequence's term) is
+    ``seq-mean-token-mean``, and the other modes weight a sequence by its length, so the run
+    config accepts GSPO with that mode only (:func:`trajflow.config.validate`).
 
-    Args/Raises: as :func:`compute_policy_loss_vanilla`; uses ``config.gspo_clip_ratio_low/high``.
+    Args/Raises: as :func:`compute_policy_loss_vanilla`; eps_low/eps_high are
+    ``config.clip_ratio_low/high`` (``actor.clip_ratio_low/high``), or 3e-4/4e-4 when unset.
 
     Returns:
         ``(loss, metrics)``: ``actor/pg_clipfrac`` is the fraction of valid tokens whose clipped
@@ -330,7 +356,7 @@ def compute_policy_loss_gspo(
     token_log_ratio = torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(token_log_ratio)
     loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - config.gspo_clip_ratio_low, 1.0 + config.gspo_clip_ratio_high)
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - config.gspo_low, 1.0 + config.gspo_high)
     pg_losses = torch.maximum(loss_unclipped, loss_clipped)
     loss = agg_loss(_apply_is_weights(pg_losses, rollout_is_weights, mask), mask, config.loss_agg_mode, **agg_kwargs)
     metrics = {
@@ -359,7 +385,9 @@ def compute_policy_loss_cispo(
     clipped and detached, so every token keeps the gradient A * grad log pi scaled by the weight
     (PPO instead drops clipped tokens). Aggregated with ``config.loss_agg_mode``.
 
-    Args/Raises: as :func:`compute_policy_loss_vanilla`; uses ``config.cispo_clip_ratio_low/high``.
+    Args/Raises: as :func:`compute_policy_loss_vanilla`; eps_high is ``config.clip_ratio_high``
+    (``actor.clip_ratio_high``, as verl's CISPO reads it), 4.0 when unset; eps_low is
+    ``config.cispo_clip_ratio_low`` (None: no lower bound).
 
     Returns:
         ``(loss, metrics)``: ``actor/pg_clipfrac`` is the fraction of valid tokens whose weight
@@ -371,7 +399,7 @@ def compute_policy_loss_cispo(
     old_log_prob, log_prob, advantages = (fill_outside(t, mask) for t in (old_log_prob, log_prob, advantages))
     log_ratio = _log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio).detach()
-    upper = 1.0 + config.cispo_clip_ratio_high
+    upper = 1.0 + config.cispo_high
     lower = None if config.cispo_clip_ratio_low is None else 1.0 - config.cispo_clip_ratio_low
     weight = torch.clamp(ratio, min=lower, max=upper)
     pg_losses = -weight * advantages * log_prob

@@ -17,9 +17,9 @@ from typing import Any, Mapping, Sequence
 import pyarrow as pa
 import torch
 
-from stages.kl import kl_penalty
-from stages.policy_losses import (PolicyLossConfig, agg_loss, bool_mask, check_same_shape, compute_policy_loss,
-                                   fill_outside, masked_mean_float)
+from stages.kl import DEFAULT_KL_LOSS_TYPE, has_k2_gradient, kl_penalty
+from stages.policy_losses import (LOG_RATIO_CLAMP, PolicyLossConfig, agg_loss, bool_mask, check_same_shape,
+                                   compute_policy_loss, fill_outside, masked_mean_float)
 from stages.seeds import Salt, iteration_seed
 from trajflow.batch import lengths
 
@@ -79,7 +79,8 @@ def value_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped value loss (Schulman et al. 2017 as implemented in OpenAI baselines ppo2; verl).
 
-    v_clip = values_old + clamp(vpreds - values_old, -cliprange_value, cliprange_value);
+    v_clip = clamp(vpreds, values_old - cliprange_value, values_old + cliprange_value) (the same value
+    as verl's ``values_old + clamp(vpreds - values_old, -c, c)``, without its rounding);
     loss = 0.5 * agg(max((vpreds - R)^2, (v_clip - R)^2)).
 
     Args:
@@ -103,7 +104,9 @@ def value_loss(
         raise ValueError(f"critic.cliprange_value must be a number >= 0, got {cliprange_value!r}")
     mask = bool_mask(response_mask)
     vpreds, values_old, returns = (fill_outside(t, mask) for t in (vpreds, values_old, returns))
-    vclipped = values_old + torch.clamp(vpreds - values_old, -cliprange_value, cliprange_value)
+    # Clamp vpreds itself: old + clamp(v - old) rounds twice in fp32, so inside the range it is not
+    # exactly v and the clipped error can come out larger than the unclipped one (a spurious clip).
+    vclipped = torch.clamp(vpreds, values_old - cliprange_value, values_old + cliprange_value)
     err_unclipped = (vpreds - returns) ** 2
     err_clipped = (vclipped - returns) ** 2
     loss = 0.5 * agg_loss(torch.maximum(err_unclipped, err_clipped), mask, loss_agg_mode, **agg_kwargs)
@@ -120,16 +123,27 @@ def kl_loss(
     response_mask: torch.Tensor,
     kl_type: str,
     loss_agg_mode: str = "token-mean",
+    *,
+    old_logprob: torch.Tensor | None = None,
     **agg_kwargs: Any,
 ) -> torch.Tensor:
-    """KL-in-loss term: ``agg_loss(kl_penalty(logprob, ref_logprob, kl_type))`` (GRPO, Shao et al. 2024, eq. 3-4).
+    """KL-in-loss term: ``agg_loss(w * kl_penalty(logprob, ref_logprob, kl_type))`` (GRPO, Shao et al. 2024, eq. 3-4).
+
+    The tokens were sampled from pi_old. For the estimators with k2's gradient
+    (:func:`stages.kl.has_k2_gradient`), ``w = sg[pi / pi_old] = exp(logprob - old_logprob)``,
+    detached, so that the expected gradient is grad KL(pi || pi_ref) also after the first
+    optimizer step of an iteration (E_{pi_old}[w * grad k2] = E_pi[grad k2]); w = 1 exactly on
+    the first on-policy step (old = current) and for the other estimators, whose gradient is not
+    the KL's on any samples (verl weights none).
 
     Args:
         logprob: ``(batch, response_len)``, the current policy's log-probs (carry the gradient).
         ref_logprob: ``(batch, response_len)``, the reference model's.
         response_mask: ``(batch, response_len)`` bool or 0/1.
-        kl_type: a KL estimator name (``actor.kl_loss_type``, e.g. ``low_var_kl`` or ``k3+``).
+        kl_type: a KL estimator name (``actor.kl_loss_type``, e.g. ``low_var_kl+`` or ``k2``).
         loss_agg_mode: one of :data:`AGG_MODES`.
+        old_logprob: ``(batch, response_len)``, the behaviour policy's log-probs (no gradient), or
+            ``None`` (w = 1).
         **agg_kwargs: forwarded to :func:`agg_loss`.
 
     Returns:
@@ -141,7 +155,13 @@ def kl_loss(
     check_same_shape(logprob=logprob, ref_logprob=ref_logprob, response_mask=response_mask)
     mask = bool_mask(response_mask)
     logprob, ref_logprob = (fill_outside(t, mask) for t in (logprob, ref_logprob))
-    return agg_loss(kl_penalty(logprob, ref_logprob, kl_type), mask, loss_agg_mode, **agg_kwargs)
+    kl = kl_penalty(logprob, ref_logprob, kl_type)
+    if old_logprob is not None and has_k2_gradient(kl_type):
+        check_same_shape(logprob=logprob, old_logprob=old_logprob)
+        log_w = torch.clamp(logprob.detach() - fill_outside(old_logprob.detach(), mask), -LOG_RATIO_CLAMP,
+                            LOG_RATIO_CLAMP)
+        kl = kl * torch.exp(log_w)
+    return agg_loss(kl, mask, loss_agg_mode, **agg_kwargs)
 
 
 @torch.no_grad()
@@ -193,20 +213,23 @@ class ActorLossConfig:
             entropy and KL terms).
         entropy_coeff: the entropy bonus coefficient (``actor.entropy_coeff``, >= 0).
         kl_loss_coef: the KL loss coefficient (``actor.kl_loss_coef``, >= 0; 0 = no KL term).
-        kl_loss_type: the KL estimator (``actor.kl_loss_type``, a name of :data:`stages.kl.KL_ESTIMATORS`).
+        kl_loss_type: the KL estimator (``actor.kl_loss_type``, a name of :data:`stages.kl.KL_ESTIMATORS`;
+            default ``low_var_kl+``, k3's value with k2's unbiased gradient).
     """
 
     policy_loss: str = "vanilla"
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0
     kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = DEFAULT_KL_LOSS_TYPE
 
     @classmethod
     def from_actor(cls, actor: Any) -> "ActorLossConfig":
         """From an ``actor`` config section (any object with :class:`trajflow.config.ActorConfig`'s
         attributes ``policy_loss``, ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
         ``clip_ratio_c``, ``loss_agg_mode``, ``entropy_coeff``, ``kl_loss_coef``, ``kl_loss_type``).
+        ``clip_ratio_low/high`` reach every policy loss (verl: GSPO reads both, CISPO the high one);
+        ``None`` leaves each loss its own default (:class:`PolicyLossConfig`).
 
         Raises:
             ValueError: invalid clip settings or aggregation mode (:class:`PolicyLossConfig`).
@@ -243,7 +266,9 @@ def actor_loss(
       ``agg(kl_penalty(logp, ref_logp, cfg.kl_loss_type))`` with one of the per-token estimators of
       :mod:`stages.kl` (k1, k2, k3 = ``low_var_kl``; Schulman 2020, "Approximating KL
       divergence"), coefficient ``c_KL = cfg.kl_loss_coef``; only when ``ref_logp`` is given and
-      ``c_KL > 0``.
+      ``c_KL > 0``. With k2's gradient it is importance-weighted by ``sg[exp(logp - old_logp)]``
+      (:func:`kl_loss`), which is 1 on a single on-policy step (``old_logp`` = ``logp`` detached)
+      and corrects the later mini-batches and epochs, whose tokens came from the older policy.
 
     All three terms are aggregated with ``cfg.loss.loss_agg_mode`` and the same ``agg_kw``
     (:func:`agg_loss`): with the mini-batch's token and row counts there, the micro-batches' losses
@@ -282,7 +307,7 @@ def actor_loss(
         loss = loss - cfg.entropy_coeff * ent_loss
     metrics: dict[str, float] = {}
     if ref_logp is not None and cfg.kl_loss_coef > 0:
-        kl = kl_loss(logp, ref_logp, mask, cfg.kl_loss_type, mode, **agg_kw)
+        kl = kl_loss(logp, ref_logp, mask, cfg.kl_loss_type, mode, old_logprob=old_logp, **agg_kw)
         loss = loss + cfg.kl_loss_coef * kl
         metrics["actor/kl_loss"] = kl.item()
         metrics["actor/kl_coef"] = cfg.kl_loss_coef

@@ -287,7 +287,8 @@ def score_rows(data_sources: list[str], solutions: list[str], ground_truths: lis
     infos = [json.loads(x) if x else None for x in extra_infos]
     return compute_scores(data_sources, solutions, ground_truths, infos, custom_function=custom,
                           default_scorer=reward_cfg.get("default_scorer"),
-                          scorer_kwargs={"format_bonus": reward_cfg.get("format_bonus", 0.1)})
+                          scorer_kwargs={"format_bonus": reward_cfg.get("format_bonus", 0.1),
+                                         "strict_format": reward_cfg.get("strict_format", True)})
 
 
 def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,

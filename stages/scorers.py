@@ -10,7 +10,8 @@ Built-in scorers live in the :data:`SCORERS` registry under their config names:
 ``reasoning_gym``
     the dataset's own ``score_answer`` on the extracted answer, plus a format bonus for an ``Answer:`` line.
 ``math_verify``
-    math-verify's symbolic equivalence (``\\frac{1}{2}`` equals ``0.5``), 1.0 or 0.0.
+    math-verify's symbolic equivalence (``\\frac{1}{2}`` equals ``0.5``), 1.0 or 0.0; strict by default:
+    only a stated final answer (``Answer:``, GSM8K's ``####``, ``\\boxed{}``) is scored.
 ``exact_match``
     normalised string equality, 1.0 or 0.0.
 
@@ -26,6 +27,7 @@ import importlib.util
 import json
 import re
 import sys
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,10 +64,23 @@ MATH_DATA_SOURCE_PREFIXES = ("numina", "ai-mo/numinamath", "lighteval/math", "ai
 MATH_VERIFY_MAX_CHARS = 1000
 
 _ANSWER_RE = re.compile(r"answer\s*:", re.IGNORECASE)
+_GSM8K_RE = re.compile(r"####")
+#: Characters that stand for a minus sign or a hyphen and are not ``-`` after NFKC: U+2010-U+2015
+#: (hyphens, figure dash, en/em dash, horizontal bar), U+2212 (minus sign), U+2796 (heavy minus),
+#: U+FE58 (small em dash). Models write ``\boxed{−5}``; math-verify and string equality read ``-5`` only.
+_DASHES = dict.fromkeys(map(ord, "\u2010\u2011\u2012\u2013\u2014\u2015\u2212\u2796\ufe58"), "-")
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 # --------------------------------------------------------------------------------------------- extraction
+
+
+def normalize_text(text: str) -> str:
+    """Unicode NFKC (full-width digits and signs, ligatures, non-breaking spaces -> ASCII forms), then
+    every minus/dash variant of :data:`_DASHES` as ``-``; non-strings are returned unchanged."""
+    if not isinstance(text, str):
+        return text
+    return unicodedata.normalize("NFKC", text).translate(_DASHES)
 
 
 def _last_boxed(text: str) -> str | None:
@@ -103,6 +118,18 @@ def _answer_line(text: str) -> str | None:
     return line or None
 
 
+def _gsm8k_answer(text: str) -> str | None:
+    """The text after the **last** ``####`` (GSM8K's answer format), first line only, cleaned as an
+    ``Answer:`` line; None when there is no ``####`` or nothing follows it. Searched over the whole
+    text, however long (the math-verify length cap applies to what is parsed, not to where the
+    answer is)."""
+    matches = list(_GSM8K_RE.finditer(text))
+    if not matches:
+        return None
+    line = _clean(text[matches[-1].end():].split("\n", 1)[0])
+    return line or None
+
+
 def has_answer_line(text: str) -> bool:
     """Whether ``text`` has an ``Answer: <something>`` line (the last ``Answer:`` is followed by text on its line)."""
     return isinstance(text, str) and _answer_line(text) is not None
@@ -116,8 +143,11 @@ def extract_answer(text: str) -> str | None:
     1. the text after the **last** ``Answer:`` (case-insensitive, so ``Final answer:`` counts), first line
        only, stripped; a ``\\boxed{...}`` in it is unwrapped, then surrounding ``*``/`````
        (markdown) and one trailing ``.`` are removed. An empty remainder counts as not found.
-    2. otherwise the content of the last ``\\boxed{...}`` (balanced braces, so ``\\boxed{\\frac{1}{2}}``
+    2. otherwise the text after the **last** ``####`` (GSM8K), first line, cleaned as in 1.
+    3. otherwise the content of the last ``\\boxed{...}`` (balanced braces, so ``\\boxed{\\frac{1}{2}}``
        gives ``\\frac{1}{2}``).
+
+    The text is first :func:`normalize_text`-ed (``\\boxed{−5}`` with U+2212 gives ``-5``).
 
     Args:
         text: the response (decoded, without special tokens).
@@ -131,7 +161,11 @@ def extract_answer(text: str) -> str | None:
     """
     if not isinstance(text, str):
         return None
+    text = normalize_text(text)
     line = _answer_line(text)
+    if line is not None:
+        return line
+    line = _gsm8k_answer(text)
     if line is not None:
         return line
     boxed = _last_boxed(text)
@@ -219,19 +253,26 @@ def math_verify_scorer(
     solution_str: str,
     ground_truth: str,
     extra_info: dict | None = None,
+    *,
+    strict_format: bool = True,
 ) -> dict:
     """Symbolic equivalence of the final answer and the ground truth with math-verify (``parse``/``verify``).
 
-    The extracted answer (:func:`extract_answer`) is parsed; when there is none, math-verify's own
-    extraction runs on the whole response (it takes a boxed or last stated number). math-verify's
-    ``signal.alarm`` timeouts are disabled (``parsing_timeout=None``, ``timeout_seconds=None``) so the
-    scorer works in any thread; inputs are cut to their last :data:`MATH_VERIFY_MAX_CHARS` characters.
+    The stated final answer (:func:`extract_answer`: an ``Answer:`` line, GSM8K's last ``####``, or
+    the last ``\\boxed{}``) is parsed. Strict (the default, verl's GSM8K ``method="strict"``): a
+    response that states no final answer scores 0, however its text ends ("The answer is 42" earns
+    nothing). With ``strict_format=False`` math-verify's own extraction then runs on the whole
+    response (it takes a boxed or last stated number). Both texts are :func:`normalize_text`-ed first
+    (NFKC, Unicode minus signs and dashes as ``-``). math-verify's ``signal.alarm`` timeouts are
+    disabled (``parsing_timeout=None``, ``timeout_seconds=None``) so the scorer works in any thread;
+    what is parsed is cut to its last :data:`MATH_VERIFY_MAX_CHARS` characters.
 
     Args:
         data_source: any (unused beyond error messages).
         solution_str: the model response.
         ground_truth: reference answer, plain or LaTeX (``"0.5"``, ``"\\frac{1}{2}"``).
         extra_info: unused.
+        strict_format: require a stated final answer (``reward.strict_format``).
 
     Returns:
         ``{"score": 1.0 | 0.0, "acc": same, "format_ok": bool (an Answer: line exists), "extracted": str | None}``.
@@ -239,8 +280,10 @@ def math_verify_scorer(
     from math_verify import parse, verify  # lazy
 
     extracted = extract_answer(solution_str)
-    target_text = extracted if extracted is not None else (solution_str or "")
-    gold = parse(str(ground_truth)[-MATH_VERIFY_MAX_CHARS:], parsing_timeout=None)
+    if extracted is None and strict_format:
+        return {"score": 0.0, "acc": 0.0, "format_ok": has_answer_line(solution_str), "extracted": None}
+    target_text = extracted if extracted is not None else normalize_text(solution_str or "")
+    gold = parse(normalize_text(str(ground_truth))[-MATH_VERIFY_MAX_CHARS:], parsing_timeout=None)
     pred = parse(target_text[-MATH_VERIFY_MAX_CHARS:], parsing_timeout=None)
     ok = bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=None))
     score = 1.0 if ok else 0.0
@@ -248,7 +291,7 @@ def math_verify_scorer(
 
 
 def _normalise(s: str) -> str:
-    s = " ".join(str(s).split()).casefold()
+    s = " ".join(normalize_text(str(s)).split()).casefold()
     s = s.strip().strip("$").strip()
     if s.endswith("."):
         s = s[:-1].rstrip()
@@ -264,8 +307,8 @@ def exact_match_scorer(
 ) -> dict:
     """Normalised string equality of the final answer and the ground truth.
 
-    Normalisation: whitespace runs collapsed to one space, case-folded, surrounding ``$`` and one
-    trailing ``.`` removed. The final answer is :func:`extract_answer`'s, or the whole response when
+    Normalisation: :func:`normalize_text` (NFKC, Unicode minus signs and dashes as ``-``), whitespace
+    runs collapsed to one space, case-folded, surrounding ``$`` and one trailing ``.`` removed. The final answer is :func:`extract_answer`'s, or the whole response when
     there is none.
 
     Returns:

@@ -38,3 +38,53 @@ def test_a_table_per_iteration_for_hundreds_of_iterations(tracker, tmp_path):
 def test_ragged_columns_are_named(tracker):
     with pytest.raises(ValueError, match=r"columns of different lengths \{'a': 2, 'b': 1\}"):
         tracker.log_table({"a": [1, 2], "b": [3]}, "samples/bad.json")
+
+
+def _logged(tracker):
+    """{MLflow name: [(step, value), ...]} as the store holds it."""
+    run = tracker.client.get_run(tracker.run_id)
+    return {k: sorted((m.step, m.value) for m in tracker.client.get_metric_history(tracker.run_id, k))
+            for k in run.data.metrics}
+
+
+def test_metric_names_mlflow_rejects_are_rewritten_and_kept_apart(tracker):
+    # verl issue 119: 'timing(s)/gen' made MLflow reject the whole batch; '@' and '_at_' merged two
+    # series; a data_source with '+' ends up in the validation metric names.
+    reported = {"timing(s)/gen": 1.5, "val/acc@1": 0.5, "val/acc_at_1": 0.25,
+                "val-core/gsm8k+math/acc/mean@4": 0.75, "actor/pg_loss": -0.125}
+    tracker.log_metrics(reported, step=0)
+    tracker.log_metrics(dict(reversed(list({k: v + 1 for k, v in reported.items()}.items()))), step=1)
+    logged = _logged(tracker)
+    assert len(logged) == len(reported)  # nothing lost, nothing merged
+    names = {k: tracker.metric_name(k) for k in reported}
+    assert len(set(names.values())) == len(reported)
+    assert names["actor/pg_loss"] == "actor/pg_loss" and names["val/acc_at_1"] == "val/acc_at_1"
+    assert names["timing(s)/gen"] == "timing_s_/gen"
+    assert names["val-core/gsm8k+math/acc/mean@4"] == "val-core/gsm8k_math/acc/mean_at_4"
+    assert names["val/acc@1"].startswith("val/acc_at_1.") and len(names["val/acc@1"]) == len("val/acc_at_1.") + 8
+    for k, v in reported.items():
+        assert logged[names[k]] == [(0, v), (1, v + 1)], k
+
+
+def test_colliding_names_get_the_same_mlflow_names_whatever_the_key_order(tmp_path):
+    def names(order):
+        cfg = load_config(None, [f"store.root={tmp_path}", "trainer.experiment_name=tracking-order"])
+        tr = Tracker(cfg, "order")
+        tr.log_metrics({k: 1.0 for k in order}, step=0)
+        out = {k: tr.metric_name(k) for k in order}
+        tr.finish()
+        return out
+
+    keys = ["val/acc@1", "val/acc_at_1", "val/acc(1)", "val/acc_1_"]
+    first, second = names(keys), names(list(reversed(keys)))
+    assert first == second and len(set(first.values())) == 4
+    assert first["val/acc_at_1"] == "val/acc_at_1" and first["val/acc_1_"] == "val/acc_1_"
+
+
+def test_overlong_names_and_empty_path_segments_are_made_valid(tracker):
+    long_name = "x/" + "y" * 400  # over MLflow's 250-character limit: cut, with a hash of the full name
+    tracker.log_metrics({long_name: 2.0, "actor/lr": 1e-5, "a//b": 3.0}, step=4)
+    logged = _logged(tracker)
+    assert logged["actor/lr"] == [(4, 1e-5)]
+    assert logged[tracker.metric_name(long_name)] == [(4, 2.0)] and len(tracker.metric_name(long_name)) == 250
+    assert logged["a/_/b"] == [(4, 3.0)]

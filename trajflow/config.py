@@ -128,6 +128,9 @@ class RewardConfig:
                                              "differs from the one the run recorded")
     default_scorer: Optional[str] = _f(None, "scorer for data sources with no built-in mapping")
     format_bonus: float = _f(0.1, "reasoning-gym scorer: bonus for an 'Answer:' line", ge=0.0)
+    strict_format: bool = _f(True, "math_verify scorer (math and GSM8K sets): score only a stated final answer "
+                             "('Answer:', '#### ', \\boxed{}); false also lets math-verify pick a number from the "
+                             "whole response")
     overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig)
     num_workers: int = _f(1, "Ray tasks that score a batch in parallel", ge=1)
     reward_model: RewardModelConfig = _section(RewardModelConfig)
@@ -192,15 +195,19 @@ class ActorConfig:
     shuffle: bool = _f(False, "shuffle rows between mini-batches")
     policy_loss: str = _f("vanilla", "policy loss", choices_from="policy_loss")
     clip_ratio: float = _f(0.2, "PPO clip range (used when low/high are unset)", gt=0.0)
-    clip_ratio_low: float = _f(0.2, "PPO clip: ratio floor is 1 - clip_ratio_low", ge=0.0, lt=1.0)
-    clip_ratio_high: float = _f(0.2, "PPO clip: ratio ceiling is 1 + clip_ratio_high", ge=0.0)
+    clip_ratio_low: Optional[float] = _f(None, "ratio floor is 1 - clip_ratio_low (vanilla, gspo); null = the "
+                                         "loss's own default (vanilla: clip_ratio, gspo: 3e-4)", ge=0.0, lt=1.0)
+    clip_ratio_high: Optional[float] = _f(None, "ratio ceiling is 1 + clip_ratio_high (vanilla, gspo; cispo: the IS "
+                                          "weight's); null = the loss's own default (vanilla: clip_ratio, gspo: "
+                                          "4e-4, cispo: 4.0)", ge=0.0)
     clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages", gt=1.0)
     loss_agg_mode: str = _f("token-mean", "loss aggregation",
                             choices=["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                      "seq-mean-token-sum-norm"])
     entropy_coeff: float = _f(0.0, "entropy bonus coefficient", ge=0.0)
     kl_loss_coef: float = _f(0.0, "KL-to-reference loss coefficient (0 = no reference model)", ge=0.0)
-    kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss", choices_from="kl")
+    kl_loss_type: str = _f("low_var_kl+", "KL estimator for the loss (default: k3's value, k2's unbiased gradient; "
+                           "verl's default low_var_kl has a biased gradient)", choices_from="kl")
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", ge=0.0)
     strategy: str = _f("none", "training backend: none (one process, torch AdamW) or deepspeed (ZeRO data "
                        "parallel over actor.world_size ranks)", choices=["none", "deepspeed"])
@@ -465,6 +472,11 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.gates.score_min > cfg.gates.score_max:
         raise ConfigError(f"{source}: gates.score_min={cfg.gates.score_min} must be <= "
                           f"gates.score_max={cfg.gates.score_max}")
+    if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode != "seq-mean-token-mean":
+        # GSPO's objective is a mean over sequences (Zheng et al. 2025, eq. 5-7); every other mode
+        # weights a sequence by its length, which is what the sequence ratio is meant to remove.
+        raise ConfigError(f"{source}: actor.policy_loss=gspo needs actor.loss_agg_mode=seq-mean-token-mean "
+                          f"(got {cfg.actor.loss_agg_mode!r}, which weights each sequence by its length)")
     if cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size:
         raise ConfigError(f"{source}: actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be "
                           f"<= data.train_batch_size={cfg.data.train_batch_size} (both count prompts)")

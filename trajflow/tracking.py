@@ -9,7 +9,9 @@ What a run records (see docs/compare.md):
 - tags ``trajflow.run_id``, ``trajflow.recipe``, ``mlflow.source.git.commit`` and, for a replay,
   the lineage tags of :func:`lineage_tags`;
 - params: the flattened resolved config (``actor.lr``, ...); artifact ``config.yaml``: the same config;
-- metrics: verl's names per iteration (step = iteration, 0 = before training), ``@`` as ``_at_``;
+- metrics: verl's names per iteration (step = iteration, 0 = before training), made valid for MLflow
+  by :func:`mlflow_metric_name` (``@`` as ``_at_``, any other character MLflow rejects as ``_``);
+  two names that would become the same are kept apart by :meth:`Tracker.metric_name`;
 - artifacts ``samples/iteration_NNNNNN.json`` (sample generations, a table as JSON: see
   :meth:`Tracker.log_table`), ``gates/iteration_NNNNNN/``
   (gate reports) and, at the end of a run, ``plots/*.png`` (see :mod:`trajflow.plots`).
@@ -17,7 +19,11 @@ What a run records (see docs/compare.md):
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+import posixpath
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Mapping
@@ -71,9 +77,44 @@ def git_commit() -> str | None:
         return None
 
 
-def mlflow_metric_name(name: str) -> str:
-    """verl metric name -> a name MLflow accepts (``val-core/x/acc/mean@1`` -> ``.../mean_at_1``)."""
-    return name.replace("@", "_at_")
+log = logging.getLogger(__name__)
+
+#: MLflow's metric-name length limit (``MAX_ENTITY_KEY_LENGTH``).
+MLFLOW_MAX_NAME = 250
+# What MLflow accepts in a metric name (mlflow.utils.validation, POSIX): word characters, '/', '.',
+# '-', ' ' and ':'.
+_BAD_CHARS = re.compile(r"[^/\w.\- :]")
+_GLOB_CHARS = "*?[]"
+
+
+def _hash8(name: str) -> str:
+    return hashlib.sha256(name.encode("utf-8")).hexdigest()[:8]
+
+
+def mlflow_metric_name(name: str, *, keep: str = _GLOB_CHARS) -> str:
+    """verl metric name -> the readable name MLflow accepts (``val-core/x/acc/mean@1`` -> ``.../mean_at_1``).
+
+    ``@`` becomes ``_at_`` (as verl's MLflow adapter writes it), every other character MLflow rejects
+    becomes ``_`` (``timing(s)/gen`` -> ``timing_s_/gen``, ``val-core/a+b/acc`` -> ``val-core/a_b/acc``),
+    path segments MLflow would normalise away (empty, ``.``, ``..``) become ``_``/``__``, and a name
+    over :data:`MLFLOW_MAX_NAME` characters is cut and ends in 8 hex digits of its sha256. Not
+    injective on its own: :meth:`Tracker.metric_name` keeps names that collide apart.
+
+    Args:
+        name: the metric name as the code reports it.
+        keep: characters left as they are (by default the glob characters, so that
+            ``trajflow compare --metric 'val/*@1'`` patterns survive); the tracker passes ``""``.
+
+    Returns:
+        The rewritten name (``name`` itself when MLflow accepts it).
+    """
+    out = _BAD_CHARS.sub(lambda m: m.group(0) if m.group(0) in keep else ("_at_" if m.group(0) == "@" else "_"),
+                         str(name))
+    if out == "" or posixpath.normpath(out) != out or out.startswith("/"):
+        out = "/".join({"": "_", ".": "_", "..": "__"}.get(part, part) for part in out.split("/"))
+    if len(out) > MLFLOW_MAX_NAME:
+        out = f"{out[:MLFLOW_MAX_NAME - 9]}.{_hash8(str(name))}"
+    return out
 
 
 class Tracker:
@@ -102,6 +143,8 @@ class Tracker:
         else:
             exp_id = exp.experiment_id
         self.experiment_id = exp_id
+        self._metric_names: dict[str, str] = {}   # reported name -> MLflow name, for the whole run
+        self._metric_owners: dict[str, str] = {}  # MLflow name -> reported name
         if mlflow_run_id:
             self.run_id = mlflow_run_id
             self.client.update_run(mlflow_run_id, status="RUNNING")
@@ -123,18 +166,60 @@ class Tracker:
         for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
+    def metric_name(self, name: str) -> str:
+        """The MLflow name of a reported metric name, fixed for the rest of the run.
+
+        :func:`mlflow_metric_name` of ``name``, unless another reported name already owns that
+        MLflow name (``val/acc@1`` and ``val/acc_at_1``): then ``<that>.<8 hex digits of sha256(name)>``,
+        so no two series are merged. A name MLflow accepts as it is claims itself first within a
+        :meth:`log_metrics` call, the others follow in sorted order, so the outcome does not depend
+        on the order of a dict's keys.
+        """
+        if name in self._metric_names:
+            return self._metric_names[name]
+        base = mlflow_metric_name(name, keep="")
+        candidate, n = base, 0
+        while self._metric_owners.get(candidate, name) != name:
+            n += 1
+            tag = _hash8(name if n == 1 else f"{name}#{n}")
+            candidate = f"{base[:MLFLOW_MAX_NAME - 9]}.{tag}"
+        if candidate != name:
+            log.debug("metric %r is logged to MLflow as %r", name, candidate)
+        self._metric_names[name] = candidate
+        self._metric_owners[candidate] = name
+        return candidate
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """One ``log_batch`` per call (one SQLite transaction instead of one per metric)."""
+        """One ``log_batch`` per call (one SQLite transaction instead of one per metric).
+
+        Names go through :meth:`metric_name`. Should MLflow still reject the batch, the metrics are
+        logged one by one and only those it rejects are dropped (with a warning naming them), so one
+        bad name never costs an iteration's metrics or the run.
+        """
         import time
 
         from mlflow.entities import Metric
+        from mlflow.exceptions import MlflowException
 
         ts = int(time.time() * 1000)
-        # MLflow rejects '@' in names; verl's MLflow adapter writes "mean@4" as "mean_at_4" too.
-        items = [Metric(mlflow_metric_name(k), float(v), ts, step) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        finite = {str(k): float(v) for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        # Names MLflow takes verbatim claim themselves before any rewritten name can land on them.
+        for k in sorted(finite, key=lambda k: (mlflow_metric_name(k, keep="") != k, k)):
+            self.metric_name(k)
+        items = [Metric(self.metric_name(k), v, ts, step) for k, v in finite.items()]
         for i in range(0, len(items), 1000):
-            self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
+            chunk = items[i:i + 1000]
+            try:
+                self.client.log_batch(self.run_id, metrics=chunk)
+            except MlflowException as e:
+                log.warning("MLflow rejected a batch of %d metrics at step %d (%s); logging them one by one",
+                            len(chunk), step, str(e).splitlines()[0])
+                for m in chunk:
+                    try:
+                        self.client.log_batch(self.run_id, metrics=[m])
+                    except MlflowException as e1:
+                        log.warning("MLflow rejected metric %r at step %d: %s", m.key, step, str(e1).splitlines()[0])
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         for k, v in tags.items():

@@ -205,7 +205,7 @@ def test_on_policy_ratio_is_exactly_one_and_nothing_is_clipped(name):
 def test_gspo_sequence_ratio_by_hand():
     # row 0: A = +1, log-ratios [0.1, 0.3, (masked)] -> s = exp(0.2) = 1.2214 > 1.2 -> clipped: -1.2 per token
     # row 1: A = +0.5, log-ratios [0.05, -0.05, 0] -> s = exp(0) = 1 -> -0.5 per token
-    cfg = PolicyLossConfig(gspo_clip_ratio_low=0.2, gspo_clip_ratio_high=0.2)
+    cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.2)
     new_v = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.7, -0.9]], dtype=torch.float64)
     log_ratio = torch.tensor([[0.1, 0.3, 42.0], [0.05, -0.05, 0.0]], dtype=torch.float64)
     old = new_v - log_ratio
@@ -222,14 +222,14 @@ def test_gspo_sequence_ratio_by_hand():
     assert metrics["actor/ppo_kl"] == pytest.approx(-(0.1 + 0.3 + 0.05 - 0.05 + 0.0) / 5, abs=1e-12)
 
     # the paper's sequence-level aggregation
-    cfg_seq = PolicyLossConfig(gspo_clip_ratio_low=0.2, gspo_clip_ratio_high=0.2, loss_agg_mode="seq-mean-token-mean")
+    cfg_seq = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="seq-mean-token-mean")
     loss_seq, _ = compute_policy_loss("gspo", old, new_v, adv, mask, cfg_seq)
     assert loss_seq.item() == pytest.approx((-1.2 - 0.5) / 2, abs=1e-12)
 
 
 def test_gspo_uses_the_sequence_ratio_not_the_token_ratio():
     # one sequence, A = -1, log-ratios [+0.1, -0.1]: s = 1 so both tokens give loss 1 (token ratios would differ)
-    cfg = PolicyLossConfig(gspo_clip_ratio_low=0.5, gspo_clip_ratio_high=0.5)
+    cfg = PolicyLossConfig(clip_ratio_low=0.5, clip_ratio_high=0.5)
     new = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
     old = new - torch.tensor([[0.1, -0.1]], dtype=torch.float64)
     loss, _ = compute_policy_loss("gspo", old, new, -torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2), cfg)
@@ -244,7 +244,7 @@ def test_gspo_uses_the_sequence_ratio_not_the_token_ratio():
 def test_cispo_by_hand_keeps_gradient_of_clipped_tokens():
     # ratios [1.5, 0.5], A = 1, upper bound 1.2, no lower bound:
     # loss = mean(-sg(min(r, 1.2)) * A * logp) ; grad = [-1.2, -0.5] / 2
-    cfg = PolicyLossConfig(cispo_clip_ratio_high=0.2)
+    cfg = PolicyLossConfig(clip_ratio_high=0.2)
     new_v = [[math.log(0.3), math.log(0.2)]]
     old, new = logps_with_ratio([[1.5, 0.5]], new_logp=new_v)
     adv = torch.ones(1, 2, dtype=torch.float64)
@@ -256,7 +256,7 @@ def test_cispo_by_hand_keeps_gradient_of_clipped_tokens():
     assert metrics["actor/pg_clipfrac"] == 0.5 and metrics["actor/pg_clipfrac_lower"] == 0.0
 
     # with a lower bound of 1 - 0.2 the 0.5 weight becomes 0.8
-    cfg_low = PolicyLossConfig(cispo_clip_ratio_high=0.2, cispo_clip_ratio_low=0.2)
+    cfg_low = PolicyLossConfig(clip_ratio_high=0.2, cispo_clip_ratio_low=0.2)
     old, new = logps_with_ratio([[1.5, 0.5]], new_logp=new_v)
     loss, metrics = compute_policy_loss("cispo", old, new, adv, torch.ones(1, 2), cfg_low)
     assert loss.item() == pytest.approx((-1.2 * math.log(0.3) - 0.8 * math.log(0.2)) / 2, abs=1e-12)
@@ -349,7 +349,7 @@ def test_garbage_outside_mask_reaches_neither_loss_nor_gradient(name):
     new_v = -torch.rand(2, 5, generator=gen, dtype=torch.float64)
     old_v = new_v + 0.1 * torch.randn(2, 5, generator=gen, dtype=torch.float64)
     adv_v = torch.randn(2, 5, generator=gen, dtype=torch.float64)
-    cfg = PolicyLossConfig(gspo_clip_ratio_low=0.05, gspo_clip_ratio_high=0.05, cispo_clip_ratio_high=0.05)
+    cfg = PolicyLossConfig(clip_ratio_low=0.05, clip_ratio_high=0.05)
 
     def run(new, old, adv):
         leaf = new.clone().requires_grad_(True)
@@ -519,3 +519,135 @@ def test_update_rows_need_one_entry_per_row():
     UpdateRows([[1]], [[2, 3]], [[-1.0, -1.0]], [[0.5, 0.5]])
     with pytest.raises(ValueError, match="one entry per row"):
         UpdateRows([[1], [1]], [[2, 3]], [[-1.0, -1.0]], [[0.5, 0.5]])
+
+
+def test_value_clipfrac_is_zero_inside_the_clip_range_in_float32():
+    # |vpred - old| = 0.1046 < 0.2: v_clip = vpred, so nothing is clipped (PPO value clipping).
+    # old + clamp(vpred - old) rounded in fp32 came out 1 ulp off vpred and counted as clipped.
+    v, old, ret, c = -0.0247745402, -0.1293911636, -0.4875271022, 0.2
+    vpreds = torch.tensor([[v]], dtype=torch.float32, requires_grad=True)
+    loss, metrics = value_loss(vpreds, torch.tensor([[old]]), torch.tensor([[ret]]), torch.ones(1, 1), c)
+    assert metrics["critic/vf_clipfrac"] == 0.0
+    v32, old32, ret32 = (float(np.float32(x)) for x in (v, old, ret))
+    v_clip = min(max(v32, old32 - c), old32 + c)
+    expected = 0.5 * max((v32 - ret32) ** 2, (v_clip - ret32) ** 2)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    assert vpreds.grad.item() == pytest.approx(v32 - ret32, rel=1e-6)  # the unclipped branch's gradient
+
+
+def _actor_section(**over):
+    base = dict(policy_loss="vanilla", clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.0, kl_loss_coef=0.0, kl_loss_type="k3+")
+    return __import__("types").SimpleNamespace(**(base | over))
+
+
+def _gspo_by_hand(log_ratios, advs, eps_low, eps_high):
+    """GSPO (Zheng et al. 2025, eq. 5-7) in numpy: s_i = exp(mean_t log-ratio), the clipped sequence
+    term -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i), averaged over sequences."""
+    terms = []
+    for lr, a in zip(log_ratios, advs):
+        s = np.exp(np.mean(lr))
+        terms.append(-min(s * a, np.clip(s, 1 - eps_low, 1 + eps_high) * a))
+    return float(np.mean(terms))
+
+
+# two sequences of lengths 1 and 3 (padding of row 0 holds garbage that must not count)
+GSPO_LR = [[0.05], [0.3, -0.1, 0.1]]
+GSPO_ADV = [1.0, -1.0]
+
+
+def _gspo_tensors():
+    new_v = torch.tensor([[-0.4, -1.0, -2.0], [-0.5, -0.7, -0.9]], dtype=torch.float64)
+    lr = torch.tensor([[0.05, 7.0, 7.0], [0.3, -0.1, 0.1]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    return new_v - lr, new_v, adv, torch.tensor([[1, 0, 0], [1, 1, 1]])
+
+
+@pytest.mark.parametrize("low, high", [(0.02, 0.03), (0.2, 0.2)])
+def test_gspo_clip_bounds_come_from_actor_clip_ratio_low_high(low, high):
+    old, new, adv, mask = _gspo_tensors()
+    cfg = ActorLossConfig.from_actor(_actor_section(policy_loss="gspo", clip_ratio_low=low, clip_ratio_high=high))
+    loss, _ = compute_policy_loss("gspo", old, new, adv, mask, cfg.loss)
+    assert loss.item() == pytest.approx(_gspo_by_hand(GSPO_LR, GSPO_ADV, low, high), abs=1e-12)
+
+
+def test_gspo_and_cispo_keep_their_own_bounds_when_unset():
+    old, new, adv, mask = _gspo_tensors()
+    cfg = ActorLossConfig.from_actor(_actor_section(policy_loss="gspo"))
+    loss, _ = compute_policy_loss("gspo", old, new, adv, mask, cfg.loss)
+    assert loss.item() == pytest.approx(_gspo_by_hand(GSPO_LR, GSPO_ADV, 3e-4, 4e-4), abs=1e-12)
+    assert cfg.loss.low == cfg.loss.high == 0.2  # PPO still falls back to clip_ratio
+    # CISPO: the IS weight is capped at 1 + actor.clip_ratio_high, or at 5 when it is unset
+    old_c, new_c = logps_with_ratio([[7.0, 2.0]], new_logp=[[math.log(0.3), math.log(0.2)]])
+    for high, cap in ((None, 5.0), (0.5, 1.5)):
+        loss_cfg = ActorLossConfig.from_actor(_actor_section(policy_loss="cispo", clip_ratio_high=high)).loss
+        loss, _ = compute_policy_loss("cispo", old_c, new_c.detach(), torch.ones(1, 2, dtype=torch.float64),
+                                      torch.ones(1, 2), loss_cfg)
+        expected = (-min(7.0, cap) * math.log(0.3) - min(2.0, cap) * math.log(0.2)) / 2
+        assert loss.item() == pytest.approx(expected, abs=1e-12), high
+
+
+def test_gspo_with_a_length_weighted_aggregation_is_rejected_by_the_config():
+    from trajflow.config import load_config
+    from trajflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"actor.policy_loss=gspo needs actor.loss_agg_mode=seq-mean-token-mean"):
+        load_config(None, ["actor.policy_loss=gspo"])  # default token-mean
+    cfg = load_config(None, ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"])
+    # the accepted mode is the paper's mean over sequences; token-mean would weight row 1 three times
+    old, new, adv, mask = _gspo_tensors()
+    loss_cfg = ActorLossConfig.from_actor(cfg.actor).loss
+    loss, _ = compute_policy_loss("gspo", old, new, adv, mask, loss_cfg)
+    assert loss.item() == pytest.approx(_gspo_by_hand(GSPO_LR, GSPO_ADV, 3e-4, 4e-4), abs=1e-12)
+
+
+# ------------------------------------------------------------------------------- KL loss gradient
+
+PI = np.array([0.5, 0.25, 0.25])
+PI_REF = np.array([0.25, 0.5, 0.25])
+
+
+def _reverse_kl_grad(pi, ref):
+    """d KL(pi || ref) / d theta for pi = softmax(theta): pi_j * (log(pi_j / ref_j) - KL)."""
+    kl = float(np.sum(pi * np.log(pi / ref)))
+    return pi * (np.log(pi / ref) - kl)
+
+
+def _expected_kl_loss_grad(cfg, sample_probs, old_probs=None):
+    """E_{x ~ sample_probs}[grad_theta of actor_loss's KL term on the one-token sample x], by
+    enumerating the vocabulary: sum_x sample_probs[x] * grad loss(x). pi = softmax(theta)."""
+    total = np.zeros(len(PI))
+    for x in range(len(PI)):
+        theta = torch.tensor(np.log(PI), dtype=torch.float64, requires_grad=True)
+        logp = torch.log_softmax(theta, dim=0)[x].reshape(1, 1)
+        old = logp.detach() if old_probs is None else torch.tensor([[math.log(old_probs[x])]], dtype=torch.float64)
+        ref = torch.tensor([[math.log(PI_REF[x])]], dtype=torch.float64)
+        loss, _ = actor_loss(logp, old, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1),
+                             entropy=torch.zeros(1, 1, dtype=torch.float64), ref_logp=ref, cfg=cfg, agg_kw={})
+        loss.backward()
+        total += sample_probs[x] * theta.grad.numpy()
+    return total
+
+
+def test_default_kl_loss_has_the_reverse_kl_gradient():
+    expected = _reverse_kl_grad(PI, PI_REF)
+    np.testing.assert_allclose(expected, [0.2599, -0.2166, -0.0433], atol=1e-4)
+    cfg = ActorLossConfig(kl_loss_coef=1.0)  # the default actor.kl_loss_type
+    np.testing.assert_allclose(_expected_kl_loss_grad(cfg, PI), expected, atol=1e-12)
+    from trajflow.config import load_config
+
+    assert load_config(None, []).actor.kl_loss_type == cfg.kl_loss_type
+    # plain k3 as a loss: expected gradient pi - ref, the bias the default avoids
+    np.testing.assert_allclose(_expected_kl_loss_grad(ActorLossConfig(kl_loss_coef=1.0, kl_loss_type="low_var_kl"), PI),
+                               PI - PI_REF, atol=1e-12)
+
+
+@pytest.mark.parametrize("kl_type", ["k2", "low_var_kl+"])
+def test_off_policy_k2_gradient_is_importance_weighted(kl_type):
+    # later mini-batches / epochs: the tokens came from pi_old != pi; with w = pi / pi_old the
+    # expectation over pi_old's samples is still grad KL(pi || ref)
+    pi_old = np.array([0.4, 0.3, 0.3])
+    cfg = ActorLossConfig(kl_loss_coef=1.0, kl_loss_type=kl_type)
+    got = _expected_kl_loss_grad(cfg, pi_old, old_probs=pi_old)
+    np.testing.assert_allclose(got, _reverse_kl_grad(PI, PI_REF), atol=1e-12)

@@ -341,3 +341,55 @@ def test_registry_names():
 def test_nan_is_not_silently_fixed():
     res = compute_scores(["x"], ["whatever"], ["1"], [None], custom_function=lambda *a: float("nan"))
     assert math.isnan(float(res.scores[0]))
+
+
+# --------------------------------------------------------------------------------------------- parsing (verl PR 7274)
+
+
+@pytest.mark.parametrize("minus", ["\u2212", "\u2013", "\u2014", "\ufe63", "\uff0d"])
+def test_unicode_minus_signs_score_as_minus(minus):
+    # -5 written with U+2212 MINUS SIGN (and dash look-alikes) is the number -5
+    assert SCORERS.get("math_verify")("math", f"so \\boxed{{{minus}5}}", "-5", None)["score"] == 1.0
+    assert SCORERS.get("math_verify")("math", f"Answer: {minus}5", "-5", None)["score"] == 1.0
+    assert SCORERS.get("exact_match")("x", f"Answer: {minus}5", "-5", None)["score"] == 1.0
+    assert extract_answer(f"\\boxed{{{minus}5}}") == "-5"
+    assert SCORERS.get("math_verify")("math", "\\boxed{-5}", "5", None)["score"] == 0.0  # the sign still counts
+
+
+def test_full_width_digits_are_nfkc_normalised():
+    assert SCORERS.get("math_verify")("gsm8k", "Answer: \uff14\uff12", "42", None)["score"] == 1.0
+
+
+def test_strict_scorer_needs_a_stated_answer():
+    fn = SCORERS.get("math_verify")
+    unformatted = "Adding them up, the answer is 42"
+    assert fn("openai/gsm8k", unformatted, "42", None) == {"score": 0.0, "acc": 0.0, "format_ok": False,
+                                                           "extracted": None}
+    assert fn("openai/gsm8k", unformatted, "42", None, strict_format=False)["score"] == 1.0  # opt out
+    for stated in ("Answer: 42", "so #### 42", "\\boxed{42}"):
+        assert fn("openai/gsm8k", stated, "42", None)["score"] == 1.0, stated
+    # the reward stage passes reward.strict_format (default true) through
+    res = compute_scores(["openai/gsm8k"], [unformatted], ["42"], [None])
+    assert res.scores[0] == 0.0
+    res = compute_scores(["openai/gsm8k"], [unformatted], ["42"], [None], scorer_kwargs={"strict_format": False})
+    assert res.scores[0] == 1.0
+    from trajflow.config import load_config
+
+    assert load_config(None, []).reward.strict_format is True
+
+
+def test_reasoning_gym_gives_nothing_for_an_unformatted_answer(rg_entry):
+    ds, gt, extra = _rg_row(rg_entry)
+    out = SCORERS.get("reasoning_gym")(ds, f"The answer is {gt}", gt, extra, format_bonus=0.1)
+    assert out == {"score": 0.0, "acc": 0.0, "format_ok": False, "extracted": None}
+
+
+def test_gsm8k_answer_is_the_last_hashes_wherever_it_is():
+    fn = SCORERS.get("math_verify")
+    tail = "\n" + "Checking every step once more: 3 + 4 = 7, 7 * 6 = 42. " * 40  # ~2200 characters after
+    text = "Work: 6 * 7 = 42\n#### 42" + tail
+    assert len(text) - text.index("####") > 1000
+    assert extract_answer(text) == "42"
+    assert fn("openai/gsm8k", text, "42", None)["score"] == 1.0
+    assert fn("openai/gsm8k", "#### 41\nno wait\n#### 42", "42", None)["score"] == 1.0  # the last one
+    assert fn("openai/gsm8k", "#### 41\nno wait\n#### 42", "41", None)["score"] == 0.0
