@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from stages.advantage import ADV_ESTIMATORS, EstimatorMeta, needs_greedy_baseline, needs_values
+from stages.advantage import ADV_ESTIMATORS, EstimatorMeta, needs_greedy_baseline, needs_groups, needs_values
 from stages.registry import Registry
 
 
@@ -15,8 +15,10 @@ def test_estimator_metadata():
     assert needs_greedy_baseline("remax") and not needs_values("remax")
     for name in ("grpo", "rloo"):
         assert not needs_values(name) and not needs_greedy_baseline(name)
-        assert ADV_ESTIMATORS.meta(name) == EstimatorMeta()
+        assert ADV_ESTIMATORS.meta(name) == EstimatorMeta(needs_groups=True)  # a group baseline
     assert ADV_ESTIMATORS.meta("gae") == EstimatorMeta(needs_values=True)
+    groups = {n for n in ADV_ESTIMATORS.names() if needs_groups(n)}
+    assert groups == {"grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk"}
 
 
 @pytest.mark.parametrize("lookup", [ADV_ESTIMATORS.meta, needs_values, needs_greedy_baseline])
