@@ -291,7 +291,7 @@ def prepare(parent_run_id: str, from_stage: str, iteration: int | None, iteratio
     first, last = parse_iterations(iteration, iterations)
     parent = RunStore(run.store_root_from(overrides), parent_run_id)
     plan_ = plan(parent, first, last, from_stage)
-    cfg = load_config(base=OmegaConf.load(parent.config_path), overrides=list(overrides))
+    cfg = load_config(base=parent.read_config(), overrides=list(overrides))
     run.preflight(cfg)
     run_id = run_id or replay_run_id(parent_run_id, first, last, from_stage)
     target = RunStore(cfg.store.root, run_id)

@@ -153,6 +153,41 @@ class RunStore:
     def write_config(self, yaml_text: str) -> None:
         atomic_write_bytes(self.config_path, yaml_text.encode())
 
+    def read_config(self):
+        """The run's stored ``config.yaml`` as an OmegaConf ``DictConfig``: the one loader for it
+        (resume, replay, ``trajflow gate``, evaluate), so that no command proceeds on a config the
+        run did not record.
+
+        Raises:
+            StoreError: the file is missing, not UTF-8, not YAML, empty, or not a mapping (names the
+                file; the run's config cannot be guessed, so nothing falls back to the defaults).
+        """
+        import yaml
+        from omegaconf import OmegaConf
+
+        p = self.config_path
+        fix = "restore it from a backup or start a new run"
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise StoreError(f"{p}: missing; run {self.run_id!r} has no stored config ({fix})") from None
+        except UnicodeDecodeError as e:
+            raise StoreError(f"{p}: not UTF-8 text (byte {e.start}); the stored config is damaged ({fix})") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            raise StoreError(f"{p}: not valid YAML{at} ({getattr(e, 'problem', None) or e}); the stored "
+                             f"config is damaged ({fix})") from None
+        if data is None:
+            raise StoreError(f"{p}: empty; the stored config is lost ({fix}); refusing to continue with "
+                             f"the built-in defaults")
+        if not isinstance(data, dict):
+            raise StoreError(f"{p}: holds a {type(data).__name__}, not a mapping of config sections; the "
+                             f"stored config is damaged ({fix})")
+        return OmegaConf.create(data)
+
     def read_run_meta(self) -> dict:
         p = self.run_dir / "run.json"
         return json.loads(p.read_text()) if p.exists() else {}

@@ -103,7 +103,7 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
     if not store.exists():
         raise StoreError(f"no run {run_id!r} under {store.root}")
     overrides = [f"gates.suite={suite}"] if suite else []
-    cfg = load_config(base=OmegaConf.load(store.config_path), overrides=overrides)
+    cfg = load_config(base=store.read_config(), overrides=overrides)
     its = [iteration] if iteration is not None else [i for i in store.iterations()
                                                      if store.verified_stage(i, "reward", warn=False)]
     if iteration is not None and iteration not in store.iterations():

@@ -212,16 +212,15 @@ def resume_config(run_id: str, overrides: Sequence[str] = ()) -> DictConfig:
     """The stored config of run ``run_id`` (under ``store.root`` from ``overrides``) plus ``overrides``.
 
     Raises:
-        StoreError: no such run, or a replay run (see :func:`check_resumable`).
+        StoreError: no such run, a replay run (see :func:`check_resumable`), or a damaged stored
+            config (see :meth:`RunStore.read_config`).
         trajflow.config.ConfigError: a bad override.
     """
-    from omegaconf import OmegaConf
-
     from trajflow.config import load_config
 
     store = RunStore(store_root_from(overrides), run_id)
     check_resumable(store)
-    return load_config(base=OmegaConf.load(store.config_path), overrides=list(overrides))
+    return load_config(base=store.read_config(), overrides=list(overrides))
 
 
 def check_resumable(store: RunStore) -> None:
@@ -249,13 +248,9 @@ def config_changes(store: RunStore, cfg: DictConfig) -> dict[str, tuple]:
     ``trainer.resume``, ``trainer.run_id`` and ``trainer.progress`` are not reported (they say how
     to start, not what to train).
     """
-    from omegaconf import OmegaConf
-
     from trajflow.config import flatten
 
-    if not store.config_path.exists():
-        return {}
-    old = flatten(OmegaConf.load(store.config_path))
+    old = flatten(store.read_config())
     new = flatten(cfg)
     ignore = {"trainer.resume", "trainer.run_id", "trainer.progress"}
     if old.get("store.root") and new.get("store.root") and \

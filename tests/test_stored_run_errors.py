@@ -1,0 +1,61 @@
+"""A damaged stored run (config, manifests, stage files) is reported, never skipped or guessed at.
+
+Real run folders written by :class:`trajflow.store.RunStore`, the real ``trajflow`` command in a
+subprocess: what the user reads (one ``error:`` line naming the file, the exit code) is the point.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_crash_safety import _fake_iteration
+from trajflow.config import load_config, to_yaml
+from trajflow.store import RunStore
+
+TRAJFLOW = [str(Path(sys.executable).parent / "trajflow")]
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    p = subprocess.run(TRAJFLOW + list(args), capture_output=True, text=True, timeout=180)
+    return p.returncode, p.stdout, p.stderr
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture
+def stored_run(tmp_path) -> RunStore:
+    """A run with a resolved config and two complete iterations (rollout, reward, advantage)."""
+    store = RunStore(tmp_path / "runs", "r1")
+    store.run_dir.mkdir(parents=True)
+    store.write_config(to_yaml(load_config(None, [f"store.root={store.root}"])))
+    store.update_run_meta(run_id="r1", status="failed")
+    for it in (1, 2):
+        _fake_iteration(store, it, [0.0, 1.0, 0.5, 0.5], ["a", "b", "c", "d"])
+        store.mark(it, "complete")
+    return store
+
+
+DAMAGED = {"garbage": b"\x00\xff\xfe\x89PNG\r\n\x1a\n", "yaml_error": b"model: {path: [unclosed\n",
+           "list": b"- 1\n- 2\n", "empty": b""}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED))
+@pytest.mark.parametrize("command", ["gate", "resume", "replay"])
+def test_damaged_stored_config_is_one_line_naming_the_file(stored_run, damage, command):
+    stored_run.config_path.write_bytes(DAMAGED[damage])
+    root = str(stored_run.root)
+    args = {"gate": ["gate", "r1", "--store", root],
+            "resume": ["resume", "r1", f"store.root={root}", "trainer.total_iterations=3"],
+            "replay": ["replay", "r1", "-i", "1", "--from-stage", "advantage", f"store.root={root}"]}[command]
+    rc, _, err = run_cli(*args)
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert len(error_lines(err)) == 1 and str(stored_run.config_path) in error_lines(err)[0], err
+    assert stored_run.config_path.read_bytes() == DAMAGED[damage]  # never rewritten with the defaults
+    assert not (stored_run.root / "mlflow.db").exists()
