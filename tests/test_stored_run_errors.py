@@ -59,3 +59,28 @@ def test_damaged_stored_config_is_one_line_naming_the_file(stored_run, damage, c
     assert len(error_lines(err)) == 1 and str(stored_run.config_path) in error_lines(err)[0], err
     assert stored_run.config_path.read_bytes() == DAMAGED[damage]  # never rewritten with the defaults
     assert not (stored_run.root / "mlflow.db").exists()
+
+
+def test_gate_names_every_iteration_it_could_not_check(stored_run):
+    """A corrupt reward file and a missing manifest are not passes: each is named, exit 2."""
+    rc, out, err = run_cli("gate", "r1", "--store", str(stored_run.root))
+    assert rc == 0 and "iteration      1" in out and "iteration      2" in out, err
+    reward = stored_run.stage_path(1, "reward")
+    reward.write_bytes(reward.read_bytes()[:40])
+    stored_run.manifest_path(2).unlink()
+    rc, out, err = run_cli("gate", "r1", "--store", str(stored_run.root))
+    assert rc == 2, err
+    assert "Traceback" not in err
+    [line] = error_lines(err)
+    assert "2 iteration(s) not checked" in line and f"iteration 1: {reward}" in line, line
+    assert f"iteration 2: {stored_run.manifest_path(2)} is missing" in line, line
+
+
+def test_audit_rebuild_names_the_iterations_it_left_out(stored_run):
+    rollout = stored_run.stage_path(2, "rollout")
+    rollout.write_bytes(rollout.read_bytes()[:40])
+    rc, _, err = run_cli("audit", "r1", "--store-root", str(stored_run.root), "--rebuild")
+    assert rc == 2, err
+    assert "Traceback" not in err and "will be recomputed" not in err
+    [line] = error_lines(err)
+    assert "rebuilt without 1 iteration(s)" in line and f"iteration 2: {rollout}" in line, line

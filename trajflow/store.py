@@ -271,6 +271,20 @@ class RunStore:
         """The manifest entry of a stored stage output (``sha256``, ``rows``, ``inputs``, ``meta``...)."""
         return self.read_manifest(iteration).get("files", {}).get(stage)
 
+    def stage_problem(self, iteration: int, stage: str) -> str | None:
+        """Why the stored output of ``stage`` in ``iteration`` cannot be read back (``None`` when it
+        verifies): for commands that report an unusable iteration instead of recomputing it."""
+        if not self.manifest_path(iteration).exists():
+            return f"{self.manifest_path(iteration)} is missing"
+        if self.stage_entry(iteration, stage) is None:
+            return f"no {stage} output recorded in {self.manifest_path(iteration)}"
+        path = self.stage_path(iteration, stage)
+        if not path.exists():
+            return f"{path} is missing"
+        if self.verified_stage(iteration, stage, warn=False) is None:
+            return f"{path} is truncated or does not match its manifest's sha256"
+        return None
+
     def verified_stage(self, iteration: int, stage: str, *, warn: bool = True,
                        inputs: dict[str, str] | None = None) -> StageRef | None:
         """The stage's reference if its file exists, is readable and matches the manifest's sha256.

@@ -84,14 +84,20 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
     return {**{k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}, "score_mean": score_mean}
 
 
-def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suite: str | None = None) -> list:
+def recheck_run(store_root: str, run_id: str, iteration: int | None = None,
+                suite: str | None = None) -> tuple[list, list[tuple[int, str]]]:
     """Re-run the gate over stored reward outputs (``trajflow gate``); nothing is written.
 
+    An iteration whose rollout or reward output cannot be read back (manifest missing, file
+    truncated or altered, never written) is not checked; it is returned with the reason, never
+    left out silently.
+
     Returns:
-        ``[(iteration, GateReport), ...]`` in iteration order.
+        ``([(iteration, GateReport), ...], [(iteration, why it was not checked), ...])`` in
+        iteration order.
 
     Raises:
-        StoreError: unknown run, or the iteration has no verified rollout/reward output.
+        StoreError: unknown run, a damaged stored config, or no such iteration.
     """
     from omegaconf import OmegaConf
 
@@ -104,10 +110,15 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
         raise StoreError(f"no run {run_id!r} under {store.root}")
     overrides = [f"gates.suite={suite}"] if suite else []
     cfg = load_config(base=store.read_config(), overrides=overrides)
-    its = [iteration] if iteration is not None else [i for i in store.iterations()
-                                                     if store.verified_stage(i, "reward", warn=False)]
     if iteration is not None and iteration not in store.iterations():
         raise StoreError(f"run {run_id!r} has no iteration {iteration} (has {store.iterations()})")
+    its, skipped = [], []
+    for it in [iteration] if iteration is not None else store.iterations():
+        problem = store.stage_problem(it, "rollout") or store.stage_problem(it, "reward")
+        if problem is None:
+            its.append(it)
+        else:
+            skipped.append((it, problem))
     settings = dataclasses.replace(OmegaConf.to_object(cfg.gates), enabled=True)  # cfg stays read-only
     out, history = [], []
     for it in its:
@@ -116,4 +127,4 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
         if report.score_mean is not None:
             history.append(float(report.score_mean))
         out.append((it, report))
-    return out
+    return out, skipped
