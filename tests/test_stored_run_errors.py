@@ -84,3 +84,44 @@ def test_audit_rebuild_names_the_iterations_it_left_out(stored_run):
     assert "Traceback" not in err and "will be recomputed" not in err
     [line] = error_lines(err)
     assert "rebuilt without 1 iteration(s)" in line and f"iteration 2: {rollout}" in line, line
+
+
+_HOLDER = """
+import sys, time
+from trajflow.store import RunStore, run_lock
+with run_lock(RunStore(sys.argv[1], "r1")):
+    print("HOLDING", flush=True)
+    time.sleep(300)
+"""
+
+
+def test_second_driver_of_a_run_is_refused_until_the_holder_dies(stored_run, tiny_model_dir):
+    """A concurrent ``resume`` refuses with one line naming the holder; a SIGKILLed holder's lock
+    does not outlive it."""
+    import os
+    import signal
+    import socket
+
+    from omegaconf import OmegaConf
+
+    from trajflow.store import run_lock
+
+    cfg = stored_run.read_config()
+    cfg.model.path = str(tiny_model_dir)
+    stored_run.write_config(OmegaConf.to_yaml(cfg))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(stored_run.root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "HOLDING"
+        rc, out, err = run_cli("resume", "r1", f"store.root={stored_run.root}", "trainer.total_iterations=3")
+        assert rc == 2, err
+        [line] = error_lines(err)
+        assert f"pid {holder.pid} on {socket.gethostname()} since " in line and ".lock" in line, line
+        assert "trajflow run r1" not in out  # nothing started
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        with run_lock(stored_run):  # the dead holder's lock is gone with it
+            pass
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()

@@ -29,9 +29,10 @@ import logging
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -111,6 +112,42 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 def atomic_write_parquet(path: Path, table: pa.Table) -> None:
     """Write a zstd Parquet file atomically (temp file, fsync, rename, fsync folder)."""
     _atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
+@contextmanager
+def run_lock(store: "RunStore") -> Iterator[None]:
+    """Hold the run's lock (``<run>/.lock``) for the ``with`` block: one driver per run at a time.
+
+    The lock is an OS file lock (``filelock``): the kernel releases it when its holder exits, however
+    it exits, so a SIGKILLed driver never blocks the next ``resume``. Who holds it (pid, host, since
+    when) is written beside it in ``.lock.json``, for the refusal's message.
+
+    Raises:
+        StoreError: another process holds the lock (names it); nothing was changed.
+    """
+    import socket
+
+    from filelock import FileLock, Timeout
+
+    store.run_dir.mkdir(parents=True, exist_ok=True)
+    holder_path = store.run_dir / ".lock.json"
+    lock = FileLock(str(store.run_dir / ".lock"), thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            h = json.loads(holder_path.read_text())
+            since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h["since"]))
+            who = f"pid {h['pid']} on {h['host']} since {since}"
+        except (OSError, ValueError, KeyError, TypeError):
+            who = "another process"
+        raise StoreError(f"run {store.run_id!r} is in use by {who} (lock {store.run_dir / '.lock'}); wait "
+                         f"for it to finish or stop it, then run this again") from None
+    try:
+        atomic_write_json(holder_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+        yield
+    finally:
+        lock.release()
 
 
 class RunStore:
