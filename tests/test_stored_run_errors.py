@@ -125,3 +125,12 @@ def test_second_driver_of_a_run_is_refused_until_the_holder_dies(stored_run, tin
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_gate_with_malformed_suite_is_one_line(stored_run, tmp_path):
+    suite = tmp_path / "bad.json"
+    suite.write_text("{not json")
+    rc, _, err = run_cli("gate", "r1", "--store", str(stored_run.root), "--suite", str(suite))
+    assert rc == 2 and "Traceback" not in err, err
+    [line] = error_lines(err)
+    assert str(suite) in line and "JSON" in line, line

@@ -23,6 +23,7 @@ identical, nothing downstream is rewritten.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -43,6 +44,9 @@ from trajflow.batch import SCHEMA_VERSION
 from trajflow.faults import fault_point
 
 log = logging.getLogger(__name__)
+
+#: Longest run id: file systems allow 255 bytes per name, and replay ids add ~40 to their parent's.
+MAX_RUN_ID_BYTES = 200
 
 #: The stages whose outputs are Parquet files, in join order.
 STAGES = STORED_STAGES
@@ -94,6 +98,13 @@ def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
             os.fsync(f.fileno())
         fault_point("store_write")
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            # Not a bug: the store's disk is full or read-only. Nothing half-written is left behind.
+            raise StoreError(f"cannot write {path}: {e.strerror}; free space on (or remount) the store's disk, "
+                             f"then resume the run") from None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -164,6 +175,10 @@ class RunStore:
     def __init__(self, root: str | Path, run_id: str) -> None:
         if not run_id or "/" in run_id or run_id in (".", "..") or run_id.startswith("."):
             raise StoreError(f"run id {run_id!r} is not a valid folder name")
+        if len(run_id.encode()) > MAX_RUN_ID_BYTES:
+            raise StoreError(f"run id {run_id[:40]}... is {len(run_id.encode())} bytes long; at most "
+                             f"{MAX_RUN_ID_BYTES} (it is a folder name, and derived names such as replays' "
+                             f"add to it)")
         self.root = Path(root).expanduser().resolve()
         self.run_id = run_id
         self.run_dir = self.root / run_id
