@@ -17,7 +17,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from prefect import flow  # noqa: E402
 
 from flows import tasks  # noqa: E402
-from flows.reporting import iteration_artifact, rename_flow_run  # noqa: E402
+from flows.reporting import iteration_artifact, quiet_expected_errors, rename_flow_run  # noqa: E402
 from trajflow.run import lifecycle as run  # noqa: E402
 from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402
 from trajflow.store import RunStore, run_lock  # noqa: E402
@@ -32,6 +32,7 @@ def train_flow(config_yaml: str, run_id: str, resume: bool = False) -> dict:
         run_id: the run's id (its folder under ``store.root``).
         resume: continue the run from its newest complete checkpoint.
     """
+    quiet_expected_errors()  # a failed gate is one line from the CLI, not Prefect's tracebacks
     cfg = load_config(base=OmegaConf.create(config_yaml))
     stage = tasks.stages_for(cfg)  # the stage tasks with this run's retries and timeouts
     ctx = run.open_run(cfg, run_id, resume=resume)

@@ -157,3 +157,18 @@ def test_overlong_run_id_is_one_line(tmp_path, tiny_model_dir):
     rc, _, err = run_cli("train", f"model.path={tiny_model_dir}", f"store.root={tmp_path / 'runs'}",
                          "--run-id", "r" * 300)
     _error_line(rc, err, "300 bytes", "at most 200")
+
+
+def test_failed_gate_prints_its_line_once_without_traceback(tmp_path, tiny_model_dir):
+    """A real training run whose reward gate fails: exit 3, the failure said once, as one line."""
+    from tests.conftest import tiny_overrides
+
+    overrides = tiny_overrides(tiny_model_dir, tmp_path / "runs", **{
+        "gates.enabled": True, "gates.score_min": 5.0, "trainer.total_iterations": 1, "trainer.test_freq": 0})
+    p = subprocess.run(TRAJFLOW + ["train", "--run-id", "g1"] + overrides, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr, p.stderr[-3000:]
+    assert (p.stdout + p.stderr).count("failed its reward gate") == 1, p.stderr[-3000:]
+    [line] = [ln for ln in p.stderr.splitlines() if "failed its reward gate" in ln]
+    assert line.startswith("gate failed: iteration 1 of run g1") and "score_in_range" in line, line

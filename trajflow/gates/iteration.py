@@ -78,7 +78,9 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
                 log.warning("run %s: no gate data docs for iteration %d: %s", ctx.run_id, iteration, e)
     if not report.success:
         ctx.store.mark(iteration, "gated", gate=result["failures"])
-        raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate:\n{report.failure_message()}")
+        # One line (the CLI's): each failed expectation, joined.
+        failures = "; ".join(line for line in report.failure_message().splitlines() if line.strip())
+        raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate: {failures}")
     # The drift check's history: mean over finite scores of rows whose scorer did not raise.
     score_mean = None if report.score_mean is None else float(report.score_mean)
     return {**{k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}, "score_mean": score_mean}
