@@ -20,7 +20,6 @@ import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
-from omegaconf import OmegaConf  # noqa: E402
 from prefect import flow, task  # noqa: E402
 
 from flows.reporting import artifact_key, metrics_markdown, mlflow_run_url, publish, rename_flow_run  # noqa: E402
@@ -134,7 +133,7 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
     layers = [f"store.root={store.root}"]
     if meta.get("tracking_uri"):
         layers.append(f"tracking.uri={meta['tracking_uri']}")
-    cfg = load_config(base=OmegaConf.create(store.config_path.read_text()),
+    cfg = load_config(base=store.read_config(),
                       overrides=layers + list(overrides or []))
     rename_flow_run(f"evaluate-{store.run_id}-ckpt{step}")
     # Its own registry key: an evaluation must not disturb a training run of the same id in this process.

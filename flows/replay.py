@@ -43,7 +43,7 @@ import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 from prefect import flow  # noqa: E402
 
 from flows import tasks  # noqa: E402
@@ -292,7 +292,7 @@ def prepare(parent_run_id: str, from_stage: str, iteration: int | None, iteratio
     first, last = parse_iterations(iteration, iterations)
     parent = RunStore(run.store_root_from(overrides), parent_run_id)
     plan_ = plan(parent, first, last, from_stage)
-    cfg = load_config(base=OmegaConf.load(parent.config_path), overrides=list(overrides))
+    cfg = load_config(base=parent.read_config(), overrides=list(overrides))
     run.check_custom_function(cfg, parent.read_run_meta(), f"replay of run {parent_run_id!r}", same_spec_only=True)
     run.preflight(cfg)
     run_id = run_id or replay_run_id(parent_run_id, first, last, from_stage)

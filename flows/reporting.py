@@ -136,3 +136,43 @@ def rename_flow_run(name: str) -> None:
             client.update_flow_run(UUID(flow_run.id), name=name)
     except Exception as e:
         log.warning("could not rename flow run %s to %s: %s", flow_run.id, name, e)
+
+
+class _ExpectedErrorFilter(logging.Filter):
+    """Drop Prefect's console records of a :class:`~trajflow.errors.TrajflowError` (a failed gate, bad
+    input): the CLI prints its message once, as one line; Prefect would print its traceback for the
+    task and the flow, then the message again in each run's final state."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from trajflow.errors import TrajflowError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, TrajflowError):
+            return False
+        if record.levelno >= logging.INFO and record.name.startswith("prefect"):
+            msg = record.getMessage()
+            return not ("Failed(" in msg and any(f"{name}:" in msg for name in _error_names()))
+        return True
+
+
+def _error_names() -> set[str]:
+    from trajflow.errors import TrajflowError
+
+    names, todo = set(), [TrajflowError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def quiet_expected_errors() -> None:
+    """Install :class:`_ExpectedErrorFilter` on the handlers of Prefect's loggers (once). Prefect
+    configures them when the first flow starts, so a flow calls this first."""
+    seen: set[int] = set()
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs", ""):
+        for handler in logging.getLogger(name).handlers:
+            if id(handler) in seen or any(isinstance(f, _ExpectedErrorFilter) for f in handler.filters):
+                continue
+            seen.add(id(handler))
+            handler.addFilter(_ExpectedErrorFilter())

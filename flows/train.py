@@ -17,10 +17,10 @@ from omegaconf import OmegaConf  # noqa: E402
 from prefect import flow  # noqa: E402
 
 from flows import tasks  # noqa: E402
-from flows.reporting import iteration_artifact, rename_flow_run  # noqa: E402
+from flows.reporting import iteration_artifact, quiet_expected_errors, rename_flow_run  # noqa: E402
 from trajflow.run import lifecycle as run  # noqa: E402
 from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402
-from trajflow.store import RunStore  # noqa: E402
+from trajflow.store import RunStore, run_lock  # noqa: E402
 
 
 @flow(name="train", flow_run_name="train-{run_id}", validate_parameters=False)
@@ -32,6 +32,7 @@ def train_flow(config_yaml: str, run_id: str, resume: bool = False) -> dict:
         run_id: the run's id (its folder under ``store.root``).
         resume: continue the run from its newest complete checkpoint.
     """
+    quiet_expected_errors()  # a failed gate is one line from the CLI, not Prefect's tracebacks
     cfg = load_config(base=OmegaConf.create(config_yaml))
     stage = tasks.stages_for(cfg)  # the stage tasks with this run's retries and timeouts
     ctx = run.open_run(cfg, run_id, resume=resume)
@@ -79,16 +80,24 @@ def train(recipe: str | None = None, overrides: Sequence[str] = (), run_id: str 
 
 
 def _train_unless_done(cfg, run_id: str, resume: bool) -> dict:
-    """Run :func:`train_flow`, except for a resumed run with nothing left to do (its summary, with
-    ``nothing_to_do=True``, without starting Ray)."""
+    """Run :func:`train_flow` holding the run's lock (:func:`trajflow.store.run_lock`), except for a
+    resumed run with nothing left to do (its summary, with ``nothing_to_do=True``, without starting Ray).
+
+    Raises:
+        StoreError: another driver holds the run (the message names its pid, host and start).
+    """
+    store = RunStore(cfg.store.root, run_id)
     if resume:
-        store = RunStore(cfg.store.root, run_id)
         run.check_resumable(store)
         run.check_custom_function(cfg, store.read_run_meta(), f"run {run_id!r}")
-        done = run.finished_summary(cfg, run_id)
-        if done is not None:
-            return done
-    return train_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, resume=resume)
+    # Taken before Prefect starts, held until the flow returns: a second driver of the same run
+    # would otherwise train the same iteration and clean up the first one's temp files.
+    with run_lock(store):
+        if resume:
+            done = run.finished_summary(cfg, run_id)
+            if done is not None:
+                return done
+        return train_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, resume=resume)
 
 
 @flow(name="train-recipe", flow_run_name="train-recipe-{recipe}")

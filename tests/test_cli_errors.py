@@ -1,6 +1,7 @@
 """Bad input: one line naming the key/file/row and what was expected, exit code 2, no traceback."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,102 @@ def test_row_without_ground_truth(tmp_path, tiny_model_dir):
     rc, _, err = run_cli("train", f"data.dataset={spec}", f"model.path={tiny_model_dir}",
                          f"store.root={tmp_path / 'runs'}")
     assert_one_line_error(rc, err, "nogt.jsonl", "ground")
+
+
+def _error_line(rc, err, *needles):
+    """Exit 2, no traceback, one ``error:`` line containing ``needles`` (libraries may log INFO lines)."""
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    for n in needles:
+        assert n in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("case", ["custom_missing", "custom_syntax", "custom_no_function", "suite_missing",
+                                  "suite_malformed", "policy_unknown", "score_min_nan", "betas", "weights"])
+def test_preflight_rejects_before_anything_starts(tmp_path, tiny_model_dir, case):
+    """Each is found by ``preflight``: one line, and no run folder, Prefect or Ray was started."""
+    import shutil
+
+    (tmp_path / "syntax.py").write_text("def score(:\n")
+    (tmp_path / "ok.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return 0.0\n")
+    (tmp_path / "bad.json").write_text("{not json")
+    model = tiny_model_dir
+    if case == "weights":
+        model = tmp_path / "model"
+        shutil.copytree(tiny_model_dir, model)
+        next(model.glob("*.safetensors")).write_bytes(b"\x00garbage" * 8)
+    overrides, needles = {
+        "custom_missing": (f"reward.custom_function={tmp_path}/nope.py:score", ["nope.py"]),
+        "custom_syntax": (f"reward.custom_function={tmp_path}/syntax.py:score", ["syntax.py", "SyntaxError"]),
+        "custom_no_function": (f"reward.custom_function={tmp_path}/ok.py:nosuch", ["nosuch"]),
+        "suite_missing": (f"gates.suite={tmp_path}/nosuch.json", ["nosuch.json"]),
+        "suite_malformed": (f"gates.suite={tmp_path}/bad.json", ["bad.json", "JSON"]),
+        "policy_unknown": ("gates.policies={nosuch_gate: fail}", ["nosuch_gate"]),
+        "score_min_nan": ("gates.score_min=nan", ["gates.score_min"]),
+        "betas": ("actor.betas=[2,3]", ["actor.betas"]),
+        "weights": ("trainer.seed=0", ["model.safetensors"]),
+    }[case]
+    rc, out, err = run_cli("train", f"model.path={model}", f"store.root={tmp_path / 'runs'}", "gates.enabled=true",
+                           overrides)
+    _error_line(rc, err, *needles)
+    assert not (tmp_path / "runs").exists()
+    assert "Starting temporary server" not in out + err
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param("readonly", marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only folders")),
+    "not_a_dir"])
+def test_unusable_store_root_is_one_line(tmp_path, tiny_model_dir, case):
+    root = tmp_path / "root"
+    if case == "readonly":
+        root.mkdir()
+        root.chmod(0o555)
+    else:
+        root.write_text("a file")
+    try:
+        rc, _, err = run_cli("train", f"model.path={tiny_model_dir}", f"store.root={root / 'runs'}")
+        _error_line(rc, err, "store.root", str(root))
+    finally:
+        if case == "readonly":
+            root.chmod(0o755)
+
+
+def test_non_utf8_dataset_names_file_and_line(tmp_path, tiny_model_dir):
+    data = tmp_path / "latin1.jsonl"
+    good = json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
+                       "reward_model": {"ground_truth": "2"}})
+    data.write_bytes(good.encode() + b"\n" + good.replace("1+1", "caf\u00e9").encode("latin-1") + b"\n")
+    spec = tmp_path / "latin1.yaml"
+    spec.write_text(f"source: file\npath: {data}\n")
+    rc, _, err = run_cli("train", f"data.dataset={spec}", f"model.path={tiny_model_dir}",
+                         f"store.root={tmp_path / 'runs'}")
+    _error_line(rc, err, str(data), "line 2", "UTF-8")
+
+
+@pytest.mark.parametrize("override", ["model.path=${oc.env:NO_SUCH_TRAJFLOW_VAR}", "trainer.run_id=${oc.env:HOME}"])
+def test_interpolation_in_override_is_one_line(tmp_path, override):
+    rc, _, err = run_cli("train", override, f"store.root={tmp_path / 'runs'}")
+    _error_line(rc, err, override, "interpolations")
+
+
+def test_overlong_run_id_is_one_line(tmp_path, tiny_model_dir):
+    rc, _, err = run_cli("train", f"model.path={tiny_model_dir}", f"store.root={tmp_path / 'runs'}",
+                         "--run-id", "r" * 300)
+    _error_line(rc, err, "300 bytes", "at most 200")
+
+
+def test_failed_gate_prints_its_line_once_without_traceback(tmp_path, tiny_model_dir):
+    """A real training run whose reward gate fails: exit 3, the failure said once, as one line."""
+    from tests.conftest import tiny_overrides
+
+    overrides = tiny_overrides(tiny_model_dir, tmp_path / "runs", **{
+        "gates.enabled": True, "gates.score_min": 5.0, "trainer.total_iterations": 1, "trainer.test_freq": 0})
+    p = subprocess.run(TRAJFLOW + ["train", "--run-id", "g1"] + overrides, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr, p.stderr[-3000:]
+    assert (p.stdout + p.stderr).count("failed its reward gate") == 1, p.stderr[-3000:]
+    [line] = [ln for ln in p.stderr.splitlines() if "failed its reward gate" in ln]
+    assert line.startswith("gate failed: iteration 1 of run g1") and "score_in_range" in line, line

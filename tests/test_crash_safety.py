@@ -272,6 +272,90 @@ def test_watcher_reaps_what_a_raylet_starts_after_it_was_listed(tmp_path):
                 pass
 
 
+def test_watcher_never_lists_itself_when_processes_are_added_later():
+    """The watcher is a descendant of the driver whose command line names Ray's module path: a later
+    :func:`watch_new_ray_processes` must not hand it to itself (it would SIGTERM itself first)."""
+    import psutil
+
+    from trajflow.infra import ray_cluster, raywatch
+
+    def fake_ray() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # ray::fake"])
+
+    ray_cluster._RAY_WATCH.clear()
+    ray_cluster._RAY_WATCH["known"] = raywatch.descendants()
+    first = fake_ray()
+    second = None
+    try:
+        psutil.Process(first.pid).cmdline()  # exec'd: its command line names Ray
+        ray_cluster.watch_new_ray_processes()  # starts the watcher with the first
+        watcher = ray_cluster._RAY_WATCH["watcher"]
+        second = fake_ray()
+        ray_cluster.watch_new_ray_processes()  # the watcher is new since the last call now
+        time.sleep(0.5)
+        ray_cluster.stop_ray()
+        assert watcher.proc.wait(timeout=30) == 0, "the watcher signalled itself"
+        first.wait(timeout=10)
+        second.wait(timeout=10)
+    finally:
+        ray_cluster._RAY_WATCH.clear()
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+_DRIVER = """
+import os, sys, time
+from prefect import flow
+from trajflow.config import load_config
+from trajflow.infra.ray_cluster import start_ray, watch_new_ray_processes
+
+@flow
+def driver():
+    start_ray(load_config(None, ["resources.num_cpus=1"]))
+    import ray
+
+    ray.get(ray.remote(lambda: os.getpid()).remote())  # a worker, as a run's first task starts one
+    watch_new_ray_processes()
+    print("READY", flush=True)
+    time.sleep(300)
+
+driver()
+"""
+
+
+def test_sigkilled_driver_leaves_no_ray_or_prefect_server_process(tmp_path):
+    """A real driver (a Prefect flow with its temporary server, a real local Ray) killed with SIGKILL:
+    every process it started, the Prefect API server and Ray's agents included, is gone soon after."""
+    import psutil
+
+    env = _env(PREFECT_HOME=str(tmp_path / "prefect"))
+    env.pop("PREFECT_API_URL", None)
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    started: list = []
+    try:
+        line = driver.stdout.readline()
+        assert line.strip() == "READY", f"the driver did not start: {line!r}"
+        started = psutil.Process(driver.pid).children(recursive=True)
+        cmds = [" ".join(p.cmdline()) for p in started]
+        assert any("prefect.server.api.server" in c for c in cmds), cmds
+        assert any("raylet" in c for c in cmds), cmds
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        _, alive = psutil.wait_procs(started, timeout=30)
+        assert not alive, "outlived the driver: " + "; ".join(" ".join(p.cmdline())[:120] for p in alive)
+    finally:
+        for p in started:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        if driver.poll() is None:
+            driver.kill()
+
+
 # ------------------------------------------------------------------ audit table
 
 

@@ -190,22 +190,33 @@ def rebuild_audit(store: RunStore) -> int:
     """Recreate the audit table from the stored iterations (those with a verified rollout output).
 
     The checkpoint id of each iteration is the one its rollout output recorded when it was written.
+    Iterations whose rollout output cannot be read back (manifest missing, file truncated or
+    altered) are left out of the table and named in the error raised once the others are in:
+    nothing recomputes them later, so the table would be silently short.
 
     Returns:
         Rows written.
+
+    Raises:
+        AuditError: some iterations were left out (each named, with why).
     """
     db = _connect(store.run_dir)
     if _open(db) is not None:
         db.drop_table(TABLE)
-    total = 0
+    total, skipped = 0, []
     for it in store.iterations():
-        if store.verified_stage(it, "rollout") is None:
+        problem = store.stage_problem(it, "rollout")
+        if problem is not None:
+            skipped.append(f"iteration {it}: {problem}")
             continue
         meta = (store.stage_entry(it, "rollout") or {}).get("meta", {})
         total += append_iteration(store, it, meta.get("checkpoint_id"), optimize=False)
     table = _open(db)
     if table is not None:
         table.optimize()  # once, after every iteration is in
+    if skipped:
+        raise AuditError(f"audit table of run {store.run_id!r} rebuilt without {len(skipped)} iteration(s) "
+                         f"({total} rows in): " + "; ".join(skipped) + "; restore those files to audit them")
     return total
 
 

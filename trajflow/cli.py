@@ -201,10 +201,11 @@ def gate(run_id: str = typer.Argument(..., help="run id under the store root"),
          iteration: Optional[int] = typer.Option(None, "--iteration", "-i", help="one iteration (default: all)"),
          suite: Optional[str] = typer.Option(None, "--suite", help="expectation suite file (default: the run's)"),
          store: str = typer.Option("runs", "--store", help="store root")) -> None:
-    """Re-validate a run's stored reward outputs, e.g. with a stricter suite. Exit 3 if a gate fails."""
+    """Re-validate a run's stored reward outputs, e.g. with a stricter suite. Exit 3 if a gate fails,
+    2 if an iteration's stored outputs cannot be read back (each one is named)."""
     from trajflow.gates import recheck_run
 
-    reports = _run(recheck_run, store, run_id, iteration, suite)
+    reports, skipped = _run(recheck_run, store, run_id, iteration, suite)
     failed = False
     for it, report in reports:
         status = "ok" if report.success else "FAILED"
@@ -214,6 +215,11 @@ def gate(run_id: str = typer.Argument(..., help="run id under the store root"),
             if o.status not in ("pass", "skipped") and o.details.get("sample_ids"):
                 typer.echo(f"    e.g. sample_ids {', '.join(o.details['sample_ids'][:5])}")
         failed |= not report.success
+    if skipped:
+        # An iteration that could not be checked is not a pass: name each one and fail.
+        typer.echo(f"error: run {run_id}: {len(skipped)} iteration(s) not checked: "
+                   + "; ".join(f"iteration {it}: {why}" for it, why in skipped), err=True)
+        raise typer.Exit(2)
     if failed:
         raise typer.Exit(3)
 

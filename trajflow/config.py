@@ -578,6 +578,12 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. actor.lr=2e-5)")
+    interp = [o for o in overrides if "${" in o.split("=", 1)[1]]
+    if interp:
+        # The run records literal values (config.yaml is resolved); an interpolation would be
+        # resolved against this shell's environment and fail, or differ, elsewhere.
+        raise ConfigError(f"override {interp[0]!r}: interpolations (${{...}}) are not accepted in overrides; "
+                          f"write the value itself (e.g. let the shell expand $VAR)")
     try:
         layers.append(("override", OmegaConf.from_dotlist(list(overrides))))
     except OmegaConfBaseException as e:

@@ -23,15 +23,17 @@ identical, nothing downstream is rewritten.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,6 +44,9 @@ from trajflow.batch import SCHEMA_VERSION
 from trajflow.faults import fault_point
 
 log = logging.getLogger(__name__)
+
+#: Longest run id: file systems allow 255 bytes per name, and replay ids add ~40 to their parent's.
+MAX_RUN_ID_BYTES = 200
 
 #: The stages whose outputs are Parquet files, in join order.
 STAGES = STORED_STAGES
@@ -120,6 +125,13 @@ def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
             os.fsync(f.fileno())
         fault_point("store_write")
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            # Not a bug: the store's disk is full or read-only. Nothing half-written is left behind.
+            raise StoreError(f"cannot write {path}: {e.strerror}; free space on (or remount) the store's disk, "
+                             f"then resume the run") from None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -140,6 +152,42 @@ def atomic_write_parquet(path: Path, table: pa.Table) -> None:
     _atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
+@contextmanager
+def run_lock(store: "RunStore") -> Iterator[None]:
+    """Hold the run's lock (``<run>/.lock``) for the ``with`` block: one driver per run at a time.
+
+    The lock is an OS file lock (``filelock``): the kernel releases it when its holder exits, however
+    it exits, so a SIGKILLed driver never blocks the next ``resume``. Who holds it (pid, host, since
+    when) is written beside it in ``.lock.json``, for the refusal's message.
+
+    Raises:
+        StoreError: another process holds the lock (names it); nothing was changed.
+    """
+    import socket
+
+    from filelock import FileLock, Timeout
+
+    store.run_dir.mkdir(parents=True, exist_ok=True)
+    holder_path = store.run_dir / ".lock.json"
+    lock = FileLock(str(store.run_dir / ".lock"), thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            h = json.loads(holder_path.read_text())
+            since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h["since"]))
+            who = f"pid {h['pid']} on {h['host']} since {since}"
+        except (OSError, ValueError, KeyError, TypeError):
+            who = "another process"
+        raise StoreError(f"run {store.run_id!r} is in use by {who} (lock {store.run_dir / '.lock'}); wait "
+                         f"for it to finish or stop it, then run this again") from None
+    try:
+        atomic_write_json(holder_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+        yield
+    finally:
+        lock.release()
+
+
 class RunStore:
     """Files of one run. Cheap to construct; holds no open handles.
 
@@ -154,6 +202,10 @@ class RunStore:
     def __init__(self, root: str | Path, run_id: str) -> None:
         if not run_id or "/" in run_id or run_id in (".", "..") or run_id.startswith("."):
             raise StoreError(f"run id {run_id!r} is not a valid folder name")
+        if len(run_id.encode()) > MAX_RUN_ID_BYTES:
+            raise StoreError(f"run id {run_id[:40]}... is {len(run_id.encode())} bytes long; at most "
+                             f"{MAX_RUN_ID_BYTES} (it is a folder name, and derived names such as replays' "
+                             f"add to it)")
         self.root = Path(root).expanduser().resolve()
         self.run_id = run_id
         self.run_dir = self.root / run_id
@@ -179,6 +231,41 @@ class RunStore:
     # ---- run-level metadata
     def write_config(self, yaml_text: str) -> None:
         atomic_write_bytes(self.config_path, yaml_text.encode())
+
+    def read_config(self):
+        """The run's stored ``config.yaml`` as an OmegaConf ``DictConfig``: the one loader for it
+        (resume, replay, ``trajflow gate``, evaluate), so that no command proceeds on a config the
+        run did not record.
+
+        Raises:
+            StoreError: the file is missing, not UTF-8, not YAML, empty, or not a mapping (names the
+                file; the run's config cannot be guessed, so nothing falls back to the defaults).
+        """
+        import yaml
+        from omegaconf import OmegaConf
+
+        p = self.config_path
+        fix = "restore it from a backup or start a new run"
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise StoreError(f"{p}: missing; run {self.run_id!r} has no stored config ({fix})") from None
+        except UnicodeDecodeError as e:
+            raise StoreError(f"{p}: not UTF-8 text (byte {e.start}); the stored config is damaged ({fix})") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            raise StoreError(f"{p}: not valid YAML{at} ({getattr(e, 'problem', None) or e}); the stored "
+                             f"config is damaged ({fix})") from None
+        if data is None:
+            raise StoreError(f"{p}: empty; the stored config is lost ({fix}); refusing to continue with "
+                             f"the built-in defaults")
+        if not isinstance(data, dict):
+            raise StoreError(f"{p}: holds a {type(data).__name__}, not a mapping of config sections; the "
+                             f"stored config is damaged ({fix})")
+        return OmegaConf.create(data)
 
     def read_run_meta(self) -> dict:
         p = self.run_dir / "run.json"
@@ -262,6 +349,20 @@ class RunStore:
     def stage_entry(self, iteration: int, stage: str) -> dict | None:
         """The manifest entry of a stored stage output (``sha256``, ``rows``, ``inputs``, ``meta``...)."""
         return self.read_manifest(iteration).get("files", {}).get(stage)
+
+    def stage_problem(self, iteration: int, stage: str) -> str | None:
+        """Why the stored output of ``stage`` in ``iteration`` cannot be read back (``None`` when it
+        verifies): for commands that report an unusable iteration instead of recomputing it."""
+        if not self.manifest_path(iteration).exists():
+            return f"{self.manifest_path(iteration)} is missing"
+        if self.stage_entry(iteration, stage) is None:
+            return f"no {stage} output recorded in {self.manifest_path(iteration)}"
+        path = self.stage_path(iteration, stage)
+        if not path.exists():
+            return f"{path} is missing"
+        if self.verified_stage(iteration, stage, warn=False) is None:
+            return f"{path} is truncated or does not match its manifest's sha256"
+        return None
 
     def verified_stage(self, iteration: int, stage: str, *, warn: bool = True,
                        inputs: dict[str, str] | None = None) -> StageRef | None:

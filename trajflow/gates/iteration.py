@@ -88,20 +88,28 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
             ctx.tracker.log_artifact(Path(docs).parent, f"gates/iteration_{iteration:06d}/data_docs")
     if not report.success:
         ctx.store.mark(iteration, "gated", gate=result["failures"])
-        raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate:\n{report.failure_message()}")
+        # One line (the CLI's): each failed expectation, joined.
+        failures = "; ".join(line for line in report.failure_message().splitlines() if line.strip())
+        raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate: {failures}")
     # The drift check's history: mean over finite scores of rows whose scorer did not raise.
     score_mean = None if report.score_mean is None else float(report.score_mean)
     return {**{k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}, "score_mean": score_mean}
 
 
-def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suite: str | None = None) -> list:
+def recheck_run(store_root: str, run_id: str, iteration: int | None = None,
+                suite: str | None = None) -> tuple[list, list[tuple[int, str]]]:
     """Re-run the gate over stored reward outputs (``trajflow gate``); nothing is written.
 
+    An iteration whose rollout or reward output cannot be read back (manifest missing, file
+    truncated or altered, never written) is not checked; it is returned with the reason, never
+    left out silently.
+
     Returns:
-        ``[(iteration, GateReport), ...]`` in iteration order.
+        ``([(iteration, GateReport), ...], [(iteration, why it was not checked), ...])`` in
+        iteration order.
 
     Raises:
-        StoreError: unknown run, or the iteration has no verified rollout/reward output.
+        StoreError: unknown run, a damaged stored config, or no such iteration.
     """
     from omegaconf import OmegaConf
 
@@ -113,11 +121,23 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
     if not store.exists():
         raise StoreError(f"no run {run_id!r} under {store.root}")
     overrides = [f"gates.suite={suite}"] if suite else []
-    cfg = load_config(base=OmegaConf.load(store.config_path), overrides=overrides)
-    its = [iteration] if iteration is not None else [i for i in store.iterations()
-                                                     if store.verified_stage(i, "reward", warn=False)]
+    cfg = load_config(base=store.read_config(), overrides=overrides)
     if iteration is not None and iteration not in store.iterations():
         raise StoreError(f"run {run_id!r} has no iteration {iteration} (has {store.iterations()})")
+    its, skipped = [], []
+    for it in [iteration] if iteration is not None else store.iterations():
+        problem = store.stage_problem(it, "rollout") or store.stage_problem(it, "reward")
+        if problem is None:
+            its.append(it)
+        else:
+            skipped.append((it, problem))
+    from trajflow.errors import ConfigError
+    from trajflow.gates.suite import load_suite, suite_policies
+
+    try:  # the suite (maybe a new one from --suite) is parsed once here, not inside the first iteration
+        suite_policies(load_suite(cfg.gates.suite), dict(cfg.gates.policies))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     settings = dataclasses.replace(OmegaConf.to_object(cfg.gates), enabled=True)  # cfg stays read-only
     out, history = [], []
     for it in its:
@@ -126,4 +146,4 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None, suit
         if report.score_mean is not None:
             history.append(float(report.score_mean))
         out.append((it, report))
-    return out
+    return out, skipped

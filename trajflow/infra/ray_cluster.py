@@ -1,7 +1,8 @@
 """Start, watch and stop the Ray cluster a run uses: ``resources.ray_address``, or a local one.
 
-A local Ray started here is handed to :mod:`trajflow.infra.raywatch`, which stops what is left of it
-if this process dies without shutting it down.
+A local Ray started here, and the temporary Prefect server the flow started before it, are handed
+to :mod:`trajflow.infra.raywatch`, which stops what is left of them if this process dies without
+shutting them down.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def start_ray(cfg: DictConfig) -> bool:
     """Connect to ``resources.ray_address`` or start a local Ray; returns True if this call started it.
 
     A local Ray started here is watched by :mod:`trajflow.infra.raywatch`: if this process dies without
-    shutting it down (SIGKILL, OOM), the watcher stops what is left of that cluster.
+    shutting it down (SIGKILL, OOM), the watcher stops what is left of that cluster and the
+    temporary Prefect API server this process started (if any).
     """
     import ray
 
@@ -42,7 +44,8 @@ def start_ray(cfg: DictConfig) -> bool:
         before = raywatch.descendants()
         ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
         try:
-            _RAY_WATCH["known"] = before
+            # The flow started Prefect's temporary server before Ray: not new, but ours to reap.
+            _RAY_WATCH["known"] = before - set(raywatch.prefect_servers(before))
             watch_new_ray_processes()
         except Exception as e:  # the watcher is a safety net; never fail a run over it
             log.warning("could not start the Ray watcher: %s", e)
@@ -50,13 +53,15 @@ def start_ray(cfg: DictConfig) -> bool:
 
 
 def watch_new_ray_processes() -> None:
-    """Hand Ray processes started since the last call (agents, workers) to the watcher."""
+    """Hand the processes started since the last call (Ray's agents and workers, the temporary Prefect
+    server) to the watcher; the watcher itself is a descendant too, and is never handed to itself."""
     if "known" not in _RAY_WATCH:
         return
     from trajflow.infra import raywatch
 
     now = raywatch.descendants()
-    new = raywatch.ray_processes(now - _RAY_WATCH["known"])
+    fresh = now - _RAY_WATCH["known"]
+    new = sorted(set(raywatch.ray_processes(fresh)) | set(raywatch.prefect_servers(fresh)))
     _RAY_WATCH["known"] = now
     if "watcher" not in _RAY_WATCH:
         _RAY_WATCH["watcher"] = raywatch.start(new)

@@ -1,10 +1,11 @@
-"""Reap a local Ray cluster whose driver died without shutting it down.
+"""Reap what a driver started (its local Ray cluster, Prefect's temporary server) when it dies.
 
 :func:`start` launches this module as a watcher process in its own session; the driver sends it the
-``(pid, create_time)`` of the Ray processes it started and keeps the pipe open. When the pipe
-closes, however the driver exited, the watcher terminates (then kills) those still running with
-their recorded create time, plus the workers their raylet started later. It imports nothing but the
-standard library and psutil. Why, and how it finds the later ones: docs/scaling.md ("The Ray watcher").
+``(pid, create_time)`` of the processes it started (Ray's, and the temporary Prefect API server)
+and keeps the pipe open. When the pipe closes, however the driver exited, the watcher terminates
+(then kills) those still running with their recorded create time, their descendants, and the
+workers their raylet started later. It imports nothing but the standard library and psutil. Why,
+and how it finds the later ones: docs/scaling.md ("The Ray watcher").
 """
 
 from __future__ import annotations
@@ -40,8 +41,18 @@ def descendants() -> set[tuple[int, float]]:
     return out
 
 
+#: The module that runs Prefect 3's temporary API server: without ``PREFECT_API_URL`` the first flow
+#: of a process starts ``python -m uvicorn --factory prefect.server.api.server:create_app`` as its
+#: child, stopped only by an ``atexit`` hook that a SIGKILLed driver never runs.
+PREFECT_SERVER_APP = "prefect.server.api.server:create_app"
+
+
 def ray_processes(candidates: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
-    """The candidates that are Ray's (their command line names Ray: ``gcs_server``, ``raylet``, ``ray::...``)."""
+    """The candidates that are Ray's (their command line names Ray: ``gcs_server``, ``raylet``, ``ray::...``).
+
+    Watchers (this module's own processes, whose command line names ``raywatch``) are never
+    candidates: a watcher listed in its own kill list would terminate itself before the others.
+    """
     import psutil
 
     out = []
@@ -50,8 +61,22 @@ def ray_processes(candidates: Iterable[tuple[int, float]]) -> list[tuple[int, fl
             cmd = " ".join(psutil.Process(pid).cmdline())
         except psutil.Error:
             continue
-        if "ray" in cmd:
+        if "ray" in cmd and "raywatch" not in cmd:
             out.append((pid, ctime))
+    return sorted(out)
+
+
+def prefect_servers(candidates: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The candidates that are a temporary Prefect API server (see :data:`PREFECT_SERVER_APP`)."""
+    import psutil
+
+    out = []
+    for pid, ctime in candidates:
+        try:
+            if PREFECT_SERVER_APP in psutil.Process(pid).cmdline():
+                out.append((pid, ctime))
+        except psutil.Error:
+            continue
     return sorted(out)
 
 
@@ -124,12 +149,18 @@ def reap(procs: Iterable[tuple[int, float]], grace_s: float = GRACE_S, term_wait
     import psutil
 
     died_at = time.time()
+    procs = set(procs)
+    # Children the listed processes started since the last poll (Ray's agents a raylet starts late)
+    # are looked up now, before the grace period in which a dying raylet can orphan them.
+    procs |= children_of(procs)
     time.sleep(grace_s)
+    procs |= children_of(procs)
     alive = []
-    for pid, ctime in set(procs) | set(raylet_workers(raylets, died_at)):
+    for pid, ctime in procs | set(raylet_workers(raylets, died_at)):
         try:
             p = psutil.Process(pid)
-            if abs(p.create_time() - ctime) < CTIME_TOL_S and p.status() != psutil.STATUS_ZOMBIE:
+            if pid != os.getpid() and abs(p.create_time() - ctime) < CTIME_TOL_S \
+                    and p.status() != psutil.STATUS_ZOMBIE:
                 alive.append(p)
         except psutil.Error:
             pass
@@ -191,7 +222,7 @@ def main() -> None:
                     new = {(int(pid), float(ct)) for pid, ct in json.loads(line)}
                 except (ValueError, TypeError):
                     continue
-                procs |= new
+                procs |= {(pid, ct) for pid, ct in new if pid != os.getpid()}  # never reap itself
                 for pid, ct in new:
                     try:
                         if psutil.Process(pid).name() == "raylet":

@@ -181,8 +181,13 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, Any]], str]:
             raise DataError(f"{path}: cannot read Parquet file: {e}") from e
         return list(enumerate(rows)), "row index {} (0-based)"
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:  # line by line, so that a bad byte is named by its line
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: line {lineno} (1-based) is not UTF-8 text (byte {e.start} of the line); "
+                                f"re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -58,18 +58,101 @@ def preflight(cfg: DictConfig) -> None:
 
     Raises:
         trajflow.prompts.DataError: the dataset spec or a row is invalid (names file and row).
-        trajflow.models.ModelLoadError: ``model.path`` is not loadable.
+        trajflow.models.ModelLoadError: ``model.path`` is not loadable or its weights are corrupt.
         trajflow.errors.DeviceError: ``trainer.device`` or the vLLM engine is not available here.
+        trajflow.errors.ConfigError: the custom reward function, the gate suite or policies, the
+            gate bounds or ``actor.betas`` (see :func:`check_reward_and_gates`).
+        StoreError: ``store.root`` is not a writable folder.
     """
     from trajflow.prompts import load_prompt_dataset, load_spec
     from trajflow.models import resolve_model_path
     from trajflow.infra.devices import preflight_devices
 
     preflight_devices(cfg)
+    check_store_root(cfg)
+    check_reward_and_gates(cfg)
 
     if load_spec(cfg.data.dataset).get("source") == "file":
         load_prompt_dataset(cfg.data.dataset)  # row checks; generated datasets are valid by construction
-    resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    check_model_weights(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+
+
+def check_store_root(cfg: DictConfig) -> None:
+    """``store.root`` is (or can be made) a writable folder: found now, not as a traceback after Ray
+    and Prefect started.
+
+    Raises:
+        StoreError: it is a file, or not writable (names it).
+    """
+    root = Path(cfg.store.root).expanduser()
+    probe = root
+    while not probe.exists() and probe != probe.parent:  # the nearest existing ancestor gets created into
+        probe = probe.parent
+    if not probe.is_dir():
+        raise StoreError(f"store.root={cfg.store.root!r}: {probe} is not a folder; point store.root at a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise StoreError(f"store.root={cfg.store.root!r}: {probe} is not writable by this user; point "
+                         f"store.root at a writable folder")
+
+
+def check_reward_and_gates(cfg: DictConfig) -> None:
+    """Import ``reward.custom_function``, parse the gate suite with ``gates.policies``, check the
+    gate bounds and ``actor.betas``: each a one-line ConfigError now rather than a failure in the
+    first iteration's reward or gate stage.
+
+    Raises:
+        trajflow.errors.ConfigError: names the key, the file and what is wrong.
+    """
+    import math
+
+    from trajflow.errors import ConfigError
+
+    if cfg.reward.custom_function:
+        from stages.scorers import load_custom_function
+
+        try:
+            load_custom_function(str(cfg.reward.custom_function))
+        except Exception as e:  # the user's file: a SyntaxError or any import-time error
+            raise ConfigError(str(e) if isinstance(e, ValueError) else
+                              f"reward.custom_function={cfg.reward.custom_function!r}: importing it raised "
+                              f"{type(e).__name__}: {e}") from None
+    betas = list(cfg.actor.betas)
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+        raise ConfigError(f"actor.betas={betas}: AdamW needs two numbers in [0, 1), e.g. [0.9, 0.999]")
+    if cfg.gates.enabled:
+        g = cfg.gates
+        for key in ("score_min", "score_max"):
+            if not math.isfinite(float(g[key])):
+                raise ConfigError(f"gates.{key}={g[key]}: must be a finite number")
+        if g.score_min > g.score_max:
+            raise ConfigError(f"gates.score_min={g.score_min} is above gates.score_max={g.score_max}")
+        from trajflow.gates.suite import load_suite, suite_policies
+
+        try:
+            suite_policies(load_suite(g.suite), dict(g.policies))
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_model_weights(model_dir: Path) -> None:
+    """Open each safetensors file's header: a truncated or garbage weights file is named now.
+
+    Raises:
+        trajflow.errors.ModelLoadError: the file and what the reader said.
+    """
+    from safetensors import safe_open
+
+    from trajflow.errors import ModelLoadError
+
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                st.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError, or OSError
+            raise ModelLoadError(f"model.path: {f} is not a readable safetensors file ({e}); re-download "
+                                 f"or re-export the model") from None
 
 
 def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
@@ -264,16 +347,15 @@ def resume_config(run_id: str, overrides: Sequence[str] = ()) -> DictConfig:
     """The stored config of run ``run_id`` (under ``store.root`` from ``overrides``) plus ``overrides``.
 
     Raises:
-        StoreError: no such run, or a replay run (see :func:`check_resumable`).
+        StoreError: no such run, a replay run (see :func:`check_resumable`), or a damaged stored
+            config (see :meth:`RunStore.read_config`).
         trajflow.config.ConfigError: a bad override.
     """
-    from omegaconf import OmegaConf
-
     from trajflow.config import load_config
 
     store = RunStore(store_root_from(overrides), run_id)
     check_resumable(store)
-    return load_config(base=OmegaConf.load(store.config_path), overrides=list(overrides))
+    return load_config(base=store.read_config(), overrides=list(overrides))
 
 
 def check_resumable(store: RunStore) -> None:
@@ -301,13 +383,9 @@ def config_changes(store: RunStore, cfg: DictConfig) -> dict[str, tuple]:
     ``trainer.resume``, ``trainer.run_id`` and ``trainer.progress`` are not reported (they say how
     to start, not what to train).
     """
-    from omegaconf import OmegaConf
-
     from trajflow.config import flatten
 
-    if not store.config_path.exists():
-        return {}
-    old = flatten(OmegaConf.load(store.config_path))
+    old = flatten(store.read_config())
     new = flatten(cfg)
     ignore = {"trainer.resume", "trainer.run_id", "trainer.progress"}
     if old.get("store.root") and new.get("store.root") and \
