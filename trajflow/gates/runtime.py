@@ -6,6 +6,7 @@ Great Expectations is imported on first use (it costs ~5 s); later gate runs reu
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,10 @@ class GxRuntime:
         from great_expectations.data_context.types.base import ProgressBarsConfig
 
         self.import_s = time.perf_counter() - t0
+        # GX announces its ephemeral docs folder at INFO on every start: not a line for the console
+        # (set after the import, which configures GX's loggers).
+        for name in ("great_expectations", "great_expectations.data_context.types.base"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.gx = gx
         self.context = gx.get_context(mode="ephemeral")
         self.context.variables.progress_bars = ProgressBarsConfig(globally=False)
