@@ -179,3 +179,18 @@ def test_reward_reuse_key_covers_the_custom_functions_code_and_the_prompt_text(t
     a = rollout_inputs(ctx, 1)
     ctx.iterations[1] = IterationState(iteration=1, prompts=[prompt("2+2?")], started=0.0)  # same id, new text
     assert rollout_inputs(ctx, 1) != a
+
+
+def test_a_checkpoint_in_the_old_pickle_format_is_refused_not_loaded(tmp_path):
+    from trajflow import checkpoint as ckpt
+    from trajflow.store import RunStore
+
+    store = RunStore(tmp_path, "old")
+    d = ckpt.checkpoint_dir(store, 4)
+    (d / "actor").mkdir(parents=True)
+    (d / "actor" / "actor_state.pt").write_bytes(pickle.dumps(_Payload(str(tmp_path / "ran"))))
+    (d / ckpt.STATE_FILE).write_text(json.dumps({"policy_version": 4, "iteration": 4}))
+    assert ckpt.newest_verified_checkpoint(store) == (None, [(4, f"{d / 'actor' / 'actor_state.pt'} is a pickle "
+                                                          "(an older checkpoint format); it is not loaded, since a "
+                                                          "pickle can run code")])
+    assert not (tmp_path / "ran").exists()

@@ -155,6 +155,9 @@ def verify_checkpoint(store: RunStore, iteration: int) -> str | None:
     except (OSError, ValueError) as e:
         return f"{d / STATE_FILE} is unreadable ({type(e).__name__})"
     if not (d / MANIFEST).exists():
+        old = sorted(d.glob("*/*_state.pt"))
+        if old:  # written by a trajflow that stored optimizer/RNG state as torch pickles
+            return f"{old[0]} is a pickle (an older checkpoint format); it is not loaded, since a pickle can run code"
         return None
     try:
         listed = json.loads((d / MANIFEST).read_text())["files"]
