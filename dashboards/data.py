@@ -45,7 +45,8 @@ def store_runs(store_root: str | Path) -> list[str]:
 
 
 def list_runs(client) -> list[dict]:
-    """Every MLflow run of the tracking store, newest first, as plain rows for a table.
+    """Every MLflow run of the tracking store, newest first, as plain rows for a table; of a resumed
+    run, only its newest session (the segment that holds its whole history).
 
     Returns:
         Dicts with ``run`` (run name = trajflow run id), ``mlflow_run_id``, ``experiment``, ``kind``
@@ -54,12 +55,14 @@ def list_runs(client) -> list[dict]:
         ``critic/score/mean``), ``commit``, ``parent``.
     """
     from trajflow.compare import experiments, search
-    from trajflow.tracking import TAG_PARENT_ITERATION, TAG_PARENT_RUN
+    from trajflow.tracking import TAG_PARENT_ITERATION, TAG_PARENT_RUN, TAG_SUPERSEDED_BY
 
     exps = experiments(client)
     rows = []
     for r in search(client, exps, max_results=5000):
         info, data = r.info, r.data
+        if TAG_SUPERSEDED_BY in data.tags:  # an earlier session of a resumed run: its newest segment has it all
+            continue
         end = info.end_time or None
         rows.append({
             "run": info.run_name or info.run_id, "mlflow_run_id": info.run_id,

@@ -21,7 +21,8 @@ def run(tiny_model_dir, ray_local, tmp_path_factory):
     from flows.train import train
 
     root = tmp_path_factory.mktemp("store")
-    summary = train(None, tiny_overrides(tiny_model_dir, root, **{"gates.enabled": True}))
+    summary = train(None, tiny_overrides(tiny_model_dir, root, **{"gates.enabled": True,
+                                                                  "tracking.system_metrics_interval_s": 0.5}))
     return summary, root
 
 
@@ -96,3 +97,49 @@ def test_mlflow_run_has_verl_metrics_and_params(run):
     assert table["sample_id"].tolist() == rollout.column("sample_id").to_pylist()[:2]
     assert table["response_text"].tolist() == rollout.column("response_text").to_pylist()[:2]
     assert table["score"].tolist() == pytest.approx(reward.column("score").to_pylist()[:2])
+
+
+def test_mlflow_record_has_model_system_metrics_datasets_links_and_validation_samples(run):
+    import mlflow.transformers
+    import torch
+    from safetensors.torch import load_file
+
+    from trajflow.config import load_config
+    from trajflow.prompts.loading import load_prompt_dataset
+
+    summary, root = run
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    mlrun = client.get_run(summary["mlflow_run_id"])
+    tags = mlrun.data.tags
+    assert tags["trajflow.segment"] == "1" and tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.user"]
+    assert tags["prefect.flow_run_name"] == f"train-{summary['run_id']}" and len(tags["prefect.flow_run_id"]) == 36
+    assert any(k.startswith("system/cpu_utilization") for k in mlrun.data.metrics)
+    # The prompt sets as dataset inputs, with the rows the run drew from.
+    cfg = load_config(None, [])
+    data = load_prompt_dataset(cfg.data.dataset)
+    rows = {[t.value for t in i.tags if t.key == "mlflow.data.context"][0]: json.loads(i.dataset.profile)["num_rows"]
+            for i in mlrun.inputs.dataset_inputs}
+    assert rows == {"training": len(data.train), "validation": len(data.validation)}
+    # The final model: a transformers-flavour MLflow model with the weights of final/.
+    local = client.download_artifacts(mlrun.info.run_id, "model", str(root / "model-dl"))
+    loaded = mlflow.transformers.load_model(local, return_type="components")
+    final = load_file(str(Path(summary["run_dir"]) / "final" / "model.safetensors"))
+    state = loaded["model"].state_dict()
+    assert all(torch.equal(state[k], v) for k, v in final.items())
+    # Validation generations with their prompts, every time validation ran (steps 0, 1, 2).
+    files = [f.path for f in client.list_artifacts(mlrun.info.run_id, "validation")]
+    assert files == [f"validation/iteration_{s:06d}.json" for s in (0, 1, 2)]
+    table = pd.read_json(client.download_artifacts(mlrun.info.run_id, files[-1], str(root / "dl-val")), orient="split")
+    n_val = min(4, len(data.validation)) * cfg.rollout.val_n  # data.val_max_prompts=4 in the tiny overrides
+    assert len(table) == min(cfg.trainer.log_val_generations, n_val)
+    by_id = {p.prompt_id: p for p in data.validation}
+    for _, r in table.iterrows():
+        assert r["prompt"] == by_id[r["prompt_id"]].messages[-1]["content"]
+        assert str(r["ground_truth"]) == str(by_id[r["prompt_id"]].ground_truth) and r["score"] in (0.0, 1.0)
+    # Training samples carry their prompts too.
+    d = Path(summary["run_dir"]) / "iterations" / "000002"
+    prompts = [json.loads(p)[-1]["content"] if isinstance(p, str) else p[-1]["content"]
+               for p in pq.read_table(d / "rollout.parquet").column("prompt").to_pylist()[:2]]
+    samples = pd.read_json(client.download_artifacts(mlrun.info.run_id, "samples/iteration_000002.json",
+                                                     str(root / "dl-samples")), orient="split")
+    assert samples["prompt"].tolist() == prompts

@@ -1,7 +1,8 @@
 """``trajflow compare``: runs side by side from MLflow (terminal table + PNG of the metric curves).
 
 A run is named by its MLflow run id (or a unique prefix of at least 6 characters), its MLflow run
-name, or its ``trajflow.run_id`` tag (trajflow sets run name = tag = the trajflow run id), in any
+name, or its ``trajflow.run_id`` tag (trajflow sets run name = tag = the trajflow run id; of a
+resumed run's sessions, the newest segment is meant, see :mod:`trajflow.tracking`), in any
 experiment of the tracking store: the SQLite store under ``--store`` (default ``runs``) or any
 ``--tracking-uri`` (e.g. ``http://mlflow.internal:5000``).
 
@@ -27,7 +28,8 @@ from typing import Sequence
 
 from trajflow.errors import CompareError
 from trajflow.plots import metric_series, plot_curves, run_color
-from trajflow.tracking import TAG_FROM_STAGE, TAG_PARENT_ITERATION, TAG_PARENT_RUN, mlflow_metric_name, store_tracking_uri
+from trajflow.tracking import (TAG_FROM_STAGE, TAG_PARENT_ITERATION, TAG_PARENT_RUN, TAG_SUPERSEDED_BY, mlflow_metric_name,
+                               store_tracking_uri)
 
 DEFAULT_METRICS = ("critic/score/mean", "response_length/mean")
 DEFAULT_METRIC_PATTERNS = ("val-core/*",)
@@ -234,6 +236,11 @@ def resolve_run(client, token: str, exps: dict[str, str] | None = None):
             else:
                 hint = "it holds no runs"
             raise CompareError(f"unknown run {token!r} in {client.tracking_uri}; {hint}")
+    if len(matches) > 1:
+        # A resumed run's earlier sessions share its name; the newest segment holds its whole history.
+        current = {k: r for k, r in matches.items() if TAG_SUPERSEDED_BY not in r.data.tags}
+        if len(current) == 1:
+            matches = current
     if len(matches) > 1:
         listed = "; ".join(_describe(r, exps) for r in matches.values())
         raise CompareError(f"run name {token!r} is ambiguous in {client.tracking_uri}: {listed}; "

@@ -258,6 +258,8 @@ class TrainerConfig:
     num_threads: int = _f(0, "torch threads per worker (0 = the worker's CPUs)", ge=0)
     experiment_name: Optional[str] = _f(None, "MLflow experiment (default: the recipe name)")
     log_samples: int = _f(4, "sample generations logged per iteration", ge=0)
+    log_val_generations: int = _f(8, "validation generations (prompt, response, ground truth, score) logged "
+                                  "to MLflow each time validation runs (verl's name)", ge=0)
     progress: bool = _f(True, "live progress line per iteration")
     stage_retries: int = _f(2, "retries of a stage task after a transient failure (a Ray worker died, "
                             "a stage timed out); dead workers are recreated from the newest checkpoint", ge=0)
@@ -298,6 +300,13 @@ class TrackingConfig:
     uri: Optional[str] = _f(None, "MLflow tracking URI (default: sqlite:///<store.root>/mlflow.db)")
     ui_url: Optional[str] = _f(None, "MLflow UI base URL for links in Prefect artifacts, e.g. "
                                "http://mlflow.internal:5000 (default: no link, the MLflow run id only)")
+    system_metrics: bool = _f(True, "log MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, "
+                              "network, GPU) for the driver's machine")
+    system_metrics_interval_s: float = _f(10.0, "seconds between system-metric samples", gt=0.0)
+    log_model: bool = _f(True, "log the final model as an MLflow model (transformers flavour, artifact 'model'); "
+                         "it copies the exported weights into the artifact store")
+    register_model: Optional[str] = _f(None, "register the logged final model under this name in the MLflow "
+                                       "model registry (a new version per run); needs tracking.log_model")
 
 
 @dataclass
@@ -487,6 +496,9 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if rm.enable and not rm.path:
         raise ConfigError(f"{source}: reward.reward_model.enable=true needs reward.reward_model.path "
                           "(a sequence-classification model directory)")
+    if cfg.tracking.register_model and not cfg.tracking.log_model:
+        raise ConfigError(f"{source}: tracking.register_model={cfg.tracking.register_model!r} needs "
+                          "tracking.log_model=true (only a logged model can be registered)")
     _check_finite(cfg, "", source)
     for section in ("actor", "critic"):
         betas = cfg[section].get("betas") if "betas" in cfg[section] else None

@@ -1,4 +1,5 @@
-"""MLflow tracking: one MLflow run per trajflow run, verl metric names, the resolved config as params.
+"""MLflow tracking: one MLflow run per session of a trajflow run, verl metric names, the resolved
+config as params.
 
 The default tracking store is SQLite under the store root (``sqlite:///<root>/mlflow.db``), with
 artifacts beside it in ``<root>/mlartifacts``, so a run directory tree is self-contained.
@@ -6,15 +7,28 @@ artifacts beside it in ``<root>/mlartifacts``, so a run directory tree is self-c
 What a run records (see docs/compare.md):
 
 - experiment ``trajflow/<recipe>`` (or ``trainer.experiment_name``); run name = the trajflow run id;
-- tags ``trajflow.run_id``, ``trajflow.recipe``, ``mlflow.source.git.commit`` and, for a replay,
-  the lineage tags of :func:`lineage_tags`;
+- tags ``trajflow.run_id``, ``trajflow.recipe``, ``trajflow.segment``, MLflow's source tags
+  (``mlflow.user``, ``mlflow.source.name``, ``mlflow.source.type``, ``mlflow.source.git.commit``),
+  the Prefect flow run's (:func:`prefect_tags`) and, for a replay, the lineage tags of
+  :func:`lineage_tags`;
 - params: the flattened resolved config (``actor.lr``, ...); artifact ``config.yaml``: the same config;
+- inputs: the training and validation prompt sets as MLflow datasets (:meth:`Tracker.log_datasets`);
 - metrics: verl's names per iteration (step = iteration, 0 = before training), made valid for MLflow
   by :func:`mlflow_metric_name` (``@`` as ``_at_``, any other character MLflow rejects as ``_``);
-  two names that would become the same are kept apart by :meth:`Tracker.metric_name`;
-- artifacts ``samples/iteration_NNNNNN.json`` (sample generations, a table as JSON: see
-  :meth:`Tracker.log_table`), ``gates/iteration_NNNNNN/``
-  (gate reports) and, at the end of a run, ``plots/*.png`` (see :mod:`trajflow.plots`).
+  two names that would become the same are kept apart by :meth:`Tracker.metric_name`; MLflow's
+  ``system/*`` metrics (``tracking.system_metrics``);
+- artifacts ``samples/iteration_NNNNNN.json`` (sample generations with their prompts, a table as
+  JSON: see :meth:`Tracker.log_table`), ``validation/iteration_NNNNNN.json`` (validation
+  generations), ``gates/iteration_NNNNNN/`` (gate reports), at the end of a run ``plots/*.png``
+  (see :mod:`trajflow.plots`) and the final model ``model/`` (:meth:`Tracker.log_model`).
+
+Resume: each session of a run is its own MLflow run of the same name, tagged with its
+``trajflow.segment`` number and the MLflow run id of the session it resumed. It starts with the
+metric points and per-iteration artifacts of the iterations it keeps (those up to the checkpoint it
+resumed from) copied from that session, and logs the iterations it re-runs afresh; so the newest
+segment alone holds the run's whole history with one value per metric and step, and every latest
+value is the resumed session's. The earlier segment is tagged ``trajflow.superseded_by`` (and set
+to KILLED if its driver died); ``trajflow compare`` and the dashboard pick the newest segment.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ import posixpath
 import re
 import subprocess
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from omegaconf import DictConfig
 
@@ -36,6 +50,13 @@ from trajflow.config import flatten, to_yaml
 TAG_PARENT_RUN = "trajflow.parent_run_id"          # the parent's trajflow run id (= its MLflow run name)
 TAG_PARENT_ITERATION = "trajflow.parent_iteration"  # the parent iteration whose stored output was replayed
 TAG_FROM_STAGE = "trajflow.from_stage"              # the first stage recomputed (rollout, reward, advantage, ...)
+
+# Sessions: a resumed run continues in a new MLflow run (a "segment") of the same name.
+TAG_SEGMENT = "trajflow.segment"                      # 1 for a run's first session, 2 after its first resume, ...
+TAG_PREVIOUS_SEGMENT = "trajflow.previous_mlflow_run_id"  # the MLflow run of the session this one resumed
+TAG_SUPERSEDED_BY = "trajflow.superseded_by"          # set on a segment once a resume has taken over from it
+#: Artifact folders holding one ``iteration_NNNNNN`` entry per iteration, carried over on resume.
+ITERATION_ARTIFACT_DIRS = ("samples", "validation", "gates")
 
 
 def lineage_tags(parent_run_id: str, parent_iteration: int, from_stage: str) -> dict[str, str]:
@@ -78,6 +99,49 @@ def git_commit() -> str | None:
 
 
 log = logging.getLogger(__name__)
+
+def session_tags(cfg: DictConfig) -> dict[str, str]:
+    """The tags that say who ran a session, from what code and under which Prefect flow run.
+
+    MLflow's own context tags (``mlflow.user``, ``mlflow.source.name``, ``mlflow.source.type``, as
+    its fluent ``start_run`` sets them), ``mlflow.source.git.commit`` of trajflow's source tree, and
+    inside a Prefect flow run ``prefect.flow_run_id``, ``prefect.flow_run_name``,
+    ``prefect.deployment_id`` (when started from a deployment) and ``prefect.flow_run_url`` (when
+    Prefect has a UI URL; the temporary local server has none).
+    """
+    tags: dict[str, str] = {}
+    try:
+        from mlflow.tracking.context.registry import resolve_tags
+
+        tags.update({k: str(v) for k, v in resolve_tags({}).items()})
+    except Exception as e:  # a context provider failing must not cost the run its record
+        log.debug("MLflow context tags unavailable: %s", e)
+    commit = git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    tags.update(prefect_tags())
+    return tags
+
+
+def prefect_tags() -> dict[str, str]:
+    """``prefect.flow_run_id`` / ``_name`` / ``_url`` and ``prefect.deployment_id`` of the flow run
+    this process is in ({} outside one)."""
+    try:
+        from prefect.runtime import deployment, flow_run
+        from prefect.settings import PREFECT_UI_URL
+    except Exception:
+        return {}
+    fid = flow_run.get_id()
+    if not fid:
+        return {}
+    tags = {"prefect.flow_run_id": str(fid), "prefect.flow_run_name": str(flow_run.get_name() or "")}
+    if deployment.get_id():
+        tags["prefect.deployment_id"] = str(deployment.get_id())
+    ui = PREFECT_UI_URL.value()
+    if ui:
+        tags["prefect.flow_run_url"] = f"{str(ui).rstrip('/')}/flow-runs/flow-run/{fid}"
+    return tags
+
 
 #: MLflow's metric-name length limit (``MAX_ENTITY_KEY_LENGTH``).
 MLFLOW_MAX_NAME = 250
@@ -128,7 +192,7 @@ class Tracker:
     """
 
     def __init__(self, cfg: DictConfig, run_id: str, tags: Mapping[str, str] | None = None,
-                 mlflow_run_id: str | None = None) -> None:
+                 continue_from: str | None = None, keep_step: Callable[[int], bool] | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri(cfg)
@@ -145,19 +209,89 @@ class Tracker:
         self.experiment_id = exp_id
         self._metric_names: dict[str, str] = {}   # reported name -> MLflow name, for the whole run
         self._metric_owners: dict[str, str] = {}  # MLflow name -> reported name
-        if mlflow_run_id:
-            self.run_id = mlflow_run_id
-            self.client.update_run(mlflow_run_id, status="RUNNING")
-        else:
-            all_tags = {"trajflow.run_id": run_id, "trajflow.recipe": str(cfg.recipe)}
-            commit = git_commit()
-            if commit:
-                all_tags["mlflow.source.git.commit"] = commit
-            all_tags.update(tags or {})
-            run = self.client.create_run(exp_id, run_name=run_id, tags=all_tags)
-            self.run_id = run.info.run_id
-            self.log_params(flatten(cfg))
-            self.log_text(to_yaml(cfg), "config.yaml")
+        self._system_monitor = None
+        previous = self._previous_segment(continue_from)
+        all_tags = session_tags(cfg)
+        all_tags.update({"trajflow.run_id": run_id, "trajflow.recipe": str(cfg.recipe), TAG_SEGMENT: "1"})
+        if previous is not None:
+            all_tags[TAG_SEGMENT] = str(int(previous.data.tags.get(TAG_SEGMENT, "1")) + 1)
+            all_tags[TAG_PREVIOUS_SEGMENT] = previous.info.run_id
+        all_tags.update(tags or {})
+        run = self.client.create_run(exp_id, run_name=run_id, tags=all_tags)
+        self.run_id = run.info.run_id
+        self.log_params(flatten(cfg))
+        self.log_text(to_yaml(cfg), "config.yaml")
+        if previous is not None:
+            self._take_over(previous, keep_step or (lambda step: False))
+        if cfg.tracking.system_metrics:
+            self._start_system_metrics(float(cfg.tracking.system_metrics_interval_s))
+
+    def _previous_segment(self, mlflow_run_id: str | None):
+        """The MLflow run of the session a resume continues, or None (none recorded, or deleted)."""
+        if not mlflow_run_id:
+            return None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(mlflow_run_id)
+        except MlflowException as e:
+            log.warning("the previous session's MLflow run %s is gone (%s); this session starts a new record",
+                        mlflow_run_id, str(e).splitlines()[0])
+            return None
+
+    def _take_over(self, previous, keep_step: Callable[[int], bool]) -> None:
+        """Copy what this session keeps of the previous one, then mark that one superseded.
+
+        Kept: every metric point whose step ``keep_step`` accepts (the iterations up to the
+        checkpoint this session resumed from; the re-run ones are logged afresh, so no step holds two
+        values) with its original timestamp, and the per-iteration artifacts (``samples/``,
+        ``validation/``, ``gates/``) of those iterations. MLflow's system metrics are the previous
+        session's own and stay with it. The previous run gets the tag :data:`TAG_SUPERSEDED_BY`
+        and, if it still says RUNNING (its driver was killed), the status KILLED.
+        """
+        from mlflow.entities import Metric
+
+        old = previous.info.run_id
+        points = []
+        for key in sorted(previous.data.metrics):
+            if key.startswith("system/"):
+                continue
+            points += [Metric(key, m.value, m.timestamp, m.step)
+                       for m in self.client.get_metric_history(old, key) if keep_step(int(m.step))]
+        for i in range(0, len(points), 1000):
+            self.client.log_batch(self.run_id, metrics=points[i:i + 1000])
+        self._copy_iteration_artifacts(old, keep_step)
+        self.client.set_tag(old, TAG_SUPERSEDED_BY, self.run_id)
+        if previous.info.status == "RUNNING":
+            self.client.set_terminated(old, status="KILLED")
+
+    def _copy_iteration_artifacts(self, old: str, keep_step: Callable[[int], bool]) -> None:
+        import tempfile
+
+        for folder in ITERATION_ARTIFACT_DIRS:
+            for entry in self.client.list_artifacts(old, folder):
+                m = re.search(r"iteration_(\d+)", posixpath.basename(entry.path))
+                if not m or not keep_step(int(m.group(1))):
+                    continue
+                with tempfile.TemporaryDirectory() as tmp:
+                    local = self.client.download_artifacts(old, entry.path, tmp)
+                    target = posixpath.dirname(entry.path) if not entry.is_dir else entry.path
+                    if entry.is_dir:
+                        self.client.log_artifacts(self.run_id, local, target)
+                    else:
+                        self.client.log_artifact(self.run_id, local, target)
+
+    def _start_system_metrics(self, interval_s: float) -> None:
+        """MLflow's system-metrics monitor (CPU, memory, disk, network, GPU where present) on this run."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system_monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s,
+                                                        tracking_uri=self.uri)
+            self._system_monitor.start()
+        except Exception as e:  # psutil missing or similar: the run's own metrics matter more
+            log.warning("MLflow system metrics are off: %s", e)
+            self._system_monitor = None
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -252,5 +386,118 @@ class Tracker:
         rows = [list(r) for r in zip(*(data[c] for c in columns))]
         self.client.log_dict(self.run_id, {"columns": columns, "data": rows}, artifact_file)
 
+    def log_datasets(self, train: Sequence[Any], validation: Sequence[Any], name: str, source: str) -> None:
+        """Log the prompt sets as MLflow dataset inputs (contexts ``training`` and ``validation``).
+
+        Each is a table of ``prompt_id``, ``data_source``, ``prompt`` (the last message's text) and
+        ``ground_truth`` (the target column); MLflow records its digest, schema and row count.
+
+        Args:
+            train, validation: :class:`trajflow.prompts.PromptRecord` lists (an empty one is skipped).
+            name: the dataset's name (the spec's ``name``).
+            source: where it came from (the data file or spec path, or ``reasoning_gym:<task>``).
+        """
+        import warnings
+
+        import mlflow.data
+        import pandas as pd
+        from mlflow.entities import DatasetInput, InputTag
+
+        inputs = []
+        for context, records in (("training", train), ("validation", validation)):
+            if not records:
+                continue
+            df = pd.DataFrame({"prompt_id": [r.prompt_id for r in records],
+                               "data_source": [r.data_source for r in records],
+                               "prompt": [prompt_text(r.messages) for r in records],
+                               "ground_truth": [str(r.ground_truth) for r in records]})
+            with warnings.catch_warnings():  # "source can be interpreted in multiple ways": both are local
+                warnings.simplefilter("ignore")
+                ds = mlflow.data.from_pandas(df, source=source, name=f"{name}/{context}", targets="ground_truth")
+            inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+        if inputs:
+            self.client.log_inputs(self.run_id, datasets=inputs)
+
+    def log_model(self, model_dir: str | Path, registered_name: str | None = None,
+                  description: str = "") -> str:
+        """Log an exported Hugging Face model directory as the MLflow model ``model`` (transformers
+        flavour, task ``text-generation``), optionally registering it.
+
+        ``mlflow.transformers.load_model("runs:/<id>/model")`` loads it back. The model is loaded
+        here (on the CPU, in its stored dtype) because MLflow's local-checkpoint path does not
+        support this transformers version; call this after the workers have released their memory.
+
+        Args:
+            model_dir: a ``from_pretrained``-loadable directory (the run's ``final/``).
+            registered_name: register the logged model under this name (a new version each call).
+            description: the model card's text.
+
+        Returns:
+            ``runs:/<mlflow run id>/model``, or ``models:/<name>/<version>`` when registered.
+        """
+        import tempfile
+
+        import mlflow.transformers
+        from huggingface_hub import ModelCard
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        with tempfile.TemporaryDirectory(prefix="trajflow-mlflow-model-") as tmp:
+            out = Path(tmp) / "model"
+            # An explicit card and requirements: MLflow would otherwise ask the Hub for a card and
+            # import-trace the model in a subprocess to infer requirements.
+            mlflow.transformers.save_model({"model": model, "tokenizer": tokenizer}, str(out), task="text-generation",
+                                           pip_requirements=_model_requirements(),
+                                           model_card=ModelCard(f"---\nlicense: other\n---\n{description}\n"))
+            del model
+            self.client.log_artifacts(self.run_id, str(out), "model")
+        uri = f"runs:/{self.run_id}/model"
+        if not registered_name:
+            return uri
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(registered_name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/model"
+        version = self.client.create_model_version(registered_name, source, run_id=self.run_id,
+                                                   description=description or None)
+        self.set_tags({"trajflow.registered_model": f"{registered_name}/{version.version}"})
+        return f"models:/{registered_name}/{version.version}"
+
     def finish(self, status: str = "FINISHED") -> None:
+        """Stop the system-metrics monitor (flushing its last samples) and close the MLflow run."""
+        if self._system_monitor is not None:
+            self._system_monitor.finish()
+            self._system_monitor = None
         self.client.set_terminated(self.run_id, status=status)
+
+
+def prompt_text(messages: Any) -> str:
+    """The text of a prompt's last message (a chat list, its JSON string, or plain text)."""
+    import json
+
+    if isinstance(messages, str):
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            return messages
+    if isinstance(messages, (list, tuple)) and messages:
+        last = messages[-1]
+        return str(last.get("content", "")) if isinstance(last, Mapping) else str(last)
+    return "" if messages is None else str(messages)
+
+
+def _model_requirements() -> list[str]:
+    from importlib.metadata import version
+
+    out = []
+    for dist in ("torch", "transformers", "safetensors", "tokenizers"):
+        try:
+            out.append(f"{dist}=={version(dist)}")
+        except Exception:
+            out.append(dist)
+    return out

@@ -14,7 +14,6 @@ DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
     "GX_ANALYTICS_ENABLED": "false",
-    "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
     # Nothing may be fetched from a model hub at run time.
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",

@@ -194,7 +194,7 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     try:
         start_workers(ctx)
         start = 1
-        mlflow_run = store.read_run_meta().get("mlflow_run_id") if resume else None
+        previous_mlflow_run = store.read_run_meta().get("mlflow_run_id") if resume else None
         latest = None
         if resume:
             latest, skipped = ckpt.newest_verified_checkpoint(store)
@@ -208,7 +208,9 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         ctx.state.last_iteration = int(cfg.trainer.total_iterations)
         if resume:
             _report_resume(ctx, latest, start)
-        ctx.tracker = Tracker(cfg, run_id, mlflow_run_id=mlflow_run)
+        ctx.tracker = Tracker(cfg, run_id, continue_from=previous_mlflow_run,
+                              keep_step=_kept_steps(store, latest))
+        _log_datasets(ctx)
         sessions = store.read_run_meta().get("sessions", [])
         sessions.append({"started": time.time(), "resumed_from_checkpoint": latest if resume else None,
                          "first_iteration": start, "config_changes": {k: list(v) for k, v in changes.items()}})
@@ -220,6 +222,24 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         print(f"run {run_id} already finished all {ctx.state.last_iteration} iterations; nothing to do", flush=True)
         ctx.state.nothing_to_do = True
     return ctx
+
+
+def _kept_steps(store: RunStore, latest: int | None):
+    """The MLflow steps a resumed session keeps from the previous one: those up to its checkpoint
+    (0 = validation before training included) and iterations a gate stopped (never re-run)."""
+    gated = {it for it in store.iterations() if store.read_manifest(it).get("status") == "gated"}
+    return lambda step: (latest is not None and step <= latest) or step in gated
+
+
+def _log_datasets(ctx: RunContext) -> None:
+    """The prompt sets as MLflow dataset inputs; a failure only warns (the record, not the run)."""
+    spec = ctx.datasets.spec
+    source = str(spec.get("path") or spec.get("spec_path") or spec.get("name") or "prompts")
+    try:
+        ctx.tracker.log_datasets(ctx.datasets.train, ctx.datasets.validation, str(spec.get("name") or "prompts"),
+                                 source)
+    except Exception as e:
+        log.warning("could not log the datasets to MLflow: %s", e)
 
 
 def custom_function_record(cfg: DictConfig) -> dict | None:
@@ -570,7 +590,10 @@ def _log_samples(ctx: RunContext, iteration: int) -> None:
         return
     t = ctx.store.read_stage(iteration, "rollout", verify=False).slice(0, k)
     r = ctx.store.read_stage(iteration, "reward", verify=False).slice(0, k)
+    from trajflow.tracking import prompt_text
+
     ctx.tracker.log_table({"sample_id": t.column("sample_id").to_pylist(),
+                           "prompt": [prompt_text(p) for p in t.column("prompt").to_pylist()],
                            "response_text": t.column("response_text").to_pylist(),
                            "ground_truth": t.column("ground_truth").to_pylist(),
                            "score": r.column("score").to_pylist()},
@@ -643,14 +666,45 @@ def _log_end_of_run_plots(ctx: RunContext) -> None:
 
 
 def close_run(ctx: RunContext, status: str) -> None:
-    """Close progress, MLflow run and workers; a failed run says where its files are."""
+    """Close progress, workers and the MLflow run (a finished run's model is logged to it first);
+    a failed run says where its files are."""
     if ctx.state.progress is not None:
         ctx.state.progress.close()
-    if ctx.tracker is not None:
-        try:
-            ctx.tracker.finish(status)
-        except Exception as e:  # never hide the original error behind a tracking one
-            log.warning("could not close the MLflow run: %s", e)
+    try:
+        close(ctx)  # first: the final model is loaded for MLflow once the workers' memory is free
+    finally:
+        _close_tracker(ctx, status)
+        _record_session_end(ctx, status)
+
+
+def _close_tracker(ctx: RunContext, status: str) -> None:
+    if ctx.tracker is None:
+        return
+    if status == "FINISHED" and not ctx.state.nothing_to_do and ctx.cfg.tracking.log_model \
+            and ctx.store.final_dir.exists():
+        _log_final_model(ctx)
+    try:
+        ctx.tracker.finish(status)
+    except Exception as e:  # never hide the original error behind a tracking one
+        log.warning("could not close the MLflow run: %s", e)
+
+
+def _log_final_model(ctx: RunContext) -> None:
+    """``final/`` as the MLflow model of the run (``tracking.log_model``), registered under
+    ``tracking.register_model``; a failure is one warning line (the model is in ``final/`` anyway)."""
+    cfg = ctx.cfg
+    try:
+        uri = ctx.tracker.log_model(ctx.store.final_dir, registered_name=cfg.tracking.register_model or None,
+                                    description=f"trajflow run {ctx.run_id} (recipe {cfg.recipe}), policy version "
+                                                f"{ctx.policy_version}, trained from {cfg.model.path}")
+        print(f"final model logged to MLflow: {uri}", flush=True)
+    except Exception as e:
+        log.warning("could not log the final model to MLflow", exc_info=True)
+        print(f"warning: the final model was not logged to MLflow ({type(e).__name__}: {str(e).splitlines()[0]}); "
+              f"it is in {ctx.store.final_dir}", file=sys.stderr, flush=True)
+
+
+def _record_session_end(ctx: RunContext, status: str) -> None:
     meta = ctx.store.read_run_meta()
     sessions = meta.get("sessions") or []
     if sessions:
@@ -661,4 +715,3 @@ def close_run(ctx: RunContext, status: str) -> None:
     if status != "FINISHED":
         ctx.store.update_run_meta(status="failed")
         print(f"trajflow run {ctx.run_id} stopped ({status.lower()}): {ctx.store.run_dir}", flush=True)
-    close(ctx)
