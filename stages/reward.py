@@ -103,11 +103,12 @@ def compute_scores(
     custom_function: Callable[..., Any] | None = None,
     default_scorer: str | None = None,
     scorer_kwargs: Mapping[str, Any] | None = None,
+    scorer: str | None = None,
 ) -> RewardResult:
     """Score a batch of responses, one scorer call per row.
 
     The scorer is ``custom_function`` for every row when given, else ``SCORERS.get(select_scorer(
-    data_source, default_scorer))``. Each scorer receives the entries of ``scorer_kwargs`` that its
+    data_source, default_scorer, scorer))``. Each scorer receives the entries of ``scorer_kwargs`` that its
     signature accepts (all of them if it takes ``**kwargs``), e.g. ``{"format_bonus": 0.1}`` reaches
     only ``reasoning_gym``. A scorer that raises, or returns a non-number (or a dict without
     ``"score"``), gives that row score 0.0 and an ``"error"`` extra, and is counted in ``num_errors``;
@@ -118,6 +119,7 @@ def compute_scores(
         custom_function: a scorer with verl's signature (see :func:`load_custom_function`), or None.
         default_scorer: scorer name for data sources :func:`select_scorer` does not map.
         scorer_kwargs: keyword options for scorers.
+        scorer: scorer name for every row, whatever its data source (``reward.scorer``).
 
     Returns:
         :class:`RewardResult` with ``scores`` ``(batch,)`` float32.
@@ -156,7 +158,7 @@ def compute_scores(
             continue
         if ds not in fn_by_source:
             try:
-                fn_by_source[ds] = SCORERS.get(select_scorer(ds, default_scorer))
+                fn_by_source[ds] = SCORERS.get(select_scorer(ds, default_scorer, scorer))
             except ValueError as e:
                 raise ValueError(f"compute_scores: row {i}: {e}") from e
         fns_rows.append(fn_by_source[ds])
@@ -286,7 +288,7 @@ def score_rows(data_sources: list[str], solutions: list[str], ground_truths: lis
     custom = load_custom_function(reward_cfg["custom_function"]) if reward_cfg.get("custom_function") else None
     infos = [json.loads(x) if x else None for x in extra_infos]
     return compute_scores(data_sources, solutions, ground_truths, infos, custom_function=custom,
-                          default_scorer=reward_cfg.get("default_scorer"),
+                          default_scorer=reward_cfg.get("default_scorer"), scorer=reward_cfg.get("scorer"),
                           scorer_kwargs={"format_bonus": reward_cfg.get("format_bonus", 0.1),
                                          "strict_format": reward_cfg.get("strict_format", True)})
 

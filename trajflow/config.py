@@ -126,6 +126,8 @@ class RewardConfig:
                                         "signature (data_source, solution_str, ground_truth, extra_info)")
     trust_changed_custom_function: bool = _f(False, "resume/replay even when reward.custom_function's file "
                                              "differs from the one the run recorded")
+    scorer: Optional[str] = _f(None, "scorer for every row, overriding the choice by data_source",
+                               choices_from="scorer")
     default_scorer: Optional[str] = _f(None, "scorer for data sources with no built-in mapping")
     format_bonus: float = _f(0.1, "reasoning-gym scorer: bonus for an 'Answer:' line", ge=0.0)
     strict_format: bool = _f(True, "math_verify scorer (math and GSM8K sets): score only a stated final answer "
@@ -405,6 +407,8 @@ def _registry_names(kind: str) -> list[str]:
         from stages.policy_losses import POLICY_LOSSES as reg
     elif kind == "kl":
         from stages.kl import KL_ESTIMATORS as reg
+    elif kind == "scorer":
+        from stages.scorers import SCORERS as reg
     else:  # pragma: no cover - programming error
         raise KeyError(kind)
     return list(reg.names())
