@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +22,7 @@ import torch
 
 from stages.kl import apply_kl_penalty_to_rewards
 from stages.scorers import SCORERS, load_custom_function, select_scorer
-from trajflow.batch import json_column, lengths, list_column, pad_ragged, to_ragged
+from trajflow.batch import decode_nested, json_column, lengths, list_column, pad_ragged, to_ragged
 
 __all__ = ["RewardResult", "compute_scores", "final_scores", "overlong_penalty", "reward_table", "score_rows"]
 
@@ -283,10 +282,14 @@ def final_scores(rule_scores: np.ndarray, rm_scores: np.ndarray | None, response
 
 
 def score_rows(data_sources: list[str], solutions: list[str], ground_truths: list[str],
-               extra_infos: list[str | None], reward_cfg: dict) -> Any:
-    """Score responses with the configured scorers (runs on a Ray worker); returns ``RewardResult``."""
+               extra_infos: list[dict | str | None], reward_cfg: dict) -> Any:
+    """Score responses with the configured scorers (runs on a Ray worker); returns ``RewardResult``.
+
+    ``extra_infos`` are the rollout table's ``extra_info`` values: dicts (a struct column) or the
+    JSON text of runs stored before it was one.
+    """
     custom = load_custom_function(reward_cfg["custom_function"]) if reward_cfg.get("custom_function") else None
-    infos = [json.loads(x) if x else None for x in extra_infos]
+    infos = [None if x is None or x == "" else decode_nested(x) for x in extra_infos]
     return compute_scores(data_sources, solutions, ground_truths, infos, custom_function=custom,
                           default_scorer=reward_cfg.get("default_scorer"), scorer=reward_cfg.get("scorer"),
                           scorer_kwargs={"format_bonus": reward_cfg.get("format_bonus", 0.1),

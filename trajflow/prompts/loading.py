@@ -41,13 +41,16 @@ def load_prompt_dataset(spec_name_or_path: str | Path | Mapping[str, Any],
             for JSONL, 0-based *row index* for Parquet); a reasoning-gym generator that is unknown or
             rejects ``config``; a problem space too small for the requested held-out split.
     """
+    from trajflow.batch import nested_type
+
     spec = load_spec(spec_name_or_path, overrides)
     origins: dict[str, str] = {}
     if spec["source"] == "reasoning_gym":
         train, validation = _load_reasoning_gym(spec)
     else:
         train, validation = _load_file_dataset(spec, origins)
-    return PromptDatasets(train=train, validation=validation, spec=spec, origins=origins)
+    return PromptDatasets(train=train, validation=validation, spec=spec, origins=origins,
+                          extra_info_type=nested_type(r.extra_info for r in train + validation))
 
 
 def _jsonable(obj: Any) -> Any:

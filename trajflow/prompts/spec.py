@@ -80,12 +80,15 @@ class PromptDatasets:
     Attributes:
         origins: for file datasets, where each ``data_source`` first occurs (``"<file>: row index 3
             (0-based)"``), for errors that point at the data.
+        extra_info_type: the Arrow type that holds every record's ``extra_info`` (the rollout
+            table's ``extra_info`` struct), or None when no single type does.
     """
 
     train: list[PromptRecord]
     validation: list[PromptRecord]
     spec: dict
     origins: dict[str, str] = field(default_factory=dict)
+    extra_info_type: Any = None
 
 
 # --------------------------------------------------------------------------------------------- specs
