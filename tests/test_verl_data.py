@@ -217,8 +217,25 @@ def test_nested_columns_round_trip_and_old_json_still_reads(tmp_path):
     assert back == [{"index": 1, "meta": {"a": [1, 2]}}, {"index": 2, "extra": "x"}]
     # values that fit no one Arrow type stay JSON text, read back the same way
     clash = [{"k": 1}, {"k": "one"}]
-    assert nested_type(clash) is None and pa.types.is_string(nested_column(clash).type)
+    assert nested_type(clash) == pa.string() and pa.types.is_string(nested_column(clash).type)
     assert [decode_nested(v) for v in nested_column(clash).to_pylist()] == clash
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
     for stored in (messages, json.dumps(messages)):  # this format, and the JSON of older runs
         assert audit_prompt_text(stored) == dashboard_prompt_text(stored) == "system: Be brief.\nuser: 2+2?"
+
+
+def test_every_batch_of_a_dataset_gets_one_rollout_schema(tmp_path):
+    """Batches whose rows lack different extra_info keys still concatenate (dynamic sampling) and
+    read as one dataset across iterations: the type comes from the whole dataset."""
+    from stages.rollout import Generation, rollout_table
+
+    rows = [gsm8k_row(0), {**gsm8k_row(1), "extra_info": {"index": 1, "hint": "add"}}, math_row(0, "lighteval/MATH")]
+    data = load_prompt_dataset(str(write_verl_parquet(tmp_path / "mixed.parquet", rows)))
+    tables = []
+    for k, prompts in enumerate([data.train[:1], data.train[1:2], data.train[2:]]):
+        gen = Generation(response_ids=[[1, 2]], response_text=["#### 5"], finish_reason=["stop"],
+                         old_logprobs=[[-0.1, -0.2]], policy_version=0)
+        tables.append(rollout_table(1, prompts, [[7, 8]], gen, 1, offset=k,
+                                    extra_info_type=data.extra_info_type))
+    assert len({t.schema for t in tables}) == 1
+    assert pa.concat_tables(tables).column("extra_info").to_pylist()[1]["hint"] == "add"

@@ -135,16 +135,19 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def nested_type(values: Iterable[Any]) -> pa.DataType | None:
-    """The Arrow type (structs, lists) that holds every one of ``values`` (JSON-like dicts), or None
-    when no single type does (a key that is a number in one row and text in another).
+def nested_type(values: Iterable[Any]) -> pa.DataType:
+    """The Arrow type to store ``values`` (JSON-like dicts) as: the struct/list type that holds every
+    one of them, or ``string`` (JSON text) when none does (a key that is a number in one row and
+    text in another) or there is nothing to store.
 
-    Inferring it once over a whole dataset gives every stage file of a run the same schema.
+    Inferring it once over a whole dataset gives every stage file of a run, and every batch that
+    dynamic sampling concatenates, the same schema.
     """
     try:
-        return pa.array([_canonical(v) for v in values]).type
+        inferred = pa.array([_canonical(v) for v in values]).type
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
-        return None
+        return pa.string()
+    return pa.string() if pa.types.is_null(inferred) else inferred
 
 
 def nested_column(values: Sequence[Any], arrow_type: pa.DataType | None = None) -> pa.Array:
@@ -152,20 +155,21 @@ def nested_column(values: Sequence[Any], arrow_type: pa.DataType | None = None) 
 
     Args:
         values: one dict (or list, or None) per row.
-        arrow_type: the column's type (see :func:`nested_type`); default: inferred from ``values``.
+        arrow_type: the column's type (see :func:`nested_type`; ``string`` stores JSON text);
+            default: :func:`nested_type` of ``values``.
 
     Returns:
-        The column; a JSON string column (:func:`json_column`) when the values fit no Arrow type.
+        The column; JSON text (:func:`json_column`) when the values fit no Arrow type.
         :func:`decode_nested` reads either back.
     """
-    rows = [_canonical(v) for v in values]
+    if arrow_type is None:
+        arrow_type = nested_type(values)
+    if pa.types.is_string(arrow_type):
+        return json_column(values)
     try:
-        col = pa.array(rows, type=arrow_type)
+        return pa.array([_canonical(v) for v in values], type=arrow_type)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
         return json_column(values)
-    if pa.types.is_null(col.type):  # nothing to store: keep the column's old, typed shape
-        return json_column(values)
-    return col
 
 
 def _drop_nulls(value: Any) -> Any:

@@ -80,8 +80,8 @@ class PromptDatasets:
     Attributes:
         origins: for file datasets, where each ``data_source`` first occurs (``"<file>: row index 3
             (0-based)"``), for errors that point at the data.
-        extra_info_type: the Arrow type that holds every record's ``extra_info`` (the rollout
-            table's ``extra_info`` struct), or None when no single type does.
+        extra_info_type: the Arrow type of the rollout table's ``extra_info`` column: the struct
+            that holds every record's ``extra_info``, or ``string`` (JSON text) when none does.
     """
 
     train: list[PromptRecord]
