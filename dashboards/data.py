@@ -206,15 +206,17 @@ def _audit_query():
     return query_audit
 
 
-def prompt_text(prompt: str | None) -> str:
-    """A stored ``prompt`` (chat messages as JSON, or plain text) as readable text: ``role: content`` lines
-    (the audit table's ``prompt_text`` format)."""
+def prompt_text(prompt: str | list | None) -> str:
+    """A stored ``prompt`` (chat messages from the list column, or the JSON text or plain text of older
+    runs) as readable text: ``role: content`` lines (the audit table's ``prompt_text`` format)."""
     if prompt is None:
         return ""
-    try:
-        msgs = json.loads(prompt)
-    except (TypeError, ValueError):
-        return str(prompt)
+    msgs = prompt
+    if isinstance(prompt, str):
+        try:
+            msgs = json.loads(prompt)
+        except (TypeError, ValueError):
+            return str(prompt)
     if isinstance(msgs, list) and all(isinstance(m, dict) and "content" in m for m in msgs):
         return "\n".join(f"{m.get('role', '')}: {m['content']}" for m in msgs)
     return str(prompt)

@@ -123,7 +123,7 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
     Raises:
         StoreError: no such run or checkpoint. ConfigError: a bad override.
     """
-    from trajflow.prompts import load_prompt_dataset
+    from trajflow.prompts import data_spec, load_prompt_dataset
     from trajflow.models import resolve_model_path
     from trajflow.tracking import Tracker
 
@@ -138,7 +138,7 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
     rename_flow_run(f"evaluate-{store.run_id}-ckpt{step}")
     # Its own registry key: an evaluation must not disturb a training run of the same id in this process.
     ctx = RunContext(cfg=cfg, store=store, model_path=str(resolve_model_path(cfg.model.path, cfg.model.cache_dir)),
-                     datasets=load_prompt_dataset(cfg.data.dataset), context_id=f"eval-{uuid.uuid4().hex}")
+                     datasets=load_prompt_dataset(data_spec(cfg.data)), context_id=f"eval-{uuid.uuid4().hex}")
     ctx.state.policy_only = True
     ctx.policy_version = int(ckpt.read_trainer_state(store, step)["policy_version"]) if step else 0
     eval_id = ctx.key

@@ -129,7 +129,8 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
     else:
         params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
         prompt_ids, gen = roles.generate(ctx, state.prompts, params, iteration)
-        table = rollout_table(iteration, state.prompts, prompt_ids, gen, cfg.rollout.n)
+        table = rollout_table(iteration, state.prompts, prompt_ids, gen, cfg.rollout.n,
+                              extra_info_type=ctx.datasets.extra_info_type)
         state.timing["timing_s/gen"] = gen.timing["timing_s/gen"]
         state.timing["timing_s/old_log_prob"] = gen.timing.get("timing_s/old_log_prob", 0.0)
         policy_version = gen.policy_version
@@ -154,7 +155,8 @@ def _dynamic_sampling(ctx: RunContext, iteration: int) -> tuple[pa.Table, int]:
         seed = iteration_seed(cfg.trainer.seed, iteration, Salt.dynamic(k))
         prompt_ids, gen = roles.generate(ctx, prompts, sampling_params(cfg.rollout, seed), iteration)
         gen_s[0] += gen.timing["timing_s/gen"]
-        t = rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n, offset=k * target)
+        t = rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n, offset=k * target,
+                          extra_info_type=ctx.datasets.extra_info_type)
         rule, extras, _, rm = roles.score(ctx, t)
         final, _ = final_scores(rule, rm, lengths(t.column("response_ids")), reward_cfg, cfg.rollout.max_new_tokens)
         return GenerationBatch(t, rule, extras, rm, final)

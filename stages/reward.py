@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +22,7 @@ import torch
 
 from stages.kl import apply_kl_penalty_to_rewards
 from stages.scorers import SCORERS, load_custom_function, select_scorer
-from trajflow.batch import json_column, lengths, list_column, pad_ragged, to_ragged
+from trajflow.batch import decode_nested, json_column, lengths, list_column, pad_ragged, to_ragged
 
 __all__ = ["RewardResult", "compute_scores", "final_scores", "overlong_penalty", "reward_table", "score_rows"]
 
@@ -103,11 +102,12 @@ def compute_scores(
     custom_function: Callable[..., Any] | None = None,
     default_scorer: str | None = None,
     scorer_kwargs: Mapping[str, Any] | None = None,
+    scorer: str | None = None,
 ) -> RewardResult:
     """Score a batch of responses, one scorer call per row.
 
     The scorer is ``custom_function`` for every row when given, else ``SCORERS.get(select_scorer(
-    data_source, default_scorer))``. Each scorer receives the entries of ``scorer_kwargs`` that its
+    data_source, default_scorer, scorer))``. Each scorer receives the entries of ``scorer_kwargs`` that its
     signature accepts (all of them if it takes ``**kwargs``), e.g. ``{"format_bonus": 0.1}`` reaches
     only ``reasoning_gym``. A scorer that raises, or returns a non-number (or a dict without
     ``"score"``), gives that row score 0.0 and an ``"error"`` extra, and is counted in ``num_errors``;
@@ -118,6 +118,7 @@ def compute_scores(
         custom_function: a scorer with verl's signature (see :func:`load_custom_function`), or None.
         default_scorer: scorer name for data sources :func:`select_scorer` does not map.
         scorer_kwargs: keyword options for scorers.
+        scorer: scorer name for every row, whatever its data source (``reward.scorer``).
 
     Returns:
         :class:`RewardResult` with ``scores`` ``(batch,)`` float32.
@@ -156,7 +157,7 @@ def compute_scores(
             continue
         if ds not in fn_by_source:
             try:
-                fn_by_source[ds] = SCORERS.get(select_scorer(ds, default_scorer))
+                fn_by_source[ds] = SCORERS.get(select_scorer(ds, default_scorer, scorer))
             except ValueError as e:
                 raise ValueError(f"compute_scores: row {i}: {e}") from e
         fns_rows.append(fn_by_source[ds])
@@ -281,12 +282,16 @@ def final_scores(rule_scores: np.ndarray, rm_scores: np.ndarray | None, response
 
 
 def score_rows(data_sources: list[str], solutions: list[str], ground_truths: list[str],
-               extra_infos: list[str | None], reward_cfg: dict) -> Any:
-    """Score responses with the configured scorers (runs on a Ray worker); returns ``RewardResult``."""
+               extra_infos: list[dict | str | None], reward_cfg: dict) -> Any:
+    """Score responses with the configured scorers (runs on a Ray worker); returns ``RewardResult``.
+
+    ``extra_infos`` are the rollout table's ``extra_info`` values: dicts (a struct column) or the
+    JSON text of runs stored before it was one.
+    """
     custom = load_custom_function(reward_cfg["custom_function"]) if reward_cfg.get("custom_function") else None
-    infos = [json.loads(x) if x else None for x in extra_infos]
+    infos = [None if x is None or x == "" else decode_nested(x) for x in extra_infos]
     return compute_scores(data_sources, solutions, ground_truths, infos, custom_function=custom,
-                          default_scorer=reward_cfg.get("default_scorer"),
+                          default_scorer=reward_cfg.get("default_scorer"), scorer=reward_cfg.get("scorer"),
                           scorer_kwargs={"format_bonus": reward_cfg.get("format_bonus", 0.1),
                                          "strict_format": reward_cfg.get("strict_format", True)})
 

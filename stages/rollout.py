@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 import torch
 
-from trajflow.batch import json_column, list_column
+from trajflow.batch import PROMPT_TYPE, list_column, nested_column
 
 
 @dataclass(frozen=True)
@@ -200,8 +200,9 @@ def sample_ids(iteration: int, num_prompts: int, n: int, offset: int = 0) -> tup
 
 
 def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[Sequence[int]], gen: Generation,
-                  n: int, offset: int = 0) -> pa.Table:
-    """The rollout stage's output.
+                  n: int, offset: int = 0, extra_info_type: pa.DataType | None = None) -> pa.Table:
+    """The rollout stage's output. ``prompt`` (chat messages, :data:`trajflow.batch.PROMPT_TYPE`) and
+    ``extra_info`` are Arrow lists and structs, not JSON text.
 
     Args:
         iteration: iteration number.
@@ -211,6 +212,9 @@ def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[S
         gen: the policy worker's ``generate_sequences`` result (``n`` rows per prompt, prompt-major).
         n: samples per prompt.
         offset: number of the first prompt (see :func:`sample_ids`).
+        extra_info_type: the ``extra_info`` struct type, inferred once for the whole dataset
+            (``PromptDatasets.extra_info_type``) so that every iteration's file has the same schema;
+            None infers it from these prompts.
     """
     sids, gids = sample_ids(iteration, len(prompts), n, offset)
     rep = [p for p in prompts for _ in range(n)]
@@ -221,7 +225,7 @@ def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[S
         "group_id": pa.array(gids, pa.string()),
         "iteration": pa.array([iteration] * len(sids), pa.int64()),
         "policy_version": pa.array([int(gen.policy_version)] * len(sids), pa.int64()),
-        "prompt": json_column([p.messages for p in rep]),
+        "prompt": pa.array([p.messages for p in rep], PROMPT_TYPE),
         "prompt_ids": list_column(rep_ids, pa.int32()),
         "response_ids": list_column(gen.response_ids, pa.int32()),
         "response_text": pa.array(gen.response_text, pa.string()),
@@ -229,7 +233,7 @@ def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[S
         "finish_reason": pa.array(gen.finish_reason, pa.string()),
         "ground_truth": pa.array([str(p.ground_truth) for p in rep], pa.string()),
         "data_source": pa.array([p.data_source for p in rep], pa.string()),
-        "extra_info": json_column([p.extra_info for p in rep]),
+        "extra_info": nested_column([p.extra_info for p in rep], extra_info_type),
     }
     return pa.table(cols)
 

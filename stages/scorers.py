@@ -34,10 +34,12 @@ from typing import Any
 
 from stages.registry import Registry
 
-#: Reward scorers by config name (``reward.default_scorer``); values have verl's custom-reward signature.
+#: Reward scorers by config name (``reward.scorer``, ``reward.default_scorer``); values have verl's custom-reward signature.
 SCORERS = Registry("reward scorer")
 
-#: Data sources (compared case-insensitively) scored with ``math_verify``.
+#: Data sources (compared case-insensitively) scored with ``math_verify``: those verl's default
+#: reward (``verl.utils.reward_score.default_compute_score``) scores with its GSM8K, MATH, DAPO-math,
+#: PRIME-math and geometry3k functions, all final-answer checks that math-verify's equivalence covers.
 MATH_DATA_SOURCES = frozenset(
     s.lower()
     for s in (
@@ -49,13 +51,15 @@ MATH_DATA_SOURCES = frozenset(
         "HuggingFaceH4/MATH-500",
         "math500",
         "math_dapo",
+        "math_dapo_reasoning",
         "aime",
         "aime24",
         "aime25",
         "amc",
+        "hiyouga/geometry3k",
     )
 )
-#: Data-source prefixes (case-insensitive) scored with ``math_verify``.
+#: Data-source prefixes (case-insensitive) scored with ``math_verify`` (verl: ``aime*``, ``numina_*``).
 MATH_DATA_SOURCE_PREFIXES = ("numina", "ai-mo/numinamath", "lighteval/math", "aime", "open-r1/openr1-math")
 
 #: Answers longer than this many characters are cut (from the left) before math-verify parses them:
@@ -320,25 +324,30 @@ def exact_match_scorer(
     return {"score": score, "acc": score, "format_ok": has_answer_line(solution_str), "extracted": extracted}
 
 
-def select_scorer(data_source: str, default: str | None = None) -> str:
-    """The scorer name for a data source.
+def select_scorer(data_source: str, default: str | None = None, override: str | None = None) -> str:
+    """The scorer name for a data source, as verl's default reward picks its function.
 
     Mapping: ``reasoning_gym/*`` -> ``reasoning_gym``; the math sets (:data:`MATH_DATA_SOURCES`:
-    ``math``, ``gsm8k``, ``openai/gsm8k``, ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,
-    ...; or a prefix in :data:`MATH_DATA_SOURCE_PREFIXES` such as ``numina*``) -> ``math_verify``;
-    anything else -> ``default``.
+    ``openai/gsm8k``, ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,
+    ``HuggingFaceH4/MATH-500``, ``math_dapo``, ...; or a prefix in :data:`MATH_DATA_SOURCE_PREFIXES`
+    such as ``aime*``, ``numina*``) -> ``math_verify``; anything else -> ``default`` (verl's code
+    sets among them: trajflow has no code sandbox; its Search-R1 sets have list ground truths).
 
     Args:
         data_source: the row's ``data_source``.
         default: scorer for unmapped sources (``reward.default_scorer``), or None.
+        override: scorer for every source, mapped or not (``reward.scorer``), or None.
 
     Returns:
         A name registered in :data:`SCORERS`.
 
     Raises:
-        ValueError: ``default`` is not a registered scorer (lists them), or the source is unmapped and
-            ``default`` is None (says how to fix it).
+        ValueError: ``override`` or ``default`` is not a registered scorer (lists them), or the source
+            is unmapped and there is neither (says how to fix it).
     """
+    if override is not None:
+        SCORERS.get(override)  # raises with the registered names
+        return override
     ds = str(data_source)
     low = ds.lower()
     if low.startswith("reasoning_gym/"):
@@ -350,7 +359,8 @@ def select_scorer(data_source: str, default: str | None = None) -> str:
         return default
     raise ValueError(
         f"no reward scorer for data_source {ds!r}: it is not 'reasoning_gym/<name>' or a known math set. "
-        f"Set reward.default_scorer to one of {SCORERS.names()} or reward.custom_function to 'file.py:function'"
+        f"Set reward.scorer (every row) or reward.default_scorer (unmapped sources) to one of {SCORERS.names()}, "
+        f"or reward.custom_function to 'file.py:function'"
     )
 
 

@@ -267,7 +267,7 @@ def test_remax_with_reward_model_and_truncation_mask(env, tmp_path_factory):
                            ModelConfig(dtype="float32", attn_implementation="sdpa"), "cpu", 1)
     for it in (1, 2):
         rows = joined(d, it)
-        prompts = [json.loads(p) for p in rows["prompt"]]
+        prompts = list(rows["prompt"])  # chat messages: a list<struct<role, content>> column
         rm_scores = rm.compute_rm_score(prompts, rows["response_text"])
         np.testing.assert_allclose(rows["rm_score"], rm_scores, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(rows["rule_score"], [hash_bit(t) for t in rows["response_text"]])

@@ -556,7 +556,7 @@ def test_audit_filter_and_search_match_the_parquet_files(scenarios, tmp_path):
         for a, b, c in zip(ro, rw, ad):
             assert a["sample_id"] == b["sample_id"] == c["sample_id"]
             rows[a["sample_id"]] = {**a, "score": b["score"], "advantage_mean": float(np.mean(c["advantages"]))}
-    candidates = [r for r in rows.values() if r["iteration"] >= 2 and "zyzzyva" in r["prompt"]]
+    candidates = [r for r in rows.values() if r["iteration"] >= 2 and "zyzzyva" in r["prompt"][0]["content"]]
     assert len(candidates) >= 2
     threshold = float(f"{np.median([r['score'] for r in candidates]):.6f}")
     expected = {r["sample_id"] for r in candidates if np.float32(r["score"]) > threshold}
@@ -572,7 +572,7 @@ def test_audit_filter_and_search_match_the_parquet_files(scenarios, tmp_path):
         src = rows[r["sample_id"]]
         assert list(r) == list(AUDIT_COLUMNS)
         assert r["response_text"] == src["response_text"] and r["prompt_id"] == src["prompt_id"]
-        assert r["prompt_text"] == "user: " + json.loads(src["prompt"])[0]["content"]
+        assert r["prompt_text"] == "user: " + src["prompt"][0]["content"]
         assert r["score"] == src["score"] and r["iteration"] == src["iteration"]
         assert r["advantage_mean"] == pytest.approx(src["advantage_mean"], rel=1e-6, abs=1e-7)
         assert r["response_length"] == len(src["response_ids"])

@@ -58,14 +58,22 @@ AUDIT_SCHEMA = pa.schema([
 AUDIT_COLUMNS = tuple(AUDIT_SCHEMA.names)
 
 
-def prompt_text(prompt: str | None) -> str | None:
-    """The stored ``prompt`` (JSON chat messages or a JSON string) as text: one ``role: content`` line per turn."""
+def prompt_text(prompt: str | list | None) -> str | None:
+    """The stored ``prompt`` as text: one ``role: content`` line per turn.
+
+    Args:
+        prompt: chat messages as read from the ``prompt`` list column, or the JSON text (messages or a
+            string) that runs stored before it was one.
+    """
     if prompt is None:
         return None
-    try:
-        value = json.loads(prompt)
-    except (TypeError, ValueError):
-        return str(prompt)
+    if isinstance(prompt, str):
+        try:
+            value = json.loads(prompt)
+        except (TypeError, ValueError):
+            return str(prompt)
+    else:
+        value = prompt
     if isinstance(value, list):
         return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" if isinstance(m, dict) else str(m)
                          for m in value)

@@ -21,7 +21,11 @@ from trajflow.errors import BatchError
 if TYPE_CHECKING:  # torch is imported where tensors are made, not for Arrow-only callers
     import torch
 
-SCHEMA_VERSION = 1
+#: 2: ``prompt`` and ``extra_info`` are Arrow lists/structs (1 stored them as JSON text; still read).
+SCHEMA_VERSION = 2
+
+#: The ``prompt`` column: chat messages, in verl's field order.
+PROMPT_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 # Columns each stage writes (the contract in design.md). `sample_id` keys every stage table.
 # Optional columns: rollout `rollout_logprobs` (engines that report log-probs), `baseline_response_ids`
@@ -115,6 +119,80 @@ def json_column(values: Iterable[Any]) -> pa.Array:
     """JSON-encode dicts/lists into a string column (heterogeneous structs do not fit Arrow structs)."""
     return pa.array([None if v is None else json.dumps(v, sort_keys=True, default=str) for v in values],
                     type=pa.string())
+
+
+def _canonical(value: Any) -> Any:
+    """Dicts with sorted keys (a stable struct field order), tuples as lists, numpy scalars as Python,
+    and empty dicts as None: Parquet cannot store a struct without fields."""
+    if isinstance(value, dict):
+        if not value:
+            return None
+        return {str(k): _canonical(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def nested_type(values: Iterable[Any]) -> pa.DataType:
+    """The Arrow type to store ``values`` (JSON-like dicts) as: the struct/list type that holds every
+    one of them, or ``string`` (JSON text) when none does (a key that is a number in one row and
+    text in another) or there is nothing to store.
+
+    Inferring it once over a whole dataset gives every stage file of a run, and every batch that
+    dynamic sampling concatenates, the same schema.
+    """
+    try:
+        inferred = pa.array([_canonical(v) for v in values]).type
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        return pa.string()
+    return pa.string() if pa.types.is_null(inferred) else inferred
+
+
+def nested_column(values: Sequence[Any], arrow_type: pa.DataType | None = None) -> pa.Array:
+    """JSON-like dicts/lists as an Arrow struct/list column (readable as such in pandas, pyarrow, duckdb).
+
+    Args:
+        values: one dict (or list, or None) per row.
+        arrow_type: the column's type (see :func:`nested_type`; ``string`` stores JSON text);
+            default: :func:`nested_type` of ``values``.
+
+    Returns:
+        The column; JSON text (:func:`json_column`) when the values fit no Arrow type.
+        :func:`decode_nested` reads either back.
+    """
+    if arrow_type is None:
+        arrow_type = nested_type(values)
+    if pa.types.is_string(arrow_type):
+        return json_column(values)
+    try:
+        return pa.array([_canonical(v) for v in values], type=arrow_type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        return json_column(values)
+
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def decode_nested(value: Any) -> Any:
+    """One stored ``prompt`` / ``extra_info`` value as Python: a struct's dict or a list as read by
+    pyarrow, or the JSON text older runs stored (and :func:`nested_column`'s fallback).
+
+    Struct fields a row did not have read back as null; they are dropped, so a scorer sees the
+    row's own keys (a key stored as null reads as absent).
+    """
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return _drop_nulls(value)
 
 
 def join_stages(tables: Sequence[pa.Table]) -> pa.Table:

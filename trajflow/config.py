@@ -71,7 +71,12 @@ class ModelConfig:
 class DataConfig:
     """Prompt data."""
 
-    dataset: str = _f("basic_arithmetic", "dataset spec name under datasets/ or path to a spec YAML")
+    dataset: str = _f("basic_arithmetic", "dataset spec name under datasets/, path to a spec YAML, or a "
+                      "verl-layout data file (.parquet, .jsonl)")
+    train_files: Any = _f(None, "verl's key: a verl-layout .parquet/.jsonl file or a list of them (concatenated); "
+                          "replaces data.dataset")
+    val_files: Any = _f(None, "verl's key: held-out file(s) in the same layout, with data.train_files or a "
+                        "data file as data.dataset")
     train_batch_size: int = _f(8, "prompts per iteration", ge=1)
     max_prompt_length: int = _f(512, "prompts longer than this many tokens are an error", ge=1)
     val_max_prompts: int = _f(64, "validation prompts used per evaluation (0 = all)", ge=0)
@@ -126,6 +131,8 @@ class RewardConfig:
                                         "signature (data_source, solution_str, ground_truth, extra_info)")
     trust_changed_custom_function: bool = _f(False, "resume/replay even when reward.custom_function's file "
                                              "differs from the one the run recorded")
+    scorer: Optional[str] = _f(None, "scorer for every row, overriding the choice by data_source",
+                               choices_from="scorer")
     default_scorer: Optional[str] = _f(None, "scorer for data sources with no built-in mapping")
     format_bonus: float = _f(0.1, "reasoning-gym scorer: bonus for an 'Answer:' line", ge=0.0)
     strict_format: bool = _f(True, "math_verify scorer (math and GSM8K sets): score only a stated final answer "
@@ -414,6 +421,8 @@ def _registry_names(kind: str) -> list[str]:
         from stages.policy_losses import POLICY_LOSSES as reg
     elif kind == "kl":
         from stages.kl import KL_ESTIMATORS as reg
+    elif kind == "scorer":
+        from stages.scorers import SCORERS as reg
     else:  # pragma: no cover - programming error
         raise KeyError(kind)
     return list(reg.names())
@@ -458,6 +467,10 @@ def _check_finite(node: Any, path: str, source: str) -> None:
         raise ConfigError(f"{source}: {path[:-1]}={node!r} is not a finite number")
 
 
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
 def validate(cfg: DictConfig, source: str = "config") -> None:
     """Check every field's range/choices and the cross-field rules.
 
@@ -492,6 +505,12 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.data.train_batch_size % cfg.actor.ppo_mini_batch_size:
         raise ConfigError(f"{source}: data.train_batch_size={cfg.data.train_batch_size} must be a multiple "
                           f"of actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}")
+    for key in ("train_files", "val_files"):
+        files = cfg.data[key]
+        paths = list(files) if isinstance(files, ListConfig) else [files]
+        if files is not None and (not paths or not all(isinstance(f, str) and f for f in paths)):
+            raise ConfigError(f"{source}: data.{key}={_plain(files)!r} must be a file path or a list of file paths "
+                              f"(e.g. data.{key}=[a.parquet,b.parquet])")
     rm = cfg.reward.reward_model
     if rm.enable and not rm.path:
         raise ConfigError(f"{source}: reward.reward_model.enable=true needs reward.reward_model.path "

@@ -166,7 +166,7 @@ def _pick_search_word(run_dir: Path) -> tuple[str, dict]:
         sc = {r["sample_id"]: r["score"] for r in pq.read_table(it_dir / "reward.parquet").to_pylist()}
         rows += [dict(r, score=sc[r["sample_id"]]) for r in ro]
     corpus = [(r["response_text"] or "").lower() for r in rows]
-    prompts = " ".join(r["prompt"].lower() for r in rows)
+    prompts = " ".join(m["content"].lower() for r in rows for m in r["prompt"])
     for i, r in enumerate(rows):
         for word in sorted(set(re.findall(r"[A-Za-z]{6,}", r["response_text"] or ""))):
             stem = word.lower()[:5]
@@ -235,7 +235,7 @@ def test_group_view_shows_each_prompt_once_with_its_responses(two_runs, dashboar
     card = page.locator(f".st-key-group_1_{group}")
     expect(card.locator('[class*="st-key-gresponse_"]')).to_have_count(len(members), timeout=TIMEOUT_MS)
     text = card.inner_text()
-    user_turns = sum(m["role"] == "user" for m in json.loads(ro[0]["prompt"]))
+    user_turns = sum(m["role"] == "user" for m in ro[0]["prompt"])
     assert text.count("user:") == user_turns  # the prompt once, not once per response
     for sid in members:
         assert f"score {format(scores[sid], '.4g')}" in text

@@ -136,8 +136,10 @@ def test_lineage_tags():
                                                    "trajflow.parent_iteration": "7", "trajflow.from_stage": "reward"}
 
 
-def _by_hand_prompt_text(prompt: str) -> str:
-    return "\n".join(f"{m['role']}: {m['content']}" for m in json.loads(prompt))
+def _by_hand_prompt_text(prompt: list | str) -> str:
+    """Stored chat messages (a list column; JSON text in runs stored before) as ``role: content`` lines."""
+    msgs = json.loads(prompt) if isinstance(prompt, str) else prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in msgs)
 
 
 def test_substring_search_and_sorting_agree_with_and_without_the_audit_table(two_runs, tmp_path):

@@ -15,13 +15,20 @@ import numpy as np
 
 from trajflow.errors import DataError
 
-from trajflow.prompts.spec import MESSAGE_ROLES, PromptDatasets, PromptRecord, file_format, load_spec
+from trajflow.prompts.spec import MESSAGE_ROLES, PromptDatasets, PromptRecord, file_format, file_paths, load_spec
 
-def load_prompt_dataset(spec_name_or_path: str | Path, overrides: Mapping[str, Any] | None = None) -> PromptDatasets:
+#: The columns of verl's layout a file must have (``data_source`` may come from the spec instead).
+REQUIRED_COLUMNS = ("prompt", "reward_model")
+
+
+def load_prompt_dataset(spec_name_or_path: str | Path | Mapping[str, Any],
+                        overrides: Mapping[str, Any] | None = None) -> PromptDatasets:
     """Load a prompt dataset from its spec.
 
     Args:
-        spec_name_or_path: a spec name under ``datasets/`` (``"basic_arithmetic"``) or a path to a YAML spec.
+        spec_name_or_path: a spec name under ``datasets/`` (``"basic_arithmetic"``), a path to a YAML
+            spec, a verl-layout data file (``.parquet``, ``.jsonl``), or an inline spec
+            (:func:`trajflow.prompts.spec.data_spec` of a run's ``data`` section).
         overrides: spec keys to replace (deep merge; dotted keys allowed), e.g. ``{"size": 100}``.
 
     Returns:
@@ -34,12 +41,16 @@ def load_prompt_dataset(spec_name_or_path: str | Path, overrides: Mapping[str, A
             for JSONL, 0-based *row index* for Parquet); a reasoning-gym generator that is unknown or
             rejects ``config``; a problem space too small for the requested held-out split.
     """
+    from trajflow.batch import nested_type
+
     spec = load_spec(spec_name_or_path, overrides)
+    origins: dict[str, str] = {}
     if spec["source"] == "reasoning_gym":
         train, validation = _load_reasoning_gym(spec)
     else:
-        train, validation = _load_file_dataset(spec)
-    return PromptDatasets(train=train, validation=validation, spec=spec)
+        train, validation = _load_file_dataset(spec, origins)
+    return PromptDatasets(train=train, validation=validation, spec=spec, origins=origins,
+                          extra_info_type=nested_type(r.extra_info for r in train + validation))
 
 
 def _jsonable(obj: Any) -> Any:
@@ -176,10 +187,15 @@ def _read_rows(path: Path) -> tuple[list[tuple[int, Any]], str]:
         import pyarrow.parquet as pq
 
         try:
-            rows = pq.read_table(path).to_pylist()
+            table = pq.read_table(path)
         except Exception as e:  # pyarrow raises several error types for corrupt files
-            raise DataError(f"{path}: cannot read Parquet file: {e}") from e
-        return list(enumerate(rows)), "row index {} (0-based)"
+            raise DataError(f"{path}: cannot read Parquet file: {str(e).splitlines()[0] if str(e) else e!r}") from None
+        missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+        if missing:
+            raise DataError(f"{path}: no {' or '.join(repr(c) for c in missing)} column (columns: {table.column_names}); "
+                            f"verl's layout has data_source, prompt (chat messages), reward_model "
+                            f"{{style, ground_truth}} and extra_info")
+        return list(enumerate(table.to_pylist())), "row index {} (0-based)"
     out = []
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
@@ -253,13 +269,19 @@ def _row_to_record(row: Any, where: str, spec: dict, split: str, n: int) -> Prom
     )
 
 
-def _load_file(path: Path, spec: dict, split: str) -> list[PromptRecord]:
-    rows, label = _read_rows(path)
+def _load_file(paths: list[str], spec: dict, split: str, origins: dict[str, str]) -> list[PromptRecord]:
+    """The rows of ``paths``, concatenated in order (verl's list of ``train_files``)."""
     records = []
-    for pos, row in rows:
-        records.append(_row_to_record(row, f"{path}: {label.format(pos)}", spec, split, len(records)))
-    if not records:
-        raise DataError(f"{path}: no rows")
+    for name in paths:
+        path = Path(name)
+        rows, label = _read_rows(path)
+        if not rows:
+            raise DataError(f"{path}: no rows")
+        for pos, row in rows:
+            where = f"{path}: {label.format(pos)}"
+            rec = _row_to_record(row, where, spec, split, len(records))
+            origins.setdefault(rec.data_source, where)
+            records.append(rec)
     return records
 
 
@@ -275,10 +297,10 @@ def _renumber(records: Sequence[PromptRecord], name: str, split: str) -> list[Pr
     return out
 
 
-def _load_file_dataset(spec: dict) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    train = _load_file(Path(spec["path"]), spec, "train")
+def _load_file_dataset(spec: dict, origins: dict[str, str]) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    train = _load_file(file_paths(spec["path"]), spec, "train", origins)
     if spec.get("validation_path"):
-        return train, _load_file(Path(spec["validation_path"]), spec, "validation")
+        return train, _load_file(file_paths(spec["validation_path"]), spec, "validation", origins)
     k_val = spec["split"]["validation_size"]
     if not k_val:
         return train, []

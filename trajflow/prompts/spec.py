@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,9 @@ _RG_KEYS = {
     "problem_key": "what identifies a distinct problem: 'question' or 'metadata.<field>'",
 }
 _FILE_KEYS = {
-    "path": "Parquet (.parquet) or JSONL (.jsonl/.json) file in verl's layout, relative to the spec file",
-    "validation_path": "optional held-out file in the same layout",
+    "path": "Parquet (.parquet) or JSONL (.jsonl/.json) file in verl's layout, relative to the spec file, "
+            "or a list of them (concatenated)",
+    "validation_path": "optional held-out file(s) in the same layout",
     "data_source": "data_source for rows that have none",
 }
 _SOURCES = {"reasoning_gym": _RG_KEYS, "file": _FILE_KEYS}
@@ -74,11 +75,20 @@ class PromptRecord:
 
 @dataclass
 class PromptDatasets:
-    """A loaded dataset: train and held-out prompts plus the resolved spec (with ``name`` and ``spec_path``)."""
+    """A loaded dataset: train and held-out prompts plus the resolved spec (with ``name`` and ``spec_path``).
+
+    Attributes:
+        origins: for file datasets, where each ``data_source`` first occurs (``"<file>: row index 3
+            (0-based)"``), for errors that point at the data.
+        extra_info_type: the Arrow type of the rollout table's ``extra_info`` column: the struct
+            that holds every record's ``extra_info``, or ``string`` (JSON text) when none does.
+    """
 
     train: list[PromptRecord]
     validation: list[PromptRecord]
     spec: dict
+    origins: dict[str, str] = field(default_factory=dict)
+    extra_info_type: Any = None
 
 
 # --------------------------------------------------------------------------------------------- specs
@@ -146,11 +156,50 @@ def _bad_key(where: str, key: str, allowed: Mapping[str, str] | set[str]) -> Dat
     return DataError(f"{where}: unknown key {key!r}.{hint} Allowed keys: {allowed_names}")
 
 
-def load_spec(spec_name_or_path: str | Path, overrides: Mapping[str, Any] | None = None) -> dict:
+def _as_paths(value: Any) -> list:
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+
+
+def data_spec(data: Mapping[str, Any]) -> str | dict:
+    """What a run's ``data`` section loads: the :func:`load_spec` argument for it.
+
+    ``data.train_files`` / ``data.val_files`` (verl's keys: a path or a list of paths) make an
+    inline ``source: file`` spec; without them it is ``data.dataset`` (a spec name, a spec YAML or
+    a verl-layout data file).
+
+    Args:
+        data: the ``data`` config section (a mapping with ``dataset``, ``train_files``, ``val_files``).
+
+    Returns:
+        A spec name or path, or an inline spec dict.
+
+    Raises:
+        ConfigError: ``data.val_files`` without training files (``data.dataset`` names a spec).
+    """
+    from trajflow.errors import ConfigError
+
+    train, val = data.get("train_files"), data.get("val_files")
+    if train is None and val is None:
+        return str(data["dataset"])
+    key = "data.train_files"
+    if train is None:
+        if file_format(Path(str(data["dataset"]))) is None:
+            raise ConfigError(f"data.val_files needs data.train_files (verl's pair) or a data file as data.dataset; "
+                              f"data.dataset={data['dataset']!r} is a spec: give it a 'validation_path' instead")
+        train, key = data["dataset"], "data.dataset"
+    spec: dict[str, Any] = {"source": "file", "path": [str(p) for p in _as_paths(train)], "_key": key}
+    if val is not None:
+        spec["validation_path"] = [str(p) for p in _as_paths(val)]
+    return spec
+
+
+def load_spec(spec_name_or_path: str | Path | Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> dict:
     """Read, merge and validate a dataset spec (no data is loaded).
 
     Args:
-        spec_name_or_path: see :func:`resolve_spec_path`.
+        spec_name_or_path: see :func:`resolve_spec_path`; or a verl-layout data file (``.parquet``,
+            ``.jsonl``, ``.json``), loaded as ``source: file`` with no held-out split; or an inline
+            spec from :func:`data_spec` (relative paths resolve against the working directory).
         overrides: keys to replace, merged deeply; dotted keys address nested dicts
             (``{"size": 200, "config.max_digits": 1}``).
 
@@ -163,17 +212,30 @@ def load_spec(spec_name_or_path: str | Path, overrides: Mapping[str, Any] | None
             ``scorer`` that is not registered in ``stages.scorers.SCORERS``,
             or a value of the wrong type or range (named, with what was expected).
     """
-    path = resolve_spec_path(spec_name_or_path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise DataError(f"{path}: invalid YAML: {e}") from e
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise DataError(f"{path}: a dataset spec must be a mapping, got {type(raw).__name__}")
+    if not isinstance(spec_name_or_path, Mapping) and file_format(Path(str(spec_name_or_path))) is not None:
+        spec_name_or_path = {"source": "file", "path": [str(spec_name_or_path)], "_key": "data.dataset"}
+    if isinstance(spec_name_or_path, Mapping):
+        raw = dict(spec_name_or_path)
+        where = str(raw.pop("_key", "dataset"))
+        first = _as_paths(raw.get("path"))[0]
+        raw.setdefault("name", Path(str(first)).stem if first else "data")
+        base_dir, path = Path.cwd(), None
+        labels: dict[str, str] | None = {"path": where, "validation_path": "data.val_files"}
+    else:
+        path = resolve_spec_path(spec_name_or_path)
+        try:
+            raw = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise DataError(f"{path}: a dataset spec must be YAML text (a data file needs a .parquet, .jsonl or "
+                            f".json name)") from None
+        except yaml.YAMLError as e:
+            raise DataError(f"{path}: invalid YAML: {e}") from e
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise DataError(f"{path}: a dataset spec must be a mapping, got {type(raw).__name__}")
+        where, base_dir, labels = str(path), path.parent, None
     spec = _merge(raw, overrides or {})
-    where = str(path)
 
     source = spec.get("source")
     if source not in _SOURCES:
@@ -183,7 +245,7 @@ def load_spec(spec_name_or_path: str | Path, overrides: Mapping[str, Any] | None
         if key not in allowed:
             raise _bad_key(f"{where} (source: {source})", key, allowed)
 
-    spec.setdefault("name", path.stem)
+    spec.setdefault("name", path.stem if path is not None else "data")
     spec.setdefault("seed", 0)
     if not isinstance(spec["seed"], int) or isinstance(spec["seed"], bool):
         raise DataError(f"{where}: 'seed' must be an integer, got {spec['seed']!r}")
@@ -211,8 +273,8 @@ def load_spec(spec_name_or_path: str | Path, overrides: Mapping[str, Any] | None
     if source == "reasoning_gym":
         _validate_rg_spec(spec, where)
     else:
-        _validate_file_spec(spec, where, path.parent)
-    spec["spec_path"] = str(path)
+        _validate_file_spec(spec, where, base_dir, labels)
+    spec["spec_path"] = str(path) if path is not None else where
     return spec
 
 
@@ -266,23 +328,33 @@ def _validate_rg_spec(spec: dict, where: str) -> None:
         raise DataError(f"{where}: 'problem_key' must be 'question' or 'metadata.<field>', got {key!r}")
 
 
-def _validate_file_spec(spec: dict, where: str, base_dir: Path) -> None:
+def _validate_file_spec(spec: dict, where: str, base_dir: Path, labels: Mapping[str, str] | None = None) -> None:
+    """``labels``: what the user called ``path`` / ``validation_path`` (``data.train_files``, ...), for
+    the messages of an inline spec; a spec file's messages name the file and its key."""
     for key, required in (("path", True), ("validation_path", False)):
         value = spec.get(key)
         if value is None:
             if required:
                 raise DataError(f"{where}: 'path' (a .parquet or .jsonl file in verl's layout) is required")
             continue
-        if not isinstance(value, str):
-            raise DataError(f"{where}: '{key}' must be a file path string, got {value!r}")
-        p = Path(value).expanduser()
-        if not p.is_absolute():
-            p = base_dir / p
-        if file_format(p) is None:
-            raise DataError(f"{where}: '{key}' {value!r} must end in .parquet, .jsonl or .json")
-        if not p.is_file():
-            raise DataError(f"{where}: '{key}' {value!r} not found (resolved to {p})")
-        spec[key] = str(p.resolve())
+        values = _as_paths(value)
+        if not values:
+            raise DataError(f"{where}: '{key}' is an empty list; give at least one file")
+        resolved = []
+        for i, v in enumerate(values):
+            index = f"[{i}]" if len(values) > 1 else ""
+            name = f"{labels[key]}{index}" if labels else f"{where}: '{key}{index}'"
+            if not isinstance(v, str) or not v:
+                raise DataError(f"{name} must be a file path string, got {v!r}")
+            p = Path(v).expanduser()
+            if not p.is_absolute():
+                p = base_dir / p
+            if file_format(p) is None:
+                raise DataError(f"{name}={v!r}: a data file must end in .parquet, .jsonl or .json")
+            if not p.is_file():
+                raise DataError(f"{name}={v!r}: file not found (resolved to {p})")
+            resolved.append(str(p.resolve()))
+        spec[key] = resolved if isinstance(value, Sequence) and not isinstance(value, str) else resolved[0]
     ds = spec.setdefault("data_source", None)
     if ds is not None and not isinstance(ds, str):
         raise DataError(f"{where}: 'data_source' must be a string, got {ds!r}")
@@ -290,7 +362,13 @@ def _validate_file_spec(spec: dict, where: str, base_dir: Path) -> None:
         raise DataError(f"{where}: give either 'validation_path' or 'split.validation_size', not both")
 
 
+def file_paths(value: str | list[str] | None) -> list[str]:
+    """A spec's ``path`` / ``validation_path`` (one file or a list) as a list."""
+    return [] if value is None else [str(v) for v in _as_paths(value)]
+
+
 def file_format(p: Path) -> str | None:
+    """``"parquet"`` or ``"jsonl"`` for a data file's suffix, None for anything else."""
     suffix = p.suffix.lower()
     if suffix == ".parquet":
         return "parquet"

@@ -64,7 +64,7 @@ def preflight(cfg: DictConfig) -> None:
             gate bounds or ``actor.betas`` (see :func:`check_reward_and_gates`).
         StoreError: ``store.root`` is not a writable folder.
     """
-    from trajflow.prompts import load_prompt_dataset, load_spec
+    from trajflow.prompts import data_spec, load_prompt_dataset, load_spec
     from trajflow.models import resolve_model_path
     from trajflow.infra.devices import preflight_devices
 
@@ -72,9 +72,37 @@ def preflight(cfg: DictConfig) -> None:
     check_store_root(cfg)
     check_reward_and_gates(cfg)
 
-    if load_spec(cfg.data.dataset).get("source") == "file":
-        load_prompt_dataset(cfg.data.dataset)  # row checks; generated datasets are valid by construction
+    data = data_spec(cfg.data)
+    if load_spec(data).get("source") == "file":  # generated datasets are valid and scored by construction
+        check_scorers(cfg, load_prompt_dataset(data))
     check_model_weights(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+
+
+def check_scorers(cfg: DictConfig, datasets) -> None:
+    """Every ``data_source`` of the dataset has a reward scorer (or ``reward.custom_function`` scores
+    all rows): an unmapped one would otherwise fail the first reward stage, after generation.
+
+    Args:
+        cfg: the run config.
+        datasets: the loaded ``trajflow.prompts.PromptDatasets``.
+
+    Raises:
+        trajflow.errors.ConfigError: names the data_source, where it occurs and the keys that fix it.
+    """
+    from stages.scorers import SCORERS, select_scorer
+    from trajflow.errors import ConfigError
+
+    if cfg.reward.custom_function:
+        return
+    default = cfg.reward.default_scorer or datasets.spec.get("scorer")
+    for source in dict.fromkeys(r.data_source for r in datasets.train + datasets.validation):
+        try:
+            select_scorer(source, default, cfg.reward.scorer)
+        except ValueError:
+            where = datasets.origins.get(source, datasets.spec.get("spec_path", "data"))
+            raise ConfigError(f"{where}: data_source {source!r} has no reward scorer (mapped: reasoning_gym/*, "
+                              f"openai/gsm8k and the MATH sets); set reward.scorer to one of {SCORERS.names()} "
+                              f"or reward.custom_function=file.py:function") from None
 
 
 def check_store_root(cfg: DictConfig) -> None:
@@ -324,10 +352,10 @@ def preload_audit() -> None:
 
 def build_context(cfg: DictConfig, store: RunStore) -> RunContext:
     """The run's context without workers: datasets, model path, data cursor, KL controller."""
-    from trajflow.prompts import PromptSampler, load_prompt_dataset
+    from trajflow.prompts import PromptSampler, data_spec, load_prompt_dataset
     from trajflow.models import resolve_model_path
 
-    datasets = load_prompt_dataset(cfg.data.dataset)
+    datasets = load_prompt_dataset(data_spec(cfg.data))
     model_path = str(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     ctx = RunContext(cfg=cfg, store=store, model_path=model_path, datasets=datasets)
     ctx.sampler = PromptSampler(datasets.train, cfg.data.train_batch_size, cfg.trainer.seed)

@@ -6,14 +6,13 @@ Every wait is bounded by the running stage's deadline (:func:`trajflow.run.recov
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
 import ray
 
 from stages.reward import score_rows
 from stages.rollout import Generation, SamplingParams, baseline_columns
+from trajflow.batch import decode_nested
 from trajflow.faults import fault_point
 from trajflow.run.context import RunContext
 from trajflow.run.recovery import wait
@@ -54,7 +53,7 @@ def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
     futures = [remote_score.remote(*[c[a:b] for c in cols], reward_cfg) for a, b in zip(bounds[:-1], bounds[1:])]
     rm_future = None
     if ctx.reward_model is not None:
-        messages = [json.loads(p) if isinstance(p, str) else p for p in table.column("prompt").to_pylist()]
+        messages = [decode_nested(p) for p in table.column("prompt").to_pylist()]
         rm_future = ctx.reward_model.compute_rm_score.remote(messages, cols[1])
     results = wait(ctx, futures)
     rule = np.concatenate([r.scores for r in results]).astype(np.float32) if results else np.zeros(0, np.float32)
