@@ -262,10 +262,12 @@ def _kept_steps(store: RunStore, latest: int | None):
 def _log_datasets(ctx: RunContext) -> None:
     """The prompt sets as MLflow dataset inputs; a failure only warns (the record, not the run)."""
     spec = ctx.datasets.spec
-    source = str(spec.get("path") or spec.get("spec_path") or spec.get("name") or "prompts")
+    source = spec.get("path") or spec.get("spec_path") or spec.get("name") or "prompts"
+    if not isinstance(source, str):
+        source = ", ".join(str(p) for p in source)  # data.train_files: several files
     try:
         ctx.tracker.log_datasets(ctx.datasets.train, ctx.datasets.validation, str(spec.get("name") or "prompts"),
-                                 source)
+                                 str(source))
     except Exception as e:
         log.warning("could not log the datasets to MLflow: %s", e)
 
