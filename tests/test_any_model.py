@@ -238,6 +238,81 @@ def test_an_unverified_architecture_runs_through_transformers_own_code(caplog):
     assert all("transformers' own" in line for line in lines)
 
 
+# Bring-your-own model directories: what a user's ``model.path`` may hold.
+
+
+def _save(model, tok, out):
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _smollm2_tokenizer(chat_template: bool = True):
+    from transformers import AutoTokenizer
+
+    from trajflow.models import builtin_tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(builtin_tokenizer_dir("smollm2-135m-instruct"))
+    if not chat_template:
+        tok.chat_template = None
+    return tok
+
+
+def test_a_users_directory_without_a_chat_template_trains_on_the_plain_prompt_format(tmp_path):
+    # A base-model directory (safetensors, sliding window, no chat template) through the policy
+    # worker: prompts in the documented plain format, rollout log-probs equal to the trainer's.
+    from tests.test_policy_worker import ACTOR, MODEL, _rollout_cfg
+    from trajflow.config import ActorConfig
+    from trajflow.models import plain_prompt
+    from trajflow.workers.policy import PolicyWorker
+
+    tok = _smollm2_tokenizer(chat_template=False)
+    torch.manual_seed(0)
+    config = tf.MistralConfig(**(_BASE | dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)),
+                              sliding_window=WINDOW)
+    path = _save(tf.MistralForCausalLM(config), tok, tmp_path / "base-model")
+    assert list(path.glob("*.safetensors"))
+    worker = PolicyWorker(str(path), ActorConfig(**ACTOR), MODEL, _rollout_cfg(), seed=0, num_threads=1)
+    messages = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Calculate 3 + 4."}],
+                [{"role": "user", "content": "Calculate 12 - 5 please."}]]
+    prompts = worker.tokenize_prompts(messages, 256)
+    assert plain_prompt(messages[1]) == "user: Calculate 12 - 5 please.\nassistant:"
+    assert prompts[1] == tok(plain_prompt(messages[1]))["input_ids"]
+    out = worker.generate_sequences(prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=12, seed=1))
+    rows = [p for p in prompts for _ in range(2)]
+    again = worker.compute_log_prob(rows, out.response_ids, 0.7)
+    assert all(torch.allclose(torch.from_numpy(a), torch.tensor(b), atol=1e-4)
+               for a, b in zip(again, out.old_logprobs))
+
+
+def test_load_errors_are_one_line(tmp_path):
+    from trajflow.errors import ModelLoadError
+    from trajflow.models import load_causal_lm
+
+    vision = tmp_path / "vision"
+    tf.CLIPVisionModel(tf.CLIPVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=30, patch_size=2)).save_pretrained(vision)
+    with pytest.raises(ModelLoadError) as e:
+        load_causal_lm(vision)
+    assert "\n" not in str(e.value) and "no causal-LM head" in str(e.value) and "clip_vision_model" in str(e.value)
+    empty = tmp_path / "no-weights"
+    _configs()["llama"].save_pretrained(empty)
+    with pytest.raises(ModelLoadError, match="no weights"):
+        load_causal_lm(empty)
+
+
+def test_an_architecture_without_sdpa_loads_with_its_eager_attention(tmp_path):
+    from trajflow.models import load_causal_lm
+
+    torch.manual_seed(0)
+    path = tmp_path / "gemma2"
+    tf.Gemma2ForCausalLM(_configs()["gemma2"]).save_pretrained(path)
+    model = load_causal_lm(path, attn_implementation="sdpa")
+    assert model.config._attn_implementation == "eager"
+    assert uses_tree_packing(model, pack([[5, 6, 7], [5, 6, 8]], [[9, 10], [11]], PAD))
+
+
 if __name__ == "__main__":
     print(f"| architecture | {' | '.join(PATHS)} |")
     print(f"|---|{'---|' * len(PATHS)}")
