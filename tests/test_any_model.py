@@ -312,6 +312,18 @@ def test_load_errors_are_one_line(tmp_path):
         load_causal_lm(empty)
 
 
+def test_an_architecture_without_a_causal_lm_head_is_one_cli_line(tmp_path):
+    from tests.test_cli_errors import assert_one_line_error, run_cli
+
+    vision = tmp_path / "vision"
+    tf.CLIPVisionModel(tf.CLIPVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=30, patch_size=2)).save_pretrained(vision)
+    _smollm2_tokenizer().save_pretrained(vision)
+    rc, _, err = run_cli("train", f"model.path={vision}", f"store.root={tmp_path / 'runs'}")
+    assert_one_line_error(rc, err, "model.path", "no causal-LM head")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
 def test_an_architecture_without_sdpa_loads_with_its_eager_attention(tmp_path):
     from trajflow.models import load_causal_lm
 

@@ -182,21 +182,14 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu",
-                   attn_implementation: str = "sdpa") -> Any:
-    """Load a causal LM for training or rollout.
-
-    An architecture whose transformers class has no SDPA kernel (Gemma 2: SDPA cannot soft-cap the
-    attention scores) is loaded with its eager attention instead, with one log line saying so.
+def check_causal_lm(path: str | Path) -> Any:
+    """The config of a loadable causal-LM directory, read without the weights (preflight and loading).
 
     Raises:
-        ModelLoadError: one line naming the path: no config, no safetensors weights, an architecture
-            without a causal-LM head, or anything else transformers refuses.
+        ModelLoadError: one line naming the path: no readable config, an architecture without a
+            causal-LM head in transformers, or no weights in the directory.
     """
-    import logging
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     where = f"model.path={str(path)!r}"
@@ -211,6 +204,27 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu"
     p = Path(path)
     if p.is_dir() and not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
         raise ModelLoadError(f"{where}: no weights (*.safetensors) in the directory")
+    return config
+
+
+def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu",
+                   attn_implementation: str = "sdpa") -> Any:
+    """Load a causal LM for training or rollout.
+
+    An architecture whose transformers class has no SDPA kernel (Gemma 2: SDPA cannot soft-cap the
+    attention scores) is loaded with its eager attention instead, with one log line saying so.
+
+    Raises:
+        ModelLoadError: one line naming the path: no config, no safetensors weights, an architecture
+            without a causal-LM head, or anything else transformers refuses.
+    """
+    import logging
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    where = f"model.path={str(path)!r}"
+    config = check_causal_lm(path)
     kwargs = dict(dtype=getattr(torch, _DTYPES[dtype]), attn_implementation=attn_implementation)
     try:
         try:
