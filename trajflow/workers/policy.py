@@ -25,24 +25,22 @@ from trajflow.engines.hf import HFRolloutEngine
 from trajflow.modeling.backends import LocalBackend, adamw
 from trajflow.modeling.forward import compute_log_probs
 from trajflow.modeling.packing import micro_batch_plan, pack
-from trajflow.models import eos_token_ids, load_causal_lm, load_tokenizer
+from trajflow.models import chat_prompt_ids, eos_token_ids, load_causal_lm, load_tokenizer
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
 from trajflow.workers.base import Worker
 from trajflow.workers.group import dispatch, free_address
 
 
 def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_prompt_length: int) -> list[list[int]]:
-    """Token ids of each chat prompt via the tokenizer's chat template (generation prompt added).
+    """Token ids of each chat prompt (:func:`trajflow.models.chat_prompt_ids`: the tokenizer's chat
+    template with the generation prompt added, or the plain prompt format without one).
 
     Raises:
         ValueError: a prompt is longer than ``max_prompt_length`` tokens (names the row).
     """
     out = []
     for i, messages in enumerate(messages_list):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        ids = list(map(int, ids))
+        ids = chat_prompt_ids(tokenizer, messages)
         if len(ids) > max_prompt_length:
             raise ValueError(f"prompt row {i} has {len(ids)} tokens, more than data.max_prompt_length="
                              f"{max_prompt_length}")
