@@ -10,10 +10,10 @@ folder (bad input), they are dropped: the CLI's one-line error is all the user n
 
 Where each library's output goes, and why this way:
 
-- **Prefect** configures logging when ``prefect`` is imported: a console handler on the root logger
+- **Prefect** configures logging on first use of its API: a console handler on the root logger
   (every ``prefect.*`` record, its flow- and task-run lines included, propagates there) plus API
-  handlers on ``prefect.flow_runs``/``prefect.task_runs``. :func:`configure_driver` runs after that
-  import and replaces the root's console handler by the file handler; the API handlers are kept, so
+  handlers on ``prefect.flow_runs``/``prefect.task_runs``. :func:`configure_driver` applies that
+  config first, then replaces the root's console handler by the file handler; the API handlers are kept, so
   a Prefect server still shows the run's logs. ``prefect._internal``, ``uvicorn`` and ``fastapi``
   have their own stderr handlers and do not propagate; they are adopted (below).
 - **Ray** installs its own stderr handler on the ``ray`` logger (at ``import ray``) and does not
@@ -162,12 +162,16 @@ def adopt_library_loggers() -> None:
 def configure_driver(verbose: bool = False) -> None:
     """Send library logs and Python warnings to the run's log file; on the console too if ``verbose``.
 
-    Call once per process, before the run starts (the CLI does, for the commands that run flows);
-    Prefect is imported here first, since its import installs its logging config and this goes on
-    top of it. Safe to call again (later calls only change nothing but ``verbose``).
+    Call once per process, before the run starts (the CLI does, for the commands that run flows).
+    Prefect's logging config is applied here first, since this goes on top of it. Calling it again
+    adds nothing; without ``verbose`` it removes console handlers that appeared since.
     """
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
-    import prefect  # noqa: F401  (its import configures logging; ours must come after)
+    # Prefect's logging config is applied on first use of its API, not by ``import prefect``; apply it
+    # now, so that it is there to be changed (a later application only adjusts levels).
+    from prefect.logging.configuration import ensure_logging_setup
+
+    ensure_logging_setup()
 
     root = logging.getLogger()
     handler = _state["handler"]
