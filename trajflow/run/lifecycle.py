@@ -622,6 +622,8 @@ def finish_run(ctx: RunContext) -> dict:
         os.replace(tmp, store.final_dir)
     _log_end_of_run_plots(ctx)
     meta = store.update_run_meta(status="finished", finished=time.time(), policy_version=ctx.policy_version)
+    if ctx.state.progress is not None:  # end the bar's line first, or this one is appended to it
+        ctx.state.progress.close()
     print(f"trajflow run {ctx.run_id} finished: {store.run_dir}", flush=True)
     return {"run_id": ctx.run_id, "run_dir": str(store.run_dir), "mlflow_run_id": meta.get("mlflow_run_id"),
             "metrics": ctx.state.last_metrics, "policy_version": ctx.policy_version,
