@@ -174,5 +174,7 @@ def quiet_expected_errors() -> None:
         for handler in logging.getLogger(name).handlers:
             if id(handler) in seen or any(isinstance(f, _ExpectedErrorFilter) for f in handler.filters):
                 continue
+            if getattr(handler, "keeps_everything", False):  # the run's log file keeps the tracebacks
+                continue
             seen.add(id(handler))
             handler.addFilter(_ExpectedErrorFilter())

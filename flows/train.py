@@ -39,7 +39,7 @@ def train_flow(config_yaml: str, run_id: str, resume: bool = False) -> dict:
     status = "FAILED"
     try:
         if run.validation_before_training_due(ctx):
-            ctx.tracker.log_metrics(stage.validate(run_id, 0), step=0)
+            run.log_validation(ctx, 0, stage.validate(run_id, 0))
         for it in run.iterations(ctx):
             prompts = ctx.sampler.next_batch()  # the data cursor moves past gated iterations too
             if run.was_gated(ctx, it):

@@ -170,5 +170,8 @@ def test_failed_gate_prints_its_line_once_without_traceback(tmp_path, tiny_model
     assert p.returncode == 3, p.stderr[-3000:]
     assert "Traceback" not in p.stdout + p.stderr, p.stderr[-3000:]
     assert (p.stdout + p.stderr).count("failed its reward gate") == 1, p.stderr[-3000:]
+    # Prefect's task and flow lines (their final states included) are in the run's log file only.
+    assert "Finished in state" not in p.stdout + p.stderr, p.stderr[-3000:]
+    assert "Finished in state Failed" in (tmp_path / "runs" / "g1" / "logs" / "driver.log").read_text()
     [line] = [ln for ln in p.stderr.splitlines() if "failed its reward gate" in ln]
     assert line.startswith("gate failed: iteration 1 of run g1") and "score_in_range" in line, line

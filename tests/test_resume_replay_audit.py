@@ -562,7 +562,7 @@ def test_audit_filter_and_search_match_the_parquet_files(scenarios, tmp_path):
     expected = {r["sample_id"] for r in candidates if np.float32(r["score"]) > threshold}
     assert 0 < len(expected) < len(candidates)
     where = f"iteration >= 2 AND score > {threshold}"
-    result = CliRunner().invoke(app, ["audit", "ref", "--store-root", str(store), "--where", where, "--search",
+    result = CliRunner().invoke(app, ["audit", "ref", "--store", str(store), "--where", where, "--search",
                                       "zyzzyva", "--limit", "100", "--format", "json"])
     assert result.exit_code == 0, result.output
     got = json.loads(result.stdout)
@@ -583,14 +583,14 @@ def test_audit_filter_and_search_match_the_parquet_files(scenarios, tmp_path):
     assert table.column_names == list(AUDIT_COLUMNS)
     assert set(table.column("sample_id").to_pylist()) == expected
     out = store / "audit-export.parquet"
-    result = CliRunner().invoke(app, ["audit", "ref", "--store-root", str(store), "--where", "iteration = 1",
+    result = CliRunner().invoke(app, ["audit", "ref", "--store", str(store), "--where", "iteration = 1",
                                       "--format", "parquet", "-o", str(out)])
     assert result.exit_code == 0, result.output
     exported = pq.read_table(out)
     assert exported.num_rows == 4 and set(exported.column("checkpoint_id").to_pylist()) == {"initial"}
-    result = CliRunner().invoke(app, ["audit", "ref", "--store-root", str(store), "--where", "iteration >>= 2"])
+    result = CliRunner().invoke(app, ["audit", "ref", "--store", str(store), "--where", "iteration >>= 2"])
     assert result.exit_code == 2 and "is not valid SQL" in result.output
-    result = CliRunner().invoke(app, ["audit", "nope", "--store-root", str(store)])
+    result = CliRunner().invoke(app, ["audit", "nope", "--store", str(store)])
     assert result.exit_code == 2 and f"no run 'nope' in store root {store}" in result.output
     # The train loop folds new rows into the full-text index only at checkpoints: rows appended
     # without it (here iterations 2 and 3 again, on a copy) must still be found by the search.

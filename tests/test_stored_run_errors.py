@@ -79,7 +79,7 @@ def test_gate_names_every_iteration_it_could_not_check(stored_run):
 def test_audit_rebuild_names_the_iterations_it_left_out(stored_run):
     rollout = stored_run.stage_path(2, "rollout")
     rollout.write_bytes(rollout.read_bytes()[:40])
-    rc, _, err = run_cli("audit", "r1", "--store-root", str(stored_run.root), "--rebuild")
+    rc, _, err = run_cli("audit", "r1", "--store", str(stored_run.root), "--rebuild")
     assert rc == 2, err
     assert "Traceback" not in err and "will be recomputed" not in err
     [line] = error_lines(err)

@@ -2,6 +2,10 @@
 
 Bad input (config, data, model, run id) is reported as one line on stderr with exit code 2 and no
 traceback; anything else is a bug or an infrastructure failure and keeps its traceback.
+
+The commands that run flows (``train``, ``resume``, ``replay``) keep library logs off the console
+(they go to ``<run_dir>/logs/driver.log``, see :mod:`trajflow.infra.logs`) unless ``-v`` is given.
+Every command that reads or writes runs takes the store root as ``--store``.
 """
 
 from __future__ import annotations
@@ -12,14 +16,80 @@ configure_environment()
 
 import json  # noqa: E402
 import sys  # noqa: E402
+from enum import Enum  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import List, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
+from stages.names import REPLAY_FROM  # noqa: E402
+
+# rich_markup_mode=None: plain help text (Rich markup would eat [brackets] in the help strings, and
+# show flags that take no value as "<bool>").
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
                   help="RL post-training for language models: rollout -> reward -> advantage -> update, "
                        "as Prefect flows over Ray workers with Arrow trajectories on disk.")
+
+#: ``replay --from-stage`` choices (``stages.names.REPLAY_FROM``).
+FromStage = Enum("FromStage", {name: name for name in REPLAY_FROM}, type=str)
+
+
+class AuditFormat(str, Enum):
+    """``audit --format`` choices."""
+
+    table = "table"
+    json = "json"
+    parquet = "parquet"
+
+
+STORE_HELP = "store root: the folder holding one folder per run and mlflow.db (default: ./runs)"
+VERBOSE_HELP = ("show library logs (Prefect, Ray, MLflow, ...) on the console too; they are always in "
+                "<run_dir>/logs/driver.log")
+_GLOBAL = {"verbose": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"trajflow {version('trajflow')}")
+        except PackageNotFoundError:  # a source checkout that was never installed
+            typer.echo("trajflow (not installed: no package metadata)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP),
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print trajflow's version and exit")) -> None:
+    """Global options: -v applies to every command that runs a flow."""
+    _GLOBAL["verbose"] = verbose
+
+
+def _store_root(store: Optional[str]) -> str:
+    """``--store``, else ``store.root``'s default."""
+    if store:
+        return store
+    from trajflow.config import StoreConfig
+
+    return StoreConfig().root
+
+
+def _with_store(overrides: Optional[List[str]], store: Optional[str]) -> list[str]:
+    """The overrides plus ``store.root=<--store>``, unless they set ``store.root`` themselves."""
+    out = list(overrides or [])
+    if store and not any(o.startswith("store.root=") for o in out):
+        out.append(f"store.root={store}")
+    return out
+
+
+def _console(verbose: bool) -> None:
+    """Route library logs to the run's log file (on the console too with ``-v``), before any flow starts."""
+    from trajflow.infra.logs import configure_driver
+
+    configure_driver(verbose or _GLOBAL["verbose"])
 
 
 def _run(fn, *args, **kwargs):
@@ -39,13 +109,20 @@ def _run(fn, *args, **kwargs):
 @app.command()
 def train(overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value"),
           config: Optional[str] = typer.Option(None, "--config", "-c", help="recipe name or YAML path"),
-          run_id: Optional[str] = typer.Option(None, "--run-id", help="run id (default: generated)")) -> None:
-    """Train a policy with a recipe (default: grpo_default) and key=value overrides."""
+          run_id: Optional[str] = typer.Option(None, "--run-id", help="run id (default: generated)"),
+          store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP + "; same as store.root=DIR"),
+          verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP)) -> None:
+    """Train a policy with a recipe (default: grpo_default) and key=value overrides.
+
+    The console shows a live progress line and one 'step:N - key:value ...' line per iteration
+    (and per validation); library logs go to <run_dir>/logs/driver.log.
+    """
 
     def go():
+        _console(verbose)
         from flows.train import train as train_entry  # checks config, data and model before Prefect/Ray start
 
-        return train_entry(config, overrides or [], run_id)
+        return train_entry(config, _with_store(overrides, store), run_id)
 
     summary = _run(go)
     if summary.get("nothing_to_do"):
@@ -65,7 +142,9 @@ def _done_line(summary: dict) -> str:
 @app.command()
 def resume(run_id: str = typer.Argument(..., help="the run to continue"),
            overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value (e.g. "
-                                                           "trainer.total_iterations=40, store.root=DIR)")) -> None:
+                                                           "trainer.total_iterations=40)"),
+           store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP + "; same as store.root=DIR"),
+           verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP)) -> None:
     """Continue a run from its newest complete checkpoint (weights, optimizer, RNG, data cursor).
 
     Stage outputs of the interrupted iteration that verify (sha256) are reused, the rest re-run; the
@@ -73,9 +152,10 @@ def resume(run_id: str = typer.Argument(..., help="the run to continue"),
     """
 
     def go():
+        _console(verbose)
         from flows.train import resume as resume_entry
 
-        return resume_entry(run_id, overrides or [])
+        return resume_entry(run_id, _with_store(overrides, store))
 
     summary = _run(go)
     if summary.get("nothing_to_do"):
@@ -94,24 +174,25 @@ def replay(run_id: str = typer.Argument(..., help="the run whose stored iteratio
            iterations: Optional[str] = typer.Option(None, "--iterations",
                                                     help="A:B, re-train from checkpoint A-1 on the stored rollouts "
                                                          "of A..B (off-policy by design)"),
-           from_stage: str = typer.Option(..., "--from-stage", help="first stage to recompute: reward, advantage "
-                                                                    "or update"),
+           from_stage: FromStage = typer.Option(..., "--from-stage", case_sensitive=False,
+                                                help="first stage to recompute"),
            new_run_id: Optional[str] = typer.Option(None, "--run-id",
-                                                    help="id of the new run (default: generated)")) -> None:
+                                                    help="id of the new run (default: generated)"),
+           store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP + "; same as store.root=DIR "
+                                                                     "(the parent run and the replay)"),
+           verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP)) -> None:
     """Recompute the stages from --from-stage of stored iterations with a (changed) config, into a new run."""
 
     def go():
+        _console(verbose)
         from flows.replay import replay as replay_entry
 
-        return replay_entry(run_id, from_stage, iteration=iteration, iterations=iterations,
-                            overrides=overrides or [], run_id=new_run_id)
+        return replay_entry(run_id, from_stage.value, iteration=iteration, iterations=iterations,
+                            overrides=_with_store(overrides, store), run_id=new_run_id)
 
     summary = _run(go)
     note = f" ({summary['note']})" if summary.get("note") else ""
     typer.echo(f"replay {summary['run_id']} of run {run_id} done: {summary['run_dir']}{note}")
-
-
-AUDIT_FORMATS = ("table", "json", "parquet")
 
 
 @app.command()
@@ -120,19 +201,16 @@ def audit(run_id: str = typer.Argument(..., help="the run"),
                                               help="SQL filter, e.g. \"iteration >= 2 AND score > 0\""),
           search: Optional[str] = typer.Option(None, "--search", help="full-text search over prompt and response"),
           limit: int = typer.Option(50, "--limit", "-k", help="at most this many rows"),
-          fmt: str = typer.Option("table", "--format", "-f", help="table, json or parquet"),
+          fmt: AuditFormat = typer.Option(AuditFormat.table, "--format", "-f", case_sensitive=False,
+                                          help="output format"),
           output: Optional[Path] = typer.Option(None, "--output", "-o", help="write here (needed for parquet)"),
-          store_root: Optional[str] = typer.Option(None, "--store-root", help="store root (default: store.root's "
-                                                                             "default, ./runs)"),
+          store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
+          store_root: Optional[str] = typer.Option(None, "--store-root", hidden=True),  # the old spelling
           rebuild: bool = typer.Option(False, "--rebuild", help="recreate the audit table from the Parquet files "
                                                                "first")) -> None:
     """Print or export a run's stored trajectories: filter, full-text search, trace to policy and checkpoint."""
-    from trajflow.config import StoreConfig
-
-    root = store_root or StoreConfig().root
-    if fmt not in AUDIT_FORMATS:
-        typer.echo(f"error: --format {fmt!r}: choose one of {', '.join(AUDIT_FORMATS)}", err=True)
-        raise typer.Exit(2)
+    root = _store_root(store or store_root)
+    fmt = fmt.value
     if fmt == "parquet" and output is None:
         typer.echo("error: --format parquet needs --output PATH", err=True)
         raise typer.Exit(2)
@@ -200,12 +278,12 @@ def _print_audit_table(table, output: Optional[Path]) -> None:
 def gate(run_id: str = typer.Argument(..., help="run id under the store root"),
          iteration: Optional[int] = typer.Option(None, "--iteration", "-i", help="one iteration (default: all)"),
          suite: Optional[str] = typer.Option(None, "--suite", help="expectation suite file (default: the run's)"),
-         store: str = typer.Option("runs", "--store", help="store root")) -> None:
-    """Re-validate a run's stored reward outputs, e.g. with a stricter suite. Exit 3 if a gate fails,
+         store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP)) -> None:
+    """Re-validate a run's stored reward outputs (with a stricter suite, say). Exit 3 if a gate fails,
     2 if an iteration's stored outputs cannot be read back (each one is named)."""
     from trajflow.gates import recheck_run
 
-    reports, skipped = _run(recheck_run, store, run_id, iteration, suite)
+    reports, skipped = _run(recheck_run, _store_root(store), run_id, iteration, suite)
     failed = False
     for it, report in reports:
         status = "ok" if report.success else "FAILED"
@@ -248,12 +326,15 @@ def deploy(server: Optional[str] = typer.Option(None, "--server", help="Prefect 
 
 
 @app.command("config")
-def show_config(overrides: Optional[List[str]] = typer.Argument(None),
-                config: Optional[str] = typer.Option(None, "--config", "-c")) -> None:
-    """Print the resolved config of a recipe plus overrides (validates it)."""
+def show_config(overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value"),
+                config: Optional[str] = typer.Option(None, "--config", "-c",
+                                                     help="recipe name or YAML path (default: grpo_default)"),
+                store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP + "; same as store.root=DIR")
+                ) -> None:
+    """Print the resolved config of a recipe plus overrides (validates it; starts nothing)."""
     from trajflow.config import load_config, to_yaml
 
-    cfg = _run(load_config, config, overrides or [])
+    cfg = _run(load_config, config, _with_store(overrides, store))
     typer.echo(to_yaml(cfg))
 
 
@@ -263,17 +344,17 @@ def compare(runs: List[str] = typer.Argument(..., help="runs: MLflow run id (or 
                 None, "--metric", "-m", help="metric (verl name or glob such as 'actor/*'; repeatable); default: "
                                              "critic/score/mean, response_length/mean and val-core/*"),
             out: str = typer.Option(".", "--out", "-o", help="folder for compare.png and compare.json"),
-            store: str = typer.Option("runs", "--store", help="store root whose mlflow.db holds the runs"),
+            store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
             tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
                                                        help="MLflow tracking URI (default: sqlite under --store)")) -> None:
     """Compare runs side by side: final/best metrics, iterations, wall time, differing config; PNG of the curves."""
     from trajflow.compare import run_compare
 
-    _run(run_compare, runs, metric or None, out, store, tracking_uri)
+    _run(run_compare, runs, metric or None, out, _store_root(store), tracking_uri)
 
 
 @app.command()
-def dashboard(store: str = typer.Option("runs", "--store", help="store root (run folders and mlflow.db)"),
+def dashboard(store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
               tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
                                                          help="MLflow tracking URI (default: sqlite under --store)"),
               port: int = typer.Option(8501, "--port", help="port to serve on"),
@@ -281,7 +362,7 @@ def dashboard(store: str = typer.Option("runs", "--store", help="store root (run
     """Serve the dashboard (Streamlit): runs and their curves, trajectory browser, gate results."""
     from dashboards.data import serve
 
-    _run(serve, store, tracking_uri, port, address)  # replaces this process with Streamlit
+    _run(serve, _store_root(store), tracking_uri, port, address)  # replaces this process with Streamlit
 
 
 def main() -> None:

@@ -30,25 +30,32 @@ def start_ray(cfg: DictConfig) -> bool:
 
     if ray.is_initialized():
         return False
+    from trajflow.infra import logs
     from trajflow.infra.allocator import worker_env_vars
 
-    kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    # Without -v, worker stdout/stderr stays in the Ray session's logs instead of the console.
+    kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING,
+                                  log_to_driver=logs.ray_log_to_driver())
     env_vars = worker_env_vars(str(cfg.resources.get("allocator", "auto")))
     if env_vars:
         kwargs["runtime_env"] = {"env_vars": env_vars}
     if cfg.resources.ray_address:
-        ray.init(address=cfg.resources.ray_address, **kwargs)
+        info = ray.init(address=cfg.resources.ray_address, **kwargs)
     else:
         from trajflow.infra import raywatch
 
         before = raywatch.descendants()
-        ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
+        info = ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
         try:
             # The flow started Prefect's temporary server before Ray: not new, but ours to reap.
             _RAY_WATCH["known"] = before - set(raywatch.prefect_servers(before))
             watch_new_ray_processes()
         except Exception as e:  # the watcher is a safety net; never fail a run over it
             log.warning("could not start the Ray watcher: %s", e)
+    logs.adopt_library_loggers()
+    session = (getattr(info, "address_info", None) or {}).get("session_dir")
+    if session:
+        log.info("Ray session %s: worker output is in %s", session, os.path.join(session, "logs"))
     return True
 
 

@@ -22,7 +22,8 @@ from trajflow import checkpoint as ckpt
 from trajflow.config import to_yaml
 from trajflow.errors import NonFiniteError, RunExistsError, StoreError
 from trajflow.run.context import IterationState, RunContext, register
-from trajflow.run.progress import Progress
+from trajflow.run.progress import Progress, print_step
+from trajflow.infra import logs
 from trajflow.infra.ray_cluster import start_ray
 from trajflow.run.workers import close, create_workers
 from trajflow.store import STAGES, RunStore, follow_umask
@@ -210,6 +211,7 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         create_run_folder(store, cfg, recipe=str(cfg.recipe), custom_function=custom_function_record(cfg))
     else:
         check_resumable(store)
+        logs.attach_run_dir(store.run_dir)
         removed = store.cleanup_temp() + ckpt.cleanup(store)
         for p in removed:
             log.info("removed %s, left behind by a killed writer", p)
@@ -337,6 +339,7 @@ def create_run_folder(store: RunStore, cfg: DictConfig, **meta) -> None:
     if store.exists():
         raise RunExistsError(f"run {store.run_id!r} already exists in {store.run_dir}")
     store.run_dir.mkdir(parents=True, exist_ok=True)
+    logs.attach_run_dir(store.run_dir)
     store.write_config(to_yaml(cfg))
     store.update_run_meta(run_id=store.run_id, status="running", created=time.time(), **meta)
 
@@ -587,8 +590,9 @@ def checkpoint_due(ctx: RunContext, iteration: int) -> bool:
 
 def log_iteration(ctx: RunContext, iteration: int, metrics: dict) -> None:
     """Publish a recorded iteration: metrics and sample responses to MLflow, its trajectories to the
-    audit table, the progress line; its live state is dropped."""
+    audit table, the progress bar and the console's ``step:N`` line; its live state is dropped."""
     ctx.tracker.log_metrics(metrics, step=iteration)
+    print_step(iteration, metrics)
     _log_samples(ctx, iteration)
     _append_audit(ctx, iteration, optimize=checkpoint_due(ctx, iteration))
     ctx.state.last_metrics = metrics
@@ -596,6 +600,13 @@ def log_iteration(ctx: RunContext, iteration: int, metrics: dict) -> None:
     if ctx.state.progress is not None:
         ctx.state.progress.done(iteration, metrics)
     ctx.iterations.pop(iteration, None)
+
+
+def log_validation(ctx: RunContext, step: int, metrics: dict) -> None:
+    """Publish a validation outside an iteration (step 0, before training): MLflow and the console's
+    ``step:N`` line."""
+    ctx.tracker.log_metrics(metrics, step=step)
+    print_step(step, metrics)
 
 
 def rollout_checkpoint_id(ctx: RunContext, iteration: int) -> str:
@@ -667,6 +678,8 @@ def finish_run(ctx: RunContext) -> dict:
         os.replace(tmp, store.final_dir)
     _log_end_of_run_plots(ctx)
     meta = store.update_run_meta(status="finished", finished=time.time(), policy_version=ctx.policy_version)
+    if ctx.state.progress is not None:  # end the bar's line first, or this one is appended to it
+        ctx.state.progress.close()
     print(f"trajflow run {ctx.run_id} finished: {store.run_dir}", flush=True)
     return {"run_id": ctx.run_id, "run_dir": str(store.run_dir), "mlflow_run_id": meta.get("mlflow_run_id"),
             "metrics": ctx.state.last_metrics, "policy_version": ctx.policy_version,

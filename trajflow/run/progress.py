@@ -1,13 +1,60 @@
-"""The console's live line: one tqdm bar over the run's iterations."""
+"""The console's view of a run: one live tqdm line, and one ``step:N - key:value`` line per step.
+
+The printed line has verl's console format (``step:N - key:value - ...``, values with 3 decimals)
+and only the metrics that say whether training works; all of them are in MLflow.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
 
+#: The metrics of a training step's line, in this order (those a step does not have are left out).
+STEP_KEYS = ("critic/score/mean", "actor/pg_loss", "KL", "actor/entropy", "actor/grad_norm",
+             "response_length/mean", "actor/pg_clipfrac", "timing_s/step")
+#: The KL metric shown for ``KL``: the KL loss when it is used, else the KL in the reward, else the
+#: policy's KL to the rollout policy (the first present).
+KL_KEYS = ("actor/kl_loss", "critic/kl", "actor/ppo_kl")
+#: Validation metrics (held-out scores) are shown whenever a step has them.
+VALIDATION_PREFIXES = ("val-core/", "val-aux/")
+
+
+def step_metrics(metrics: dict) -> dict[str, float]:
+    """The metrics of :data:`STEP_KEYS` (``KL`` resolved by :data:`KL_KEYS`) and every validation
+    metric in ``metrics``, in console order."""
+    shown: dict[str, float] = {}
+    for key in STEP_KEYS:
+        if key == "KL":
+            key = next((k for k in KL_KEYS if k in metrics), "")
+        if key in metrics:
+            shown[key] = metrics[key]
+    for key in sorted(metrics):
+        if key.startswith(VALIDATION_PREFIXES):
+            shown[key] = metrics[key]
+    return shown
+
+
+def step_line(step: int, metrics: dict) -> str:
+    """``step:N - key:value - ...`` as verl prints it (numbers with 3 decimals)."""
+    parts = [f"step:{step}"]
+    for key, value in step_metrics(metrics).items():
+        try:
+            parts.append(f"{key}:{float(value):.3f}")
+        except (TypeError, ValueError):  # a non-numeric value is shown as it is, never dropped
+            parts.append(f"{key}:{value}")
+    return " - ".join(parts)
+
+
+def print_step(step: int, metrics: dict) -> None:
+    """Print :func:`step_line` on stdout above the live bar (tqdm clears and redraws it)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(step_line(step, metrics), file=sys.stdout)
+    sys.stdout.flush()
+
 
 class Progress:
-    """One live line per iteration: reward mean, response length, seconds (tqdm).
+    """One live line over the run's iterations: reward mean, response length, seconds (tqdm).
 
     Args:
         total: the run's last iteration.
@@ -33,4 +80,5 @@ class Progress:
         self.bar.update(1)
 
     def close(self) -> None:
+        """Close the bar; its last state stays on the screen."""
         self.bar.close()

@@ -1,0 +1,148 @@
+"""The console of a real training run (real Prefect, real local Ray, MLflow on SQLite) and the CLI's
+options: one ``step:N`` line per step on the console, library logs in ``<run_dir>/logs/driver.log``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_overrides
+
+TRAJFLOW = [str(Path(sys.executable).parent / "trajflow")]
+#: Keys every training step's line has (the KL key depends on the recipe, see KL_KEYS).
+STEP_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean",
+             "actor/pg_clipfrac", "timing_s/step")
+KL_KEYS = ("actor/kl_loss", "critic/kl", "actor/ppo_kl")
+#: A Prefect console record: "HH:MM:SS.mmm | INFO    | ..."
+PREFECT_LINE = re.compile(r"\d\d:\d\d:\d\d\.\d{3} \| (INFO|WARNING|DEBUG)")
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(TRAJFLOW + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def console_lines(p: subprocess.CompletedProcess) -> list[str]:
+    """stdout and stderr as lines (tqdm redraws its bar with carriage returns)."""
+    return [ln for ln in re.split(r"[\r\n]", p.stdout + "\n" + p.stderr) if ln.strip()]
+
+
+def parse_step(line: str) -> tuple[int, dict[str, float]]:
+    """``step:N - key:value - ...`` -> (N, {key: float}); every value must parse as a float."""
+    head, *parts = line.split(" - ")
+    step = int(head.removeprefix("step:"))
+    values = {}
+    for part in parts:
+        key, _, value = part.rpartition(":")
+        values[key] = float(value)
+    return step, values
+
+
+def run_dir_of(p: subprocess.CompletedProcess, run_id: str) -> Path:
+    [line] = [ln for ln in p.stdout.splitlines() if ln.startswith(f"trajflow run {run_id}: ")]
+    return Path(line.split(": ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def quiet_run(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("console")
+    overrides = tiny_overrides(tiny_model_dir, root / "runs", **{
+        "trainer.progress": True, "trainer.test_freq": 2, "tracking.uri": f"sqlite:///{root / 'mlflow.db'}"})
+    p = cli("train", "--run-id", "c1", *overrides)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def test_console_shows_one_step_line_per_step(quiet_run):
+    lines = console_lines(quiet_run)
+    steps = [ln for ln in lines if ln.startswith("step:")]
+    assert [ln.split(" - ")[0] for ln in steps] == ["step:0", "step:1", "step:2"], steps
+    parsed = dict(parse_step(ln) for ln in steps)
+    for step in (1, 2):
+        keys = parsed[step]
+        assert all(k in keys for k in STEP_KEYS), (step, keys)
+        assert sum(k in keys for k in KL_KEYS) == 1, keys
+    # Validation runs before training and after the last step (test_freq=2): its scores are shown.
+    assert any(k.startswith("val-core/") for k in parsed[0]) and any(k.startswith("val-core/") for k in parsed[2])
+    assert not any(k.startswith("val-") for k in parsed[1]), parsed[1]
+    # verl's console format: 3 decimals.
+    assert re.search(r" - critic/score/mean:-?\d+\.\d{3} - ", steps[1]), steps[1]
+
+
+def test_library_logs_go_to_the_run_log_file(quiet_run):
+    text = quiet_run.stdout + quiet_run.stderr
+    assert "Finished in state" not in text and "Beginning flow run" not in text, text[-3000:]
+    assert not [ln for ln in console_lines(quiet_run) if PREFECT_LINE.search(ln)], text[-3000:]
+    assert "lancedb fork support" not in text and "Token authentication" not in text, text[-3000:]
+    assert "PolicyWorker pid=" not in text, text[-3000:]  # Ray worker output stays in Ray's session logs
+    log = (run_dir_of(quiet_run, "c1") / "logs" / "driver.log").read_text()
+    # Logged before the run folder existed (Prefect's temporary server), then the flow and its tasks.
+    assert "Starting temporary server" in log
+    assert "Beginning flow run 'train-c1'" in log
+    assert "Task run 'update-c1-it1' - Finished in state Completed()" in log
+    assert "Ray session" in log and "worker output is in" in log
+
+
+def test_verbose_shows_library_logs_on_the_console(tmp_path, tiny_model_dir):
+    overrides = tiny_overrides(tiny_model_dir, tmp_path / "runs", **{
+        "trainer.total_iterations": 1, "trainer.test_freq": 0, "tracking.uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    p = cli("-v", "train", "--run-id", "v1", *overrides)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Beginning flow run 'train-v1'" in p.stderr, p.stderr[-3000:]
+    assert "Task run 'update-v1-it1' - Finished in state Completed()" in p.stderr
+    assert len([ln for ln in console_lines(p) if ln.startswith("step:1 - ")]) == 1
+    # The file gets them too.
+    assert "Beginning flow run 'train-v1'" in (run_dir_of(p, "v1") / "logs" / "driver.log").read_text()
+
+
+def test_version():
+    p = cli("--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"trajflow {version('trajflow')}"
+
+
+def test_from_stage_choices_are_validated():
+    p = cli("replay", "r1", "--iteration", "1", "--from-stage", "bogus")
+    assert p.returncode == 2, p.stderr
+    assert "--from-stage" in p.stderr and all(f"'{s}'" in p.stderr for s in ("reward", "advantage", "update"))
+    assert "Traceback" not in p.stderr
+
+
+def test_audit_format_choices_are_validated():
+    p = cli("audit", "r1", "--format", "csv")
+    assert p.returncode == 2, p.stderr
+    assert "--format" in p.stderr and all(f"'{s}'" in p.stderr for s in ("table", "json", "parquet"))
+
+
+# deploy registers Prefect deployments: it reads no run store, so it has no --store.
+@pytest.mark.parametrize("command", ["train", "resume", "replay", "audit", "gate", "config", "compare", "dashboard"])
+def test_every_store_command_takes_store(command):
+    p = cli(command, "--help")
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^\s+--store\b", p.stdout, re.M), p.stdout
+    assert "--store-root" not in p.stdout  # the old spelling of audit's option is a hidden alias
+    assert "<bool>" not in p.stdout  # flags take no value, and their help does not say otherwise
+
+
+def test_every_command_has_help():
+    p = cli("--help")
+    commands = re.search(r"Commands:\n(.*)", p.stdout, re.S).group(1)
+    rows = [ln.split(None, 1) for ln in commands.splitlines() if ln.startswith("  ") and ln.strip()]
+    assert len(rows) >= 9 and all(len(r) == 2 and r[1].strip() for r in rows), commands
+    for name, _ in rows:
+        sub = cli(name, "--help").stdout
+        for option in re.findall(r"^\s+(?:-\w, )?(--[\w-]+)(.*)$", sub, re.M):
+            assert option[1].strip(), f"{name} {option[0]} has no help text:\n{sub}"
+
+
+def test_store_option_and_old_audit_spelling(tmp_path):
+    p = cli("config", "--store", str(tmp_path / "elsewhere"))
+    assert p.returncode == 0, p.stderr
+    assert f"root: {tmp_path / 'elsewhere'}" in p.stdout
+    for opt in ("--store", "--store-root"):
+        p = cli("audit", "nope", opt, str(tmp_path))
+        assert p.returncode == 2 and "nope" in p.stderr and str(tmp_path) in p.stderr, p.stderr
