@@ -172,3 +172,44 @@ def test_failed_gate_prints_its_line_once_without_traceback(tmp_path, tiny_model
     assert (p.stdout + p.stderr).count("failed its reward gate") == 1, p.stderr[-3000:]
     [line] = [ln for ln in p.stderr.splitlines() if "failed its reward gate" in ln]
     assert line.startswith("gate failed: iteration 1 of run g1") and "score_in_range" in line, line
+
+
+def _jsonl_spec(tmp_path, prompts: list[str], name: str = "prompts") -> Path:
+    data = tmp_path / f"{name}.jsonl"
+    data.write_text("".join(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": p}],
+                                        "reward_model": {"ground_truth": "2"}}) + "\n" for p in prompts))
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(f"source: file\npath: {data}\n")
+    return spec
+
+
+def _train_refused(tmp_path, tiny_model_dir, *overrides):
+    """``trajflow train`` on the tiny model; returns (rc, stderr) after checking that nothing started."""
+    rc, out, err = run_cli("train", f"model.path={tiny_model_dir}", f"store.root={tmp_path / 'runs'}", *overrides)
+    assert not (tmp_path / "runs").exists(), "a run folder was created"
+    assert "Starting temporary server" not in out + err
+    return rc, err
+
+
+def test_prompt_past_the_models_context_names_file_line_and_keys(tmp_path, tiny_model_dir):
+    """The tiny model's context is 1024 positions: a ~1000-token prompt fits data.max_prompt_length=1500
+    but not with 32 new tokens after it."""
+    spec = _jsonl_spec(tmp_path, ["1+1?", "one " * 1000, "2+2?"], name="long")
+    rc, err = _train_refused(tmp_path, tiny_model_dir, f"data.dataset={spec}", "data.max_prompt_length=1500",
+                             "rollout.max_new_tokens=32", "data.train_batch_size=2",
+                             "trainer.total_iterations=1")
+    assert_one_line_error(rc, err, "long.jsonl: line 2 (1-based)", "rollout.max_new_tokens=32",
+                          "max_position_embeddings=1024", "model.path")
+
+
+def test_prompt_over_max_prompt_length_in_a_generated_dataset_names_the_prompt_id(tmp_path, tiny_model_dir):
+    """The default recipe's generated prompts are ~85 tokens with SmolLM2's chat template."""
+    rc, err = _train_refused(tmp_path, tiny_model_dir, "data.max_prompt_length=20")
+    assert_one_line_error(rc, err, "basic_arithmetic.yaml", "generated prompt basic_arithmetic:train:0",
+                          "data.max_prompt_length=20")
+
+
+def test_train_batch_larger_than_the_dataset_names_both_numbers(tmp_path, tiny_model_dir):
+    spec = _jsonl_spec(tmp_path, ["1+1?", "2+2?", "3+3?"], name="three")
+    rc, err = _train_refused(tmp_path, tiny_model_dir, f"data.dataset={spec}", "data.train_batch_size=4")
+    assert_one_line_error(rc, err, "data.train_batch_size=4", "3 training prompts", "three.yaml")
