@@ -213,3 +213,26 @@ def test_train_batch_larger_than_the_dataset_names_both_numbers(tmp_path, tiny_m
     spec = _jsonl_spec(tmp_path, ["1+1?", "2+2?", "3+3?"], name="three")
     rc, err = _train_refused(tmp_path, tiny_model_dir, f"data.dataset={spec}", "data.train_batch_size=4")
     assert_one_line_error(rc, err, "data.train_batch_size=4", "3 training prompts", "three.yaml")
+
+
+def test_tokenizer_without_chat_template_is_one_line(tmp_path, tiny_model_dir):
+    """Preflight renders every prompt with the model's chat template: a tokenizer without one is a
+    ModelLoadError naming model.path, not a traceback."""
+    import shutil
+
+    from trajflow.config import load_config
+    from trajflow.errors import ModelLoadError
+    from trajflow.prompts import load_prompt_dataset
+    from trajflow.run.lifecycle import check_prompt_lengths
+
+    model = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    spec = _jsonl_spec(tmp_path, ["1+1?"])
+    cfg = load_config(None, [f"model.path={model}", f"data.dataset={spec}", "data.train_batch_size=1"])
+    with pytest.raises(ModelLoadError, match=r"model.path=.*no-template.*chat template") as e:
+        check_prompt_lengths(cfg, load_prompt_dataset(spec), model)
+    assert "\n" not in str(e.value)

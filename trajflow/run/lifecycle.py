@@ -128,8 +128,9 @@ def check_prompt_lengths(cfg: DictConfig, datasets: PromptDatasets, model_dir: P
     Raises:
         trajflow.prompts.DataError: the first prompt too long, named by its file and line or row
             (generated datasets: the spec and the prompt id), with the keys that would make it fit.
+        trajflow.models.ModelLoadError: the model's tokenizer cannot render the prompts.
     """
-    from trajflow.errors import DataError
+    from trajflow.errors import DataError, ModelLoadError
     from trajflow.models import load_tokenizer
 
     validation = datasets.validation[:cfg.data.val_max_prompts] if cfg.data.val_max_prompts else datasets.validation
@@ -137,11 +138,17 @@ def check_prompt_lengths(cfg: DictConfig, datasets: PromptDatasets, model_dir: P
     if not records:
         return
     context, context_key = _model_context(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    # Rendering all prompts, then one batched encode, gives the ids build_prompt_ids gets one by one
-    # (apply_chat_template tokenizes its rendering without special tokens), much faster.
-    texts = tokenizer.apply_chat_template([r.messages for r in records], add_generation_prompt=True, tokenize=False)
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    try:
+        tokenizer = load_tokenizer(model_dir)
+        # Rendering all prompts, then one batched encode, gives the ids build_prompt_ids gets one by
+        # one (apply_chat_template tokenizes its rendering without special tokens), much faster.
+        texts = tokenizer.apply_chat_template([r.messages for r in records], add_generation_prompt=True,
+                                              tokenize=False)
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    except Exception as e:  # no chat template, a template that rejects the roles, a broken tokenizer
+        raise ModelLoadError(f"model.path={cfg.model.path!r}: its tokenizer cannot render the prompts with "
+                             f"its chat template ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                             f"use a chat model or add a chat_template to its tokenizer_config.json") from None
     cap, new = int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
     for record, length in zip(records, lengths):
         where = record.source or f"prompt {record.prompt_id}"
