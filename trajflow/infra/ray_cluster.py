@@ -1,6 +1,6 @@
 """Start, watch and stop the Ray cluster a run uses: ``resources.ray_address``, or a local one.
 
-A local Ray started here listens on loopback only (:func:`_loopback_node`); a cluster is the user's
+A local Ray started here listens on loopback only (:func:`loopback_node`); a cluster is the user's
 explicit choice of ``resources.ray_address`` and is connected to as it is.
 
 A local Ray started here, and the temporary Prefect server the flow started before it, are handed
@@ -47,7 +47,7 @@ def start_ray(cfg: DictConfig) -> bool:
         from trajflow.infra import raywatch
 
         before = raywatch.descendants()
-        with _loopback_node():
+        with loopback_node():
             ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
         try:
             # The flow started Prefect's temporary server before Ray: not new, but ours to reap.
@@ -59,7 +59,7 @@ def start_ray(cfg: DictConfig) -> bool:
 
 
 @contextlib.contextmanager
-def _loopback_node() -> Iterator[None]:
+def loopback_node() -> Iterator[None]:
     """Make the local Ray that ``ray.init`` starts inside this block take a loopback node IP.
 
     Every listening socket of a local Ray follows its node IP: the GCS, the raylet and the workers'
