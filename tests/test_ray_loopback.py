@@ -10,7 +10,7 @@ import sys
 
 from tests.conftest import REPO
 
-# Runs in a fresh interpreter: the test session's own Ray (tests/conftest.py) must not be the one
+# Runs in a fresh interpreter: the Ray the other tests share (tests/conftest.py) must not be the one
 # looked at, and every process this driver starts is one of its descendants.
 PROBE = """
 import json, time
