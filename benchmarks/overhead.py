@@ -246,6 +246,7 @@ def main() -> None:
     import ray
 
     from trajflow.infra.allocator import worker_env_vars
+    from trajflow.infra.ray_cluster import loopback_node
     from trajflow.config import load_config
 
     default_cfg = load_config(None, [])
@@ -258,9 +259,10 @@ def main() -> None:
     for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss it
         try:
             env_vars = worker_env_vars(cfg.resources.allocator)
-            ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), include_dashboard=False,
-                     logging_level=logging.WARNING, log_to_driver=True,
-                     **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}))
+            with loopback_node():
+                ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), include_dashboard=False,
+                         logging_level=logging.WARNING, log_to_driver=True,
+                         **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}))
             break
         except Exception as e:
             if "timed out during startup" not in str(e) or attempt == 2:

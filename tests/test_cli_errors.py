@@ -175,3 +175,94 @@ def test_failed_gate_prints_its_line_once_without_traceback(tmp_path, tiny_model
     assert "Finished in state Failed" in (tmp_path / "runs" / "g1" / "logs" / "driver.log").read_text()
     [line] = [ln for ln in p.stderr.splitlines() if "failed its reward gate" in ln]
     assert line.startswith("gate failed: iteration 1 of run g1") and "score_in_range" in line, line
+
+
+def _jsonl_spec(tmp_path, prompts: list[str], name: str = "prompts") -> Path:
+    data = tmp_path / f"{name}.jsonl"
+    data.write_text("".join(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": p}],
+                                        "reward_model": {"ground_truth": "2"}}) + "\n" for p in prompts))
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(f"source: file\npath: {data}\n")
+    return spec
+
+
+def _train_refused(tmp_path, tiny_model_dir, *overrides):
+    """``trajflow train`` on the tiny model; returns (rc, stderr) after checking that nothing started."""
+    rc, out, err = run_cli("train", f"model.path={tiny_model_dir}", f"store.root={tmp_path / 'runs'}", *overrides)
+    assert not (tmp_path / "runs").exists(), "a run folder was created"
+    assert "Starting temporary server" not in out + err
+    return rc, err
+
+
+def test_prompt_past_the_models_context_names_file_line_and_keys(tmp_path, tiny_model_dir):
+    """The tiny model's context is 1024 positions: a ~1000-token prompt fits data.max_prompt_length=1500
+    but not with 32 new tokens after it."""
+    spec = _jsonl_spec(tmp_path, ["1+1?", "one " * 1000, "2+2?"], name="long")
+    rc, err = _train_refused(tmp_path, tiny_model_dir, f"data.dataset={spec}", "data.max_prompt_length=1500",
+                             "rollout.max_new_tokens=32", "data.train_batch_size=2",
+                             "trainer.total_iterations=1")
+    assert_one_line_error(rc, err, "long.jsonl: line 2 (1-based)", "rollout.max_new_tokens=32",
+                          "max_position_embeddings=1024", "model.path")
+
+
+def test_prompt_over_max_prompt_length_in_a_generated_dataset_names_the_prompt_id(tmp_path, tiny_model_dir):
+    """The default recipe's generated prompts are ~85 tokens with SmolLM2's chat template."""
+    rc, err = _train_refused(tmp_path, tiny_model_dir, "data.max_prompt_length=20")
+    assert_one_line_error(rc, err, "basic_arithmetic.yaml", "generated prompt basic_arithmetic:train:0",
+                          "data.max_prompt_length=20")
+
+
+def test_train_batch_larger_than_the_dataset_names_both_numbers(tmp_path, tiny_model_dir):
+    spec = _jsonl_spec(tmp_path, ["1+1?", "2+2?", "3+3?"], name="three")
+    rc, err = _train_refused(tmp_path, tiny_model_dir, f"data.dataset={spec}", "data.train_batch_size=4")
+    assert_one_line_error(rc, err, "data.train_batch_size=4", "3 training prompts", "three.yaml")
+
+
+def _copy_with_template(tmp_path, tiny_model_dir, name, template):
+    import shutil
+
+    model = tmp_path / name
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if template is not None:
+        config["chat_template"] = template
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_prompts_of_a_tokenizer_without_chat_template_are_measured_in_the_plain_format(tmp_path, tiny_model_dir):
+    """A base model's tokenizer has no chat template: prompts are rendered "user: ...\nassistant:"
+    (docs/models.md), and that is the length preflight checks."""
+    from transformers import AutoTokenizer
+
+    from trajflow.config import load_config
+    from trajflow.errors import DataError
+    from trajflow.prompts import load_prompt_dataset
+    from trajflow.run.lifecycle import check_prompt_lengths
+
+    model = _copy_with_template(tmp_path, tiny_model_dir, "no-template", None)
+    spec = _jsonl_spec(tmp_path, ["1+1?"])
+    n = len(AutoTokenizer.from_pretrained(model)("user: 1+1?\nassistant:")["input_ids"])
+    ok = load_config(None, [f"model.path={model}", f"data.dataset={spec}", "data.train_batch_size=1",
+                            f"data.max_prompt_length={n}"])
+    check_prompt_lengths(ok, load_prompt_dataset(spec), model)
+    short = load_config(None, [f"model.path={model}", f"data.dataset={spec}", "data.train_batch_size=1",
+                               f"data.max_prompt_length={n - 1}"])
+    with pytest.raises(DataError, match=rf"the prompt is {n} tokens as the policy renders it"):
+        check_prompt_lengths(short, load_prompt_dataset(spec), model)
+
+
+def test_tokenizer_whose_chat_template_fails_is_one_line(tmp_path, tiny_model_dir):
+    from trajflow.config import load_config
+    from trajflow.errors import ModelLoadError
+    from trajflow.prompts import load_prompt_dataset
+    from trajflow.run.lifecycle import check_prompt_lengths
+
+    model = _copy_with_template(tmp_path, tiny_model_dir, "bad-template", "{{ raise_exception('no roles here') }}")
+    spec = _jsonl_spec(tmp_path, ["1+1?"])
+    cfg = load_config(None, [f"model.path={model}", f"data.dataset={spec}", "data.train_batch_size=1"])
+    with pytest.raises(ModelLoadError, match=r"model.path=.*bad-template.*cannot render the prompts") as e:
+        check_prompt_lengths(cfg, load_prompt_dataset(spec), model)
+    assert "\n" not in str(e.value)

@@ -1,5 +1,8 @@
 """Start, watch and stop the Ray cluster a run uses: ``resources.ray_address``, or a local one.
 
+A local Ray started here listens on loopback only (:func:`loopback_node`); a cluster is the user's
+explicit choice of ``resources.ray_address`` and is connected to as it is.
+
 A local Ray started here, and the temporary Prefect server the flow started before it, are handed
 to :mod:`trajflow.infra.raywatch`, which stops what is left of them if this process dies without
 shutting them down.
@@ -7,8 +10,10 @@ shutting them down.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -45,7 +50,8 @@ def start_ray(cfg: DictConfig) -> bool:
         from trajflow.infra import raywatch
 
         before = raywatch.descendants()
-        info = ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
+        with loopback_node():
+            info = ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
         try:
             # The flow started Prefect's temporary server before Ray: not new, but ours to reap.
             _RAY_WATCH["known"] = before - set(raywatch.prefect_servers(before))
@@ -57,6 +63,36 @@ def start_ray(cfg: DictConfig) -> bool:
     if session:
         log.info("Ray session %s: worker output is in %s", session, os.path.join(session, "logs"))
     return True
+
+
+@contextlib.contextmanager
+def loopback_node() -> Iterator[None]:
+    """Make the local Ray that ``ray.init`` starts inside this block take a loopback node IP.
+
+    Every listening socket of a local Ray follows its node IP: the GCS, the raylet and the workers'
+    gRPC servers, the runtime-env agent, the dashboard agent's gRPC, HTTP and metrics-export ports
+    and the autoscaler monitor's metrics server all bind loopback when that IP is a localhost
+    address, and every interface (``0.0.0.0`` / ``::``) otherwise. Passing
+    ``_node_ip_address="127.0.0.1"`` is not enough: ``ray.init`` rewrites a localhost address to the
+    machine's routable IP (``services.resolve_ip_for_localhost``) unless Ray believes it runs where
+    clusters are unsupported (``ray_constants.ENABLE_RAY_CLUSTER``, the switch behind
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``), in which case the node IP is Ray's loopback address.
+    That switch is read when the node starts, so it is turned off for this block only: nothing else
+    in the process (``ray start`` in a subprocess, a later ``ray.init(address=...)``) sees it.
+    """
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # a Ray whose internals moved: say so, go on
+        log.warning("this Ray version has no ray_constants.ENABLE_RAY_CLUSTER; the local Ray may listen "
+                    "on every interface")
+        yield
+        return
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def watch_new_ray_processes() -> None:

@@ -146,6 +146,7 @@ def _load_reasoning_gym(spec: dict) -> tuple[list[PromptRecord], list[PromptReco
             messages=_build_messages(spec, question),
             ground_truth=str(answer),
             extra_info=extra,
+            source=f"{where}: generated prompt {spec['name']}:{split}:{n} (generator item {idx})",
         )
 
     idx = 0
@@ -266,6 +267,7 @@ def _row_to_record(row: Any, where: str, spec: dict, split: str, n: int) -> Prom
         messages=messages,
         ground_truth=str(gt),
         extra_info=extra,
+        source=where,
     )
 
 

@@ -60,6 +60,10 @@ class PromptRecord:
         ground_truth: the reference answer, as a string.
         extra_info: JSON-serialisable dict passed to the scorer (for reasoning-gym rows: ``question``,
             ``metadata``, ``generator``, ``generator_config``, ``split``, ``index``, ``problem_key``).
+        source: where the record came from, for error messages: ``"<file>: line 3 (1-based)"``,
+            ``"<file>: row index 2 (0-based)"`` or, for generated rows, the spec file and the prompt id.
+            Never stored with trajectories (the rollout table takes the fields above by name) and
+            not part of equality, so a moved data file changes no stored byte and no comparison.
     """
 
     prompt_id: str
@@ -67,6 +71,7 @@ class PromptRecord:
     messages: list[dict]
     ground_truth: str
     extra_info: dict = field(default_factory=dict)
+    source: str = field(default="", compare=False)
 
     def to_dict(self) -> dict:
         """The record as a plain dict (a deep copy)."""

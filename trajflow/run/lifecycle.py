@@ -13,7 +13,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import ray
 from omegaconf import DictConfig
@@ -27,6 +27,9 @@ from trajflow.infra import logs
 from trajflow.infra.ray_cluster import start_ray
 from trajflow.run.workers import close, create_workers
 from trajflow.store import STAGES, RunStore, follow_umask
+
+if TYPE_CHECKING:
+    from trajflow.prompts import PromptDatasets
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,8 @@ def preflight(cfg: DictConfig) -> None:
         trajflow.models.ModelLoadError: ``model.path`` is not loadable or its weights are corrupt.
         trajflow.errors.DeviceError: ``trainer.device`` or the vLLM engine is not available here.
         trajflow.errors.ConfigError: the custom reward function, the gate suite or policies, the
-            gate bounds or ``actor.betas`` (see :func:`check_reward_and_gates`).
+            gate bounds or ``actor.betas`` (see :func:`check_reward_and_gates`); more prompts per
+            iteration than the dataset has (see :func:`check_batch_size`).
         StoreError: ``store.root`` is not a writable folder.
     """
     from trajflow.prompts import data_spec, load_prompt_dataset, load_spec
@@ -73,10 +77,98 @@ def preflight(cfg: DictConfig) -> None:
     check_store_root(cfg)
     check_reward_and_gates(cfg)
 
+    # Generated datasets too: their rows are well-formed by construction, but their count and their
+    # length (system prompt, few-shot turns) are the spec's choice.
     data = data_spec(cfg.data)
-    if load_spec(data).get("source") == "file":  # generated datasets are valid and scored by construction
-        check_scorers(cfg, load_prompt_dataset(data))
-    check_model_weights(resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    datasets = load_prompt_dataset(data)
+    check_batch_size(cfg, datasets)
+    if load_spec(data).get("source") == "file":  # generated datasets are scored by construction
+        check_scorers(cfg, datasets)
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    check_model_weights(model_dir)
+    check_prompt_lengths(cfg, datasets, model_dir)
+
+
+def check_batch_size(cfg: DictConfig, datasets: PromptDatasets) -> None:
+    """``data.train_batch_size`` prompts exist: the sampler hands out full batches only, so a larger
+    batch would fail in the first iteration, after Ray and Prefect started.
+
+    Raises:
+        trajflow.errors.ConfigError: names both numbers, the key and the dataset.
+    """
+    from trajflow.errors import ConfigError
+
+    n = len(datasets.train)
+    if cfg.data.train_batch_size > n:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {n} training "
+                          f"prompts of data.dataset={cfg.data.dataset!r} ({datasets.spec.get('spec_path') or 'data.train_files'}); lower "
+                          f"data.train_batch_size to at most {n} or give the dataset more prompts")
+
+
+def _model_context(model_dir: Path) -> tuple[int | None, str]:
+    """The longest sequence the model's positions cover, and the config key it came from."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):  # no readable config.json: transformers' loader reports it later
+        return None, ""
+    for node in (config, config.get("text_config") or {}):  # multimodal configs nest the language model's
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            if isinstance(node.get(key), int) and node[key] > 0:
+                return node[key], key
+    return None, ""
+
+
+def check_prompt_lengths(cfg: DictConfig, datasets: PromptDatasets, model_dir: Path) -> None:
+    """Every prompt that will be generated from, rendered with the model's chat template as the
+    policy worker renders it, fits ``data.max_prompt_length`` and, with ``rollout.max_new_tokens``
+    after it, the model's context (``max_position_embeddings`` in its ``config.json``).
+
+    The training prompts and the validation prompts validation uses (``data.val_max_prompts``) are
+    checked: either would otherwise fail inside a worker, after Ray and Prefect started, or (past
+    the context) run on positions the model never learnt.
+
+    Raises:
+        trajflow.prompts.DataError: the first prompt too long, named by its file and line or row
+            (generated datasets: the spec and the prompt id), with the keys that would make it fit.
+        trajflow.models.ModelLoadError: the model's tokenizer cannot render the prompts.
+    """
+    from trajflow.errors import DataError, ModelLoadError
+    from trajflow.models import load_tokenizer, plain_prompt
+
+    validation = datasets.validation[:cfg.data.val_max_prompts] if cfg.data.val_max_prompts else datasets.validation
+    records = [*datasets.train, *validation]
+    if not records:
+        return
+    context, context_key = _model_context(model_dir)
+    try:
+        tokenizer = load_tokenizer(model_dir)
+        # Rendering all prompts, then one batched encode, gives the ids build_prompt_ids gets one by
+        # one (apply_chat_template tokenizes its rendering without special tokens), much faster.
+        if getattr(tokenizer, "chat_template", None):
+            texts = tokenizer.apply_chat_template([r.messages for r in records], add_generation_prompt=True,
+                                                  tokenize=False)
+            lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        else:  # a base model: the plain prompt format, as chat_prompt_ids renders it
+            lengths = [len(ids) for ids in tokenizer([plain_prompt(r.messages) for r in records])["input_ids"]]
+    except Exception as e:  # no chat template, a template that rejects the roles, a broken tokenizer
+        raise ModelLoadError(f"model.path={cfg.model.path!r}: its tokenizer cannot render the prompts "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                             f"fix the chat_template in its tokenizer_config.json, or remove it to use the plain prompt "
+                             f"format (docs/models.md)") from None
+    cap, new = int(cfg.data.max_prompt_length), int(cfg.rollout.max_new_tokens)
+    for record, length in zip(records, lengths):
+        where = record.source or f"prompt {record.prompt_id}"
+        if length > cap:
+            raise DataError(f"{where}: the prompt is {length} tokens as the policy renders it, more than "
+                            f"data.max_prompt_length={cap}; shorten or drop the row, or raise "
+                            f"data.max_prompt_length")
+        if context is not None and length + new > context:
+            raise DataError(f"{where}: the prompt is {length} tokens as the policy renders it; with "
+                            f"rollout.max_new_tokens={new} that is {length + new}, more than the model's "
+                            f"{context_key}={context} ({Path(model_dir) / 'config.json'}); shorten or drop the "
+                            f"row, lower rollout.max_new_tokens, or use a model with a longer context (model.path)")
 
 
 def check_scorers(cfg: DictConfig, datasets) -> None:
