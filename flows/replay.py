@@ -112,7 +112,8 @@ def parse_iterations(iteration: int | None, iterations: str | None) -> tuple[int
         if not sep:
             raise ReplayError(f"--iterations {iterations!r}: expected A:B (e.g. 2:5)")
     if first < 1 or first > last:
-        raise ReplayError(f"iterations {first}..{last}: need 1 <= A <= B")
+        given = f"--iteration {iteration}" if iterations is None else f"--iterations {iterations}"
+        raise ReplayError(f"{given}: iterations {first}..{last} is empty or starts below 1 (need 1 <= A <= B)")
     return first, last
 
 

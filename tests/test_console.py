@@ -110,12 +110,23 @@ def test_from_stage_choices_are_validated():
     assert p.returncode == 2, p.stderr
     assert "--from-stage" in p.stderr and all(f"'{s}'" in p.stderr for s in ("reward", "advantage", "update"))
     assert "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and p.stderr.startswith("error: trajflow replay: ")
 
 
 def test_audit_format_choices_are_validated():
     p = cli("audit", "r1", "--format", "csv")
     assert p.returncode == 2, p.stderr
     assert "--format" in p.stderr and all(f"'{s}'" in p.stderr for s in ("table", "json", "parquet"))
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, needle", [(["train", "--bogus"], "No such option: --bogus"),
+                                          (["audit"], "Missing argument"),
+                                          (["replay", "r", "--iteration", "x", "--from-stage", "reward"], "'--iteration'")])
+def test_usage_errors_are_one_line(args, needle):
+    p = cli(*args)
+    assert p.returncode == 2 and p.stderr.startswith(f"error: trajflow {args[0]}: "), p.stderr
+    assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 # deploy registers Prefect deployments: it reads no run store, so it has no --store.

@@ -365,12 +365,41 @@ def dashboard(store: Optional[str] = typer.Option(None, "--store", help=STORE_HE
     _run(serve, _store_root(store), tracking_uri, port, address)  # replaces this process with Streamlit
 
 
-def main() -> None:
-    """Console-script entry point."""
+def _click_exceptions():
+    """The exception module of the Click that Typer runs on (Typer 0.29 vendors its own copy)."""
     try:
-        app()
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
+
+def main() -> None:
+    """Console-script entry point.
+
+    A usage error (unknown option, a value outside an option's choices, a missing argument) is one
+    line on stderr and exit code 2, like every other bad input, instead of Click's three-line usage
+    block.
+    """
+    ex = _click_exceptions()
+    try:
+        code = app(standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)
+    except ex.NoArgsIsHelpError as e:  # bare `trajflow` / `trajflow audit`: the help
+        e.show()
+        sys.exit(2)
+    except ex.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "trajflow"
+        message = e.format_message().replace("Value error, ", "").replace("\n", " ")
+        typer.echo(f"error: {where}: {message} (see {where} --help)", err=True)
+        sys.exit(2)
+    except ex.Abort:
+        sys.exit(130)
+    except ex.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

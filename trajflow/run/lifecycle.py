@@ -25,7 +25,7 @@ from trajflow.run.context import IterationState, RunContext, register
 from trajflow.run.progress import Progress, print_step
 from trajflow.infra import logs
 from trajflow.infra.ray_cluster import start_ray
-from trajflow.run.workers import close, create_workers
+from trajflow.run.workers import close, create_workers, release_workers
 from trajflow.store import STAGES, RunStore, follow_umask
 
 if TYPE_CHECKING:
@@ -809,10 +809,13 @@ def close_run(ctx: RunContext, status: str) -> None:
     if ctx.state.progress is not None:
         ctx.state.progress.close()
     try:
-        close(ctx)  # first: the final model is loaded for MLflow once the workers' memory is free
-    finally:
+        # The final model is loaded for MLflow once the workers' memory is free; Ray (and with it
+        # the watcher that reaps Prefect's temporary server) stops last, after the flow's bookkeeping.
+        release_workers(ctx)
         _close_tracker(ctx, status)
         _record_session_end(ctx, status)
+    finally:
+        close(ctx)
 
 
 def _close_tracker(ctx: RunContext, status: str) -> None:

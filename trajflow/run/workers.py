@@ -169,8 +169,8 @@ def create_workers(ctx: RunContext) -> None:
         log.warning("could not update the Ray watcher: %s", e)
 
 
-def close(ctx: RunContext) -> None:
-    """Stop the run's actors, release its placement groups (and stop Ray, if this run started it)."""
+def release_workers(ctx: RunContext) -> None:
+    """Stop the run's actors and release its placement groups (Ray itself keeps running)."""
     from trajflow.workers.group import kill_workers
 
     for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model, ctx.rollout):
@@ -179,6 +179,11 @@ def close(ctx: RunContext) -> None:
     place, ctx.placement = ctx.placement, None
     if place is not None:
         place.close()
+
+
+def close(ctx: RunContext) -> None:
+    """Stop the run's actors, release its placement groups (and stop Ray, if this run started it)."""
+    release_workers(ctx)
     unregister(ctx)
     if ctx.started_ray:
         stop_ray()
