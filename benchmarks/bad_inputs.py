@@ -6,7 +6,7 @@ folder left behind (the store root holds what it held before). Prints one row pe
 count; exits 1 if any case is not clean.
 
     .venv/bin/python benchmarks/bad_inputs.py            # all cases, 2 at a time
-    .venv/bin/python benchmarks/bad_inputs.py -k gate    # the cases whose name contains 'gate'
+    .venv/bin/python benchmarks/bad_inputs.py -k gate,audit   # the cases naming gate or audit
 
 It trains one tiny run first (a 2-layer model with SmolLM2's tokenizer, ~1 min) for the cases that
 need a stored run (resume, replay, audit, gate, compare).
@@ -240,7 +240,7 @@ def run_case(case: Case, env: dict, fresh: Path) -> Result:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-k", default="", help="only cases whose name contains this")
+    ap.add_argument("-k", default="", help="only cases whose name contains one of these (comma-separated)")
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
@@ -257,7 +257,8 @@ def main() -> int:
         if p.returncode != 0:
             print(f"the stored run failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
             return 1
-        chosen = [c for c in cases(tmp, model, store, run) if args.k in c.name]
+        wanted = args.k.split(",")
+        chosen = [c for c in cases(tmp, model, store, run) if any(w in c.name for w in wanted)]
         with ThreadPoolExecutor(args.workers) as pool:
             results = list(pool.map(lambda c: run_case(c, env, tmp / "fresh-store"), chosen))
         width = max(len(r.case.name) for r in results)
