@@ -121,7 +121,9 @@ def test_gemma3_stops_at_eos_end_of_turn_and_after_its_answer(gemma_dir):
     sep = tok("\n\n", add_special_tokens=False)["input_ids"]
     assert models.eos_token_ids(tok, model.generation_config) == sorted({tok.eos_token_id, vocab["<end_of_turn>"]})
     stops = models.eos_token_ids(tok, model.generation_config, "completion")
-    assert stops == sorted({tok.eos_token_id, vocab["<end_of_turn>"], *sep}) and len(sep) == 1
+    assert len(sep) == 1 and {tok.eos_token_id, vocab["<end_of_turn>"], *sep} <= set(stops)
+    assert tok("\n\n\n\n", add_special_tokens=False)["input_ids"][0] in stops
+    assert tok("\n", add_special_tokens=False)["input_ids"][0] not in stops  # lines inside an answer
     assert tok.pad_token_id not in stops
     # Greedy, the base model answers in the worked example's shape and then stops at the blank line.
     ids = models.chat_prompt_ids(tok, MESSAGES, "completion")

@@ -297,8 +297,8 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict], prompt_format: str = "
 
 def eos_token_ids(tokenizer: Any, model_config: Any | None = None, prompt_format: str = "auto") -> list[int]:
     """Every id that ends a response: the tokenizer's EOS, the generation config's, a chat model's
-    ``<end_of_turn>`` when the vocabulary has one, and with ``prompt_format="completion"`` the
-    token of :data:`COMPLETION_SEPARATOR` (when it is one token)."""
+    ``<end_of_turn>`` when the vocabulary has one, and with ``prompt_format="completion"`` each
+    single token that is a run of two or more newlines (:data:`COMPLETION_SEPARATOR` or longer)."""
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
@@ -313,9 +313,12 @@ def eos_token_ids(tokenizer: Any, model_config: Any | None = None, prompt_format
     if "<end_of_turn>" in vocab:
         ids.add(int(vocab["<end_of_turn>"]))
     if prompt_format == "completion":
-        sep = tokenizer(COMPLETION_SEPARATOR, add_special_tokens=False)["input_ids"]
-        if len(sep) == 1:
-            ids.add(int(sep[0]))
+        # Sampling may write the blank line as one longer run of newlines ("\n\n\n\n" is its own
+        # token in Gemma's vocabulary): every run that is a single token stops too.
+        for k in range(len(COMPLETION_SEPARATOR), 33):
+            sep = tokenizer("\n" * k, add_special_tokens=False)["input_ids"]
+            if len(sep) == 1:
+                ids.add(int(sep[0]))
     return sorted(ids)
 
 
