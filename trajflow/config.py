@@ -57,7 +57,7 @@ class ModelConfig:
     """The policy model."""
 
     path: str = _f("smollm2-135m-instruct",
-                   "Hugging Face model directory, or the built-in name 'smollm2-135m-instruct'")
+                   "Hugging Face model directory, or a built-in name: 'smollm2-135m-instruct', 'gemma3-270m'")
     dtype: str = _f("float32", "parameter dtype for training and rollout",
                     choices=["float32", "bfloat16", "float16"])
     cache_dir: Optional[str] = _f(None, "where built-in models are converted to safetensors "
@@ -65,6 +65,10 @@ class ModelConfig:
     attn_implementation: str = _f("sdpa", "transformers attention kernel",
                                   choices=["sdpa", "eager", "flash_attention_2"])
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    prompt_format: str = _f("auto", "how chat prompts become tokens: auto (the chat template, or 'role: "
+                            "content' lines without one), plain ('role: content' lines), completion (a "
+                            "few-shot document without role names, for base models)",
+                            choices=["auto", "plain", "completion"])
 
 
 @dataclass

