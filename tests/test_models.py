@@ -138,3 +138,19 @@ def test_gemma3_stops_at_eos_end_of_turn_and_after_its_answer(gemma_dir):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("fmt", ["auto", "plain", "completion"])
+def test_preflight_prompt_lengths_equal_the_ids_the_policy_builds(tiny_model_dir, fmt):
+    """Preflight measures all prompts in one batch; each length is that of the prompt the policy
+    worker tokenizes one by one (chat template, BOS handling and all)."""
+    from transformers import AutoTokenizer
+
+    from trajflow.models import chat_prompt_ids, prompt_lengths
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [[{"role": "user", "content": "What is 12 + 30?"}],
+               [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "7 * 6 = ?"}],
+               [{"role": "system", "content": "Solve."}, {"role": "user", "content": "1 + 1"},
+                {"role": "assistant", "content": "2"}, {"role": "user", "content": "2 + 2"}]]
+    assert prompt_lengths(tok, prompts, fmt) == [len(chat_prompt_ids(tok, p, fmt)) for p in prompts]

@@ -135,7 +135,7 @@ def check_prompt_lengths(cfg: DictConfig, datasets: PromptDatasets, model_dir: P
         trajflow.models.ModelLoadError: the model's tokenizer cannot render the prompts.
     """
     from trajflow.errors import DataError, ModelLoadError
-    from trajflow.models import load_tokenizer, plain_prompt
+    from trajflow.models import load_tokenizer, prompt_lengths
 
     validation = datasets.validation[:cfg.data.val_max_prompts] if cfg.data.val_max_prompts else datasets.validation
     records = [*datasets.train, *validation]
@@ -146,12 +146,7 @@ def check_prompt_lengths(cfg: DictConfig, datasets: PromptDatasets, model_dir: P
         tokenizer = load_tokenizer(model_dir)
         # Rendering all prompts, then one batched encode, gives the ids build_prompt_ids gets one by
         # one (apply_chat_template tokenizes its rendering without special tokens), much faster.
-        if getattr(tokenizer, "chat_template", None):
-            texts = tokenizer.apply_chat_template([r.messages for r in records], add_generation_prompt=True,
-                                                  tokenize=False)
-            lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        else:  # a base model: the plain prompt format, as chat_prompt_ids renders it
-            lengths = [len(ids) for ids in tokenizer([plain_prompt(r.messages) for r in records])["input_ids"]]
+        lengths = prompt_lengths(tokenizer, [r.messages for r in records], str(cfg.model.prompt_format))
     except Exception as e:  # no chat template, a template that rejects the roles, a broken tokenizer
         raise ModelLoadError(f"model.path={cfg.model.path!r}: its tokenizer cannot render the prompts "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
