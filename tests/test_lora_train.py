@@ -33,7 +33,11 @@ def runs(tiny_model_dir, ray_local, tmp_path_factory):
     _train(tiny_model_dir, root, **KL, **{"trainer.run_id": "cut", "trainer.total_iterations": 1})
     resumed = _train(tiny_model_dir, root, **KL, **{"trainer.run_id": "cut", "trainer.resume": "auto"})
     no_kl = _train(tiny_model_dir, root, **{"trainer.run_id": "nokl", "trainer.total_iterations": 1})
-    return {"full": full, "resumed": resumed, "no_kl": no_kl}
+    from flows.replay import replay
+
+    # Iteration 2 again from checkpoint 1: reference log-probs from the reloaded adapter's base, then the update.
+    replayed = replay("full", "reward", iteration=2, overrides=[f"store.root={root}"], run_id="full-replay")
+    return {"full": full, "resumed": resumed, "no_kl": no_kl, "replay": replayed}
 
 
 def test_kl_uses_the_actor_with_adapters_off_and_no_reference_worker(runs):
@@ -72,6 +76,18 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(runs):
                 "checkpoints/000002/actor/adapter.safetensors"):
         a, b = load_file(str(full / rel)), load_file(str(resumed / rel))
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), rel
+
+
+def test_replay_from_a_lora_checkpoint_reproduces_the_stored_iteration(runs):
+    import pyarrow.parquet as pq
+
+    parent, child = Path(runs["full"]["run_dir"]), Path(runs["replay"]["run_dir"])
+    it = "iterations/000002"
+    for name in ("reward.parquet", "advantage.parquet"):
+        assert pq.read_table(child / it / name).equals(pq.read_table(parent / it / name)), name
+    a = load_file(str(parent / "checkpoints/000002/actor/adapter.safetensors"))
+    b = load_file(str(child / "checkpoints/000002/actor/adapter.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("which", ["full", "no_kl"])
