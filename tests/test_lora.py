@@ -212,3 +212,27 @@ def test_lora_recipe_resolves():
 
     cfg = load_config("grpo_lora", [])
     assert cfg.model.lora_rank == 16 and cfg.model.target_modules == "all-linear" and cfg.actor.lr >= 1e-4
+
+
+def test_separate_rollout_workers_get_the_merged_weights(tiny_model_dir):
+    from trajflow.workers.rollout import RolloutWorker
+
+    policy = _worker(tiny_model_dir)
+    _randomise_b(policy.model, seed=5)
+    remote = RolloutWorker(str(tiny_model_dir), RolloutConfig(micro_batch_size=4), LORA, seed=0, num_threads=1)
+
+    class ToWorker:  # RemoteRolloutEngine's interface, without Ray in between
+        rank0_push = True
+
+        def update_weights(self, state):
+            remote.update_weights(state)
+
+    own = policy.engine
+    policy.engine = ToWorker()
+    policy._push_weights()
+    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=5, seed=2)
+    prompts = [PREFIX + [5, 6, 7], PREFIX + [44]]
+    mine, theirs = own.generate(prompts, params), remote.generate(prompts, params)
+    assert mine.response_ids == theirs.response_ids
+    for a, b in zip(mine.logprobs, theirs.old_logprobs):
+        assert np.allclose(a, b, atol=TOL, rtol=0)

@@ -22,9 +22,9 @@ from stages.rollout import Generation, SamplingParams
 from stages.rollout_correction import rollout_is_weights
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.hf import HFRolloutEngine
+from trajflow.modeling import lora
 from trajflow.modeling.backends import LocalBackend, adamw
 from trajflow.modeling.forward import compute_log_probs
-from trajflow.modeling import lora
 from trajflow.modeling.packing import micro_batch_plan, pack
 from trajflow.models import chat_prompt_ids, eos_token_ids, load_causal_lm, load_tokenizer
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
