@@ -193,8 +193,9 @@ def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: 
     table = ctx.store.read_ref(rollout)
     reward_cfg = ctx.reward_settings()
     ref_future = None
-    if ctx.reference is not None:
-        ref_future = ctx.reference.compute_ref_log_prob.remote(
+    ref_role = ctx.actor if ctx.reference_in_actor() else ctx.reference
+    if ref_role is not None:
+        ref_future = ref_role.compute_ref_log_prob.remote(
             table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())
     sids, cache = table.column("sample_id").to_pylist(), state.prescored
     if sids and all(sid in cache for sid in sids):  # scored by dynamic sampling in this process

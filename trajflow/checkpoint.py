@@ -3,7 +3,9 @@
 ``<run>/checkpoints/000008/`` holds the state *after* iteration 8:
 
 - ``actor/model.safetensors`` and ``actor/actor_state.{safetensors,json}`` (optimizer, policy
-  version, RNG states), written by the policy worker;
+  version, RNG states), written by the policy worker; under LoRA (``model.lora_rank > 0``)
+  ``actor/adapter.safetensors`` (the adapter's ``lora_`` tensors only) replaces the weights and the
+  optimizer state is the adapter's, so the checkpoint is megabytes;
 - ``critic/model.safetensors`` and ``critic/critic_state.{safetensors,json}`` (value model and its
   optimizer), when the run trains a critic (``algorithm.adv_estimator=gae``);
 - ``manifest.json``: sha256 and size of every file above; resume verifies them before loading;

@@ -69,6 +69,13 @@ class ModelConfig:
                             "content' lines without one), plain ('role: content' lines), completion (a "
                             "few-shot document without role names, for base models)",
                             choices=["auto", "plain", "completion"])
+    lora_rank: int = _f(0, "LoRA rank of the actor's adapters (Hu et al. 2021, via peft); 0 = full fine-tuning",
+                        ge=0)
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator: adapter updates are scaled by lora_alpha / lora_rank",
+                           gt=0.0)
+    target_modules: Any = _f("all-linear", "modules that get adapters: 'all-linear' (every linear layer but the "
+                             "LM head) or a list of module names, e.g. [q_proj,v_proj]")
+    lora_dropout: float = _f(0.0, "dropout on the adapters' input (training forwards only)", ge=0.0, lt=1.0)
 
 
 @dataclass
@@ -545,6 +552,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
+    _check_lora(cfg, source)
     from trajflow.infra.allocator import allocator_error
 
     bad_allocator = allocator_error(str(cfg.resources.allocator))
@@ -559,6 +567,18 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     from trajflow.infra.placement import validate_resources  # pools, placement, DeepSpeed ranks
 
     validate_resources(cfg, source)
+
+
+def _check_lora(cfg: DictConfig, source: str) -> None:
+    """LoRA's cross-field rules (``model.lora_rank > 0``)."""
+    targets = cfg.model.target_modules
+    names = list(targets) if isinstance(targets, ListConfig) else None
+    if not (targets == "all-linear" or (names and all(isinstance(t, str) and t for t in names))):
+        raise ConfigError(f"{source}: model.target_modules={_plain(targets)!r} must be 'all-linear' or a non-empty "
+                          f"list of module names (e.g. model.target_modules=[q_proj,v_proj])")
+    if cfg.model.lora_rank > 0 and cfg.actor.strategy == "deepspeed":
+        raise ConfigError(f"{source}: model.lora_rank={cfg.model.lora_rank} is not supported with "
+                          f"actor.strategy=deepspeed yet (use actor.strategy=none, or model.lora_rank=0)")
 
 
 def resolve_recipe(recipe: str | Path | None) -> Path:

@@ -66,6 +66,14 @@ class VLLMRolloutEngine:
       memory), then ``wake_up(tags=["kv_cache"])``. ``LLM.reset_prefix_cache()`` drops cached
       prefixes computed with the old weights.
 
+    - LoRA (``model.lora_rank > 0``; docs "LoRA Adapters"): ``LLM(..., enable_lora=True,
+      max_lora_rank=r, max_loras=1)`` serves the frozen base weights, and every generation passes
+      ``lora_request=LoRARequest(name, int_id, path)``, ``path`` a peft-format directory
+      (``adapter_config.json`` + ``adapter_model.safetensors``). After an update the policy writes
+      the new adapter under a new id (:meth:`update_adapter`); vLLM loads it on the next request
+      and evicts the old one (``max_loras=1``). The adapter, not merged weights, is what syncs:
+      megabytes per update instead of the whole model, and the base in vLLM is never rewritten.
+
     Not verified on a GPU in this repository's CI (there is none); ``benchmarks/gpu_check.sh`` runs
     it on one GPU machine.
 
@@ -76,6 +84,7 @@ class VLLMRolloutEngine:
         eos_ids: token ids that end a response (vLLM stops on all of them).
         seed: engine seed; each prompt's sampling seed is ``params.seed + prompt index``.
         colocated: the engine shares its GPU with training: it sleeps between rollouts.
+        lora_rank: ``model.lora_rank``; > 0 turns on vLLM's LoRA support for :meth:`update_adapter`.
 
     Raises:
         trajflow.errors.DeviceError: vLLM is not installed, or no CUDA GPU is visible.
@@ -84,7 +93,7 @@ class VLLMRolloutEngine:
     rank0_push = False
 
     def __init__(self, model_path: str, rollout: RolloutConfig, model_cfg: ModelConfig, eos_ids: Sequence[int],
-                 seed: int = 0, colocated: bool = True) -> None:
+                 seed: int = 0, colocated: bool = True, lora_rank: int = 0) -> None:
         from trajflow.infra.devices import require_device, require_vllm
 
         require_vllm()
@@ -96,7 +105,10 @@ class VLLMRolloutEngine:
         self.eos_ids = [int(e) for e in eos_ids]
         self.colocated = colocated
         self.asleep = False
-        self.llm = LLM(model=str(model_path), tokenizer=str(model_path), dtype=model_cfg.dtype,
+        self.lora_request = None  # None: the base model (B = 0 at start, so also the initial policy)
+        self._lora_dir = None
+        lora_kw = {"enable_lora": True, "max_lora_rank": int(lora_rank), "max_loras": 1} if lora_rank > 0 else {}
+        self.llm = LLM(**lora_kw, model=str(model_path), tokenizer=str(model_path), dtype=model_cfg.dtype,
                        gpu_memory_utilization=float(rollout.gpu_memory_utilization),
                        seed=int(seed), enable_sleep_mode=colocated, tensor_parallel_size=1,
                        logprobs_mode="processed_logprobs",
@@ -126,6 +138,34 @@ class VLLMRolloutEngine:
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
+    def update_adapter(self, adapter: dict, peft_config: Any, version: int) -> None:
+        """Serve the LoRA adapter ``adapter`` (peft's tensor names, any device) from now on.
+
+        Args:
+            adapter: :func:`trajflow.modeling.lora.adapter_state` of the policy.
+            peft_config: the policy's ``peft.LoraConfig`` (written as ``adapter_config.json``).
+            version: the policy version; a new LoRA id per version, so vLLM never reuses the old adapter.
+        """
+        import tempfile
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="trajflow-lora-")
+        path = Path(self._lora_dir.name) / f"v{int(version):06d}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(path / "adapter_model.safetensors"))
+        peft_config.save_pretrained(str(path))
+        old = self.lora_request
+        self.lora_request = LoRARequest(f"policy-v{int(version)}", int(version) + 1, str(path))
+        if old is not None:
+            import shutil
+
+            shutil.rmtree(old.lora_path, ignore_errors=True)  # vLLM read it when it was first used
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old adapter
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
         """Sample ``params.n`` responses per prompt (prompt-major), with the sampled tokens' log-probs."""
         from vllm import SamplingParams as VSamplingParams
@@ -139,7 +179,8 @@ class VLLMRolloutEngine:
                                seed=int(params.seed) + i, stop_token_ids=self.eos_ids)
                for i in range(len(prompt_ids))]
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids]
-        outputs = self.llm.generate(prompts, sps, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sps, use_tqdm=False,
+                                    **({"lora_request": self.lora_request} if self.lora_request is not None else {}))
         responses, finish, logprobs = [], [], []
         for request in outputs:
             for completion in sorted(request.outputs, key=lambda c: c.index):

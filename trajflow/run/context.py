@@ -152,6 +152,14 @@ class RunContext:
         """A KL term (in the loss or in the reward) needs the reference policy's log-probs."""
         return self.cfg.actor.kl_loss_coef > 0 or bool(self.cfg.algorithm.use_kl_in_reward)
 
+    def reference_in_actor(self) -> bool:
+        """Under LoRA the policy with its adapters disabled is the reference (verl's ``ref_in_actor``):
+        no reference worker, unless ``reference.path`` names another model."""
+        return self.needs_reference() and self.cfg.model.lora_rank > 0 and not self.cfg.reference.path
+
+    def needs_reference_worker(self) -> bool:
+        return self.needs_reference() and not self.reference_in_actor()
+
     def needs_critic(self) -> bool:
         """The advantage estimator needs a critic's values (registry metadata of the estimator)."""
         from stages.advantage import needs_values

@@ -163,7 +163,7 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
             incomplete, e.g. a derived run that did not set ``initial_checkpoint``).
     """
     created = []
-    if ctx.reference is None and ctx.needs_reference() and not ctx.state.policy_only:
+    if ctx.reference is None and ctx.needs_reference_worker() and not ctx.state.policy_only:
         create_reference_worker(ctx)
         created.append("reference")
     if ctx.reward_model is None and ctx.needs_reward_model() and not ctx.state.policy_only:

@@ -149,7 +149,7 @@ def create_workers(ctx: RunContext) -> None:
     import ray
 
     create_policy_worker(ctx, wait_loaded=False)
-    if ctx.needs_reference():
+    if ctx.needs_reference_worker():
         create_reference_worker(ctx, wait_loaded=False)
     if ctx.needs_critic():
         create_critic_worker(ctx, wait_loaded=False)

@@ -22,6 +22,7 @@ from stages.rollout import Generation, SamplingParams
 from stages.rollout_correction import rollout_is_weights
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.hf import HFRolloutEngine
+from trajflow.modeling import lora
 from trajflow.modeling.backends import LocalBackend, adamw
 from trajflow.modeling.forward import compute_log_probs
 from trajflow.modeling.packing import micro_batch_plan, pack
@@ -29,6 +30,10 @@ from trajflow.models import chat_prompt_ids, eos_token_ids, load_causal_lm, load
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
 from trajflow.workers.base import Worker
 from trajflow.workers.group import dispatch, free_address
+
+
+#: A LoRA checkpoint's weights: the adapter's tensors only.
+ADAPTER_FILE = "adapter.safetensors"
 
 
 def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_prompt_length: int,
@@ -93,18 +98,23 @@ class PolicyWorker(Worker):
         if model_cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.config.use_cache = True
+        self.lora = lora.lora_enabled(model_cfg)
+        if self.lora:
+            self.model = lora.apply_lora(self.model, model_cfg)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.eos_ids = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None),
                                      model_cfg.prompt_format)
         self.optimizer = None
         self.backend: Any = None
         if actor.strategy != "deepspeed":
-            self.optimizer = adamw(self.model.parameters(), actor.lr, actor.betas, actor.weight_decay, device)
+            # Under LoRA only the adapters require grad: the optimizer state is megabytes, not 2x the model.
+            self.optimizer = adamw(lora.trainable_parameters(self.model), actor.lr, actor.betas, actor.weight_decay, device)
             self.backend = LocalBackend(self.model, self.optimizer)
         if rollout.engine == "vllm" and rollout.pool is None:
             from trajflow.engines.vllm import VLLMRolloutEngine
 
-            self.engine = VLLMRolloutEngine(model_path, rollout, model_cfg, self.eos_ids, seed=seed, colocated=True)
+            self.engine = VLLMRolloutEngine(model_path, rollout, model_cfg, self.eos_ids, seed=seed, colocated=True,
+                                            lora_rank=int(model_cfg.lora_rank))
         else:
             self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.micro_batch_size, device)
         self.policy_version = 0
@@ -153,6 +163,15 @@ class PolicyWorker(Worker):
         """Send the current weights to an engine that does not share this module (vLLM, rollout workers)."""
         if isinstance(self.engine, HFRolloutEngine):
             return  # generation runs on the trained module itself: nothing to send
+        if self.lora and hasattr(self.engine, "update_adapter"):
+            # vLLM serves the frozen base with the adapter as a LoRARequest: only the adapter travels.
+            self.engine.update_adapter(lora.adapter_state(self.model), self.model.peft_config[lora.ADAPTER],
+                                       self.policy_version)
+            return
+        if self.lora:
+            # Rollout workers load plain Hugging Face weights: the merged ones (base + B A scale).
+            self.engine.update_weights(lora.merged_state_dict(self.model))
+            return
         if getattr(self.engine, "rank0_push", False):
             # Separate rollout workers: rank 0 sends one full copy (gathered layer by layer under ZeRO-3).
             state = self.backend.full_state_dict()
@@ -174,7 +193,8 @@ class PolicyWorker(Worker):
     @dispatch("rank0")
     def info(self) -> dict:
         return {**super().info(), "policy_version": self.policy_version, "eos_ids": self.eos_ids,
-                "pad_id": self.pad_id, "num_params": sum(p.numel() for p in self.model.parameters())}
+                "pad_id": self.pad_id, "num_params": sum(p.numel() for p in self.model.parameters()),
+                "trainable_params": sum(p.numel() for p in lora.trainable_parameters(self.model))}
 
     # ------------------------------------------------------------------ rollout
     @dispatch("rank0")
@@ -219,6 +239,27 @@ class PolicyWorker(Worker):
         logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
                                     micro_batch_size=self.actor.ppo_micro_batch_size, pad_id=self.pad_id,
                                     device=self.device, max_tokens=self._max_tokens())
+        return logp
+
+    @dispatch("split", split_args=("prompt_ids", "response_ids"))
+    def compute_ref_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
+        """Per-token log-probs under the reference policy, for KL terms under LoRA (verl's
+        ``ref_in_actor``): this module with its adapters disabled is the frozen base model, the
+        initial policy, so no reference worker or second copy of the weights exists. Same micro-batches
+        as :class:`trajflow.workers.reference.ReferenceWorker` (``rollout.log_prob_micro_batch_size``).
+
+        Returns:
+            One float32 array per row, ``(len(response_ids[i]),)``.
+
+        Raises:
+            RuntimeError: the model has no adapters (``model.lora_rank=0``).
+        """
+        if not self.lora:
+            raise RuntimeError("compute_ref_log_prob on the policy worker needs model.lora_rank > 0")
+        with lora.reference_mode(self.model):
+            logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=self.rollout.temperature,
+                                        micro_batch_size=int(self.rollout.log_prob_micro_batch_size),
+                                        pad_id=self.pad_id, device=self.device)
         return logp
 
     def _max_tokens(self) -> int | None:
@@ -414,6 +455,10 @@ class PolicyWorker(Worker):
     def save_checkpoint(self, directory: str) -> dict:
         """Write weights (safetensors), optimizer state and the worker's RNG states into ``directory``.
 
+        Under LoRA the weights are the adapter's only (``adapter.safetensors``, peft's tensor names,
+        only ``lora_`` keys) and the optimizer state is the adapter's; the frozen base is the model
+        at ``model.path``.
+
         Under DeepSpeed: sharded model/optimizer states (one file per rank) and per-rank RNG states.
         """
         from safetensors.torch import save_file
@@ -424,6 +469,13 @@ class PolicyWorker(Worker):
             return {"policy_version": self.policy_version}
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
+        extra = {"optimizer": self.optimizer.state_dict(), "policy_version": self.policy_version,
+                 "optimizer_steps": self.optimizer_steps, "rng": rng_state()}
+        if self.lora:
+            # The base weights never change: the adapter and its optimizer state are the whole state.
+            save_file(lora.adapter_state(self.model), str(d / ADAPTER_FILE))
+            save_state({**extra, "lora_rank": int(self.model_cfg.lora_rank)}, d, "actor_state")
+            return {"policy_version": self.policy_version}
         state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
         # Tied embeddings share storage; safetensors refuses shared tensors, so store copies.
         seen: dict[int, str] = {}
@@ -433,8 +485,7 @@ class PolicyWorker(Worker):
                 state[k] = v.clone()
             seen[ptr] = k
         save_file(state, str(d / "model.safetensors"))
-        save_state({"optimizer": self.optimizer.state_dict(), "policy_version": self.policy_version,
-                    "optimizer_steps": self.optimizer_steps, "rng": rng_state()}, d, "actor_state")
+        save_state(extra, d, "actor_state")
         return {"policy_version": self.policy_version}
 
     @dispatch("broadcast")
@@ -449,11 +500,21 @@ class PolicyWorker(Worker):
             self._push_weights()
             return {"policy_version": self.policy_version}
         d = Path(directory)
-        state = load_file(str(d / "model.safetensors"), device=str(self.device) if self.device != "cpu" else "cpu")
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or [m for m in missing if "lm_head" not in m]:
-            raise RuntimeError(f"{d}/model.safetensors does not match the model: missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]}")
+        device = str(self.device) if self.device != "cpu" else "cpu"
+        if self.lora != (d / ADAPTER_FILE).exists():
+            raise RuntimeError(f"{d} holds a {'full-weight' if self.lora else 'LoRA adapter'} checkpoint; this run has "
+                               f"model.lora_rank={self.model_cfg.lora_rank} (resume with the run's own config)")
+        if self.lora:
+            try:
+                lora.load_adapter_state(self.model, load_file(str(d / ADAPTER_FILE), device=device))
+            except RuntimeError as e:
+                raise RuntimeError(f"{d / ADAPTER_FILE}: {e}") from None
+        else:
+            state = load_file(str(d / "model.safetensors"), device=device)
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected or [m for m in missing if "lm_head" not in m]:
+                raise RuntimeError(f"{d}/model.safetensors does not match the model: missing {missing[:3]}, "
+                                   f"unexpected {unexpected[:3]}")
         extra = load_state(d, "actor_state")
         self.optimizer.load_state_dict(extra["optimizer"])
         self.policy_version = int(extra["policy_version"])
@@ -472,6 +533,8 @@ class PolicyWorker(Worker):
         """Save the current policy as a Hugging Face model directory (``from_pretrained``-loadable).
 
         Under DeepSpeed rank 0 writes the consolidated weights (ZeRO-3 gathers them layer by layer).
+        Under LoRA: the merged model, plus the adapter in peft's format in ``adapter/``
+        (:func:`trajflow.modeling.lora.save_final`).
         """
         if self.backend is not None and self.backend.distributed:
             state = self.backend.full_state_dict()
@@ -481,6 +544,9 @@ class PolicyWorker(Worker):
             import torch.distributed as dist
 
             dist.barrier()
+            return directory
+        if self.lora:
+            lora.save_final(self.model, self.tokenizer, directory)
             return directory
         self.model.save_pretrained(directory, safe_serialization=True)
         self.tokenizer.save_pretrained(directory)

@@ -1,0 +1,138 @@
+"""LoRA adapters on the actor, through the peft library (LoRA: Hu et al. 2021, arXiv:2106.09685).
+
+Each targeted linear layer ``y = W x`` becomes ``y = W x + (alpha / r) B A x`` with ``A``
+``(r, in)`` and ``B`` ``(out, r)`` trainable and ``W`` frozen; ``B`` starts at zero, so the wrapped
+model starts as the base model. peft replaces the layers in place (``get_peft_model``), so every
+trajflow forward that calls the model's own modules (the tree-packed and cached-prompt forwards,
+the HF decode loop) runs through the adapters without change.
+
+What this module adds on top of peft:
+
+- :func:`apply_lora`: the ``model.lora_*`` config keys (verl's names) as a ``LoraConfig``;
+- :func:`adapter_state` / :func:`load_adapter_state`: the trainable tensors only (what a
+  checkpoint stores: megabytes instead of the whole model);
+- :func:`merged_state_dict`: ``W + (alpha / r) B A`` under the base model's own parameter names,
+  without touching the live module (weight sync to engines that load plain Hugging Face weights);
+- :func:`save_final`: ``final/`` as a plain merged Hugging Face directory plus ``final/adapter/`` in
+  peft's format.
+
+With adapters disabled (peft's ``disable_adapter()`` context) the module computes the frozen base
+model, which is the reference policy of the KL terms: no second copy of the weights is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: peft's adapter name: one adapter per model.
+ADAPTER = "default"
+#: Where ``final/`` keeps the adapter in peft's format.
+ADAPTER_DIR = "adapter"
+
+
+def lora_enabled(model_cfg: Any) -> bool:
+    return int(getattr(model_cfg, "lora_rank", 0) or 0) > 0
+
+
+def is_lora_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a peft-wrapped model (has adapters)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def apply_lora(model: torch.nn.Module, model_cfg: Any) -> torch.nn.Module:
+    """Wrap ``model`` (a transformers causal LM) with LoRA adapters: a ``peft.PeftModelForCausalLM``.
+
+    Only the adapters' ``lora_A`` / ``lora_B`` weights require grad afterwards (fp32 on CPU, the
+    model's dtype otherwise). ``model.target_modules='all-linear'`` targets every ``nn.Linear`` but
+    the output head, as peft defines it.
+
+    Args:
+        model: the loaded causal LM.
+        model_cfg: the ``model`` config section (``lora_rank``, ``lora_alpha``, ``target_modules``,
+            ``lora_dropout``).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = model_cfg.target_modules
+    targets = targets if isinstance(targets, str) else [str(t) for t in targets]
+    config = LoraConfig(r=int(model_cfg.lora_rank), lora_alpha=float(model_cfg.lora_alpha), target_modules=targets,
+                        lora_dropout=float(model_cfg.lora_dropout), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer holds: those that require grad (all of them without LoRA)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, peft's names (``...q_proj.lora_A.weight``), detached CPU copies."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().cpu().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load what :func:`adapter_state` returned into ``model`` in place (bit for bit).
+
+    Raises:
+        RuntimeError: a key is missing or unexpected (the checkpoint is for another LoRA setup).
+    """
+    from peft import set_peft_model_state_dict
+
+    current = adapter_state(model)
+    if set(current) != set(state) or any(current[k].shape != state[k].shape for k in current):
+        missing = sorted(set(current) - set(state))[:3]
+        unexpected = sorted(set(state) - set(current))[:3]
+        raise RuntimeError(f"the adapter does not match model.lora_rank / model.target_modules: missing {missing}, "
+                           f"unexpected {unexpected}")
+    result = set_peft_model_state_dict(model, state)
+    if getattr(result, "unexpected_keys", None):
+        raise RuntimeError(f"the adapter has unexpected keys {result.unexpected_keys[:3]}")
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The merged weights ``W + (alpha / r) B A`` under the base model's parameter names, the live
+    module left as it is (adapters unmerged): what ``merge_and_unload().state_dict()`` would give,
+    computed with the same addition peft's merge does. Tensors in the model's dtype and device."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {f"{name}.weight": mod.get_delta_weight(ADAPTER)
+              for name, mod in base.named_modules() if isinstance(mod, LoraLayer)}
+    out = {}
+    for k, v in base.state_dict().items():
+        if ".lora_" in k:
+            continue
+        name = k.replace(".base_layer.", ".")
+        out[name] = v + deltas[name] if name in deltas else v
+    return out
+
+
+def reference_mode(model: torch.nn.Module):
+    """Context in which ``model`` computes its frozen base (peft's ``disable_adapter()``)."""
+    return model.disable_adapter()
+
+
+def save_final(model: torch.nn.Module, tokenizer: Any, directory: str | Path) -> None:
+    """``directory``: the merged model as a plain Hugging Face directory (safetensors, loadable by
+    ``AutoModelForCausalLM``), and ``directory/adapter/`` in peft's format (``adapter_config.json``,
+    ``adapter_model.safetensors``; ``PeftModel.from_pretrained(base, directory/adapter)``).
+
+    The merge runs on a copy: the live module keeps training with its adapters unmerged.
+    """
+    d = Path(directory)
+    model.save_pretrained(str(d / ADAPTER_DIR), safe_serialization=True)
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.save_pretrained(str(d), safe_serialization=True)
+    tokenizer.save_pretrained(str(d))
+    del merged
