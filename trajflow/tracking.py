@@ -435,6 +435,17 @@ class Tracker:
         Returns:
             ``runs:/<mlflow run id>/model``, or ``models:/<name>/<version>`` when registered.
         """
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # the console shows the run, not transformers' load/save bars
+        try:
+            return self._log_model(model_dir, registered_name, description)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+
+    def _log_model(self, model_dir: str | Path, registered_name: str | None, description: str) -> str:
         import tempfile
 
         import mlflow.transformers
