@@ -217,7 +217,7 @@ def test_watcher_reaps_listed_processes_when_the_pipe_closes():
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        ct = psutil.Process(victim.pid).create_time()
+        ct = raywatch.started_at(psutil.Process(victim.pid))
         w = raywatch.start([(victim.pid, ct), (bystander.pid, ct - 100.0)])  # wrong create time: not reaped
         time.sleep(0.5)
         assert victim.poll() is None
@@ -230,6 +230,29 @@ def test_watcher_reaps_listed_processes_when_the_pipe_closes():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_wall_clock_step_does_not_hide_a_listed_process(monkeypatch):
+    """The wall clock can step between the driver's record and the watcher's reap (NTP, a VM resumed
+    from a pause); psutil's create_time() and /proc/stat's btime step with it. A listed process must
+    still be recognised by its start time after boot, and reaped."""
+    import psutil
+
+    from trajflow.infra import raywatch
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        listed = [(victim.pid, raywatch.started_at(psutil.Process(victim.pid)))]
+        wall = psutil.Process(victim.pid).create_time()
+        real_btime = psutil._psplatform.boot_time
+        monkeypatch.setattr(psutil._psplatform, "boot_time", lambda: real_btime() + 30.0)  # clock stepped 30 s
+        assert psutil.Process(victim.pid).create_time() == pytest.approx(wall + 30.0)
+        assert raywatch.reap(listed, grace_s=0.0) == [victim.pid]
+        victim.wait(timeout=10)  # reap() ran in this process and already collected its exit status
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
 
 
 def test_watcher_reaps_what_a_raylet_starts_after_it_was_listed(tmp_path):
@@ -250,7 +273,7 @@ def test_watcher_reaps_what_a_raylet_starts_after_it_was_listed(tmp_path):
     try:
         proc = psutil.Process(raylet.pid)
         assert proc.name() == "raylet"
-        w = raywatch.start([(raylet.pid, proc.create_time())])
+        w = raywatch.start([(raylet.pid, raywatch.started_at(proc))])
         deadline = time.time() + 30
         while not pidfile.exists() or not pidfile.read_text():
             assert time.time() < deadline, "the fake raylet never started its agent"
@@ -280,14 +303,18 @@ def test_watcher_never_lists_itself_when_processes_are_added_later():
     from trajflow.infra import ray_cluster, raywatch
 
     def fake_ray() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # ray::fake"])
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # ray::fake"])
+        deadline = time.time() + 10
+        while not psutil.Process(p.pid).cmdline():  # Popen returns inside exec(), before argv is mapped
+            assert time.time() < deadline
+            time.sleep(0.01)
+        return p
 
     ray_cluster._RAY_WATCH.clear()
     ray_cluster._RAY_WATCH["known"] = raywatch.descendants()
     first = fake_ray()
     second = None
     try:
-        psutil.Process(first.pid).cmdline()  # exec'd: its command line names Ray
         ray_cluster.watch_new_ray_processes()  # starts the watcher with the first
         watcher = ray_cluster._RAY_WATCH["watcher"]
         second = fake_ray()
@@ -303,6 +330,48 @@ def test_watcher_never_lists_itself_when_processes_are_added_later():
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_process_caught_inside_exec_is_judged_at_the_next_call(monkeypatch):
+    """Popen returns once exec() has closed the parent's pipe, a moment before the new image's
+    arguments are mapped: /proc then shows an empty command line. Such a process must not be filed
+    as known and never handed over; here its first reading is made empty, as in that moment."""
+    import psutil
+
+    from trajflow.infra import ray_cluster, raywatch
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # ray::fake"])
+    real_cmdline = psutil.Process.cmdline
+    readings = {"n": 0}
+
+    def cmdline(self):
+        if self.pid == proc.pid and readings["n"] == 0:
+            readings["n"] += 1
+            return []
+        return real_cmdline(self)
+
+    ray_cluster._RAY_WATCH.clear()
+    ray_cluster._RAY_WATCH["known"] = {d for d in raywatch.descendants() if d[0] != proc.pid}
+    try:
+        deadline = time.time() + 10
+        while not real_cmdline(psutil.Process(proc.pid)):
+            assert time.time() < deadline
+            time.sleep(0.01)
+        monkeypatch.setattr(psutil.Process, "cmdline", cmdline)
+        ray_cluster.watch_new_ray_processes()  # reads it empty: not handed over yet
+        assert readings["n"] == 1
+        watcher = ray_cluster._RAY_WATCH["watcher"]
+        ray_cluster.watch_new_ray_processes()  # reads it in full now
+        monkeypatch.undo()
+        time.sleep(0.5)
+        ray_cluster.stop_ray()
+        assert watcher.proc.wait(timeout=30) == 0
+        proc.wait(timeout=10)
+    finally:
+        ray_cluster._RAY_WATCH.clear()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 _DRIVER = """

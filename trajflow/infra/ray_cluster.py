@@ -54,7 +54,8 @@ def start_ray(cfg: DictConfig) -> bool:
             info = ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
         try:
             # The flow started Prefect's temporary server before Ray: not new, but ours to reap.
-            _RAY_WATCH["known"] = before - set(raywatch.prefect_servers(before))
+            _RAY_WATCH["known"] = before - {k for k, cmd in raywatch.command_lines(before).items()
+                                            if raywatch.is_prefect_server(cmd)}
             watch_new_ray_processes()
         except Exception as e:  # the watcher is a safety net; never fail a run over it
             log.warning("could not start the Ray watcher: %s", e)
@@ -104,8 +105,10 @@ def watch_new_ray_processes() -> None:
 
     now = raywatch.descendants()
     fresh = now - _RAY_WATCH["known"]
-    new = sorted(set(raywatch.ray_processes(fresh)) | set(raywatch.prefect_servers(fresh)))
-    _RAY_WATCH["known"] = now
+    commands = raywatch.command_lines(fresh)
+    new = sorted(k for k, cmd in commands.items() if raywatch.is_ray(cmd) or raywatch.is_prefect_server(cmd))
+    # A process caught inside exec() reads as an empty command line: judged again at the next call.
+    _RAY_WATCH["known"] = now - {k for k, cmd in commands.items() if not cmd}
     if "watcher" not in _RAY_WATCH:
         _RAY_WATCH["watcher"] = raywatch.start(new)
     else:

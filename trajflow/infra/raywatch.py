@@ -1,7 +1,7 @@
 """Reap what a driver started (its local Ray cluster, Prefect's temporary server) when it dies.
 
 :func:`start` launches this module as a watcher process in its own session; the driver sends it the
-``(pid, create_time)`` of the processes it started (Ray's, and the temporary Prefect API server)
+``(pid, started_at)`` of the processes it started (Ray's, and the temporary Prefect API server)
 and keeps the pipe open. When the pipe closes, however the driver exited, the watcher terminates
 (then kills) those still running with their recorded create time, their descendants, and the
 workers their raylet started later. It imports nothing but the standard library and psutil. Why,
@@ -21,21 +21,41 @@ from typing import Iterable
 GRACE_S = 1.0
 TERM_WAIT_S = 3.0
 POLL_S = 2.0
-# psutil's create_time() is start ticks + /proc/stat's btime, a whole second that can read one apart
-# in two processes (or two calls) when the clock is adjusted; the driver records create times and the
-# watcher compares them, so "same process" means within this much (a pid reused within a second of
-# its previous owner's start is not a case worth guarding against).
+# A process is named by its pid and :func:`started_at` (seconds after boot), never by psutil's
+# create_time(): that is start ticks + /proc/stat's btime, and btime moves with the wall clock, so a
+# clock step (NTP, a VM resumed from a pause) between the driver's record and the watcher's check made
+# a listed process look like a reused pid and escape the reap. started_at reads btime twice within
+# microseconds and cancels it; "same process" still allows this much, for a btime read on either side
+# of a step (a pid reused within a second of its previous owner's start is not a case worth guarding).
 CTIME_TOL_S = 1.5
 
 
+def started_at(p) -> float:
+    """When the ``psutil.Process`` ``p`` started, in seconds after system boot (immune to clock steps).
+
+    Raises:
+        psutil.Error: ``p`` is gone or not readable.
+    """
+    import psutil
+
+    return p.create_time() - psutil.boot_time()
+
+
+def since_boot() -> float:
+    """Now, on the :func:`started_at` scale (seconds after system boot)."""
+    import psutil
+
+    return time.time() - psutil.boot_time()
+
+
 def descendants() -> set[tuple[int, float]]:
-    """``(pid, create_time)`` of every live descendant of this process."""
+    """``(pid, started_at)`` of every live descendant of this process."""
     import psutil
 
     out = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            out.add((p.pid, p.create_time()))
+            out.add((p.pid, started_at(p)))
         except psutil.Error:
             pass
     return out
@@ -47,37 +67,36 @@ def descendants() -> set[tuple[int, float]]:
 PREFECT_SERVER_APP = "prefect.server.api.server:create_app"
 
 
-def ray_processes(candidates: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
-    """The candidates that are Ray's (their command line names Ray: ``gcs_server``, ``raylet``, ``ray::...``).
+def command_lines(candidates: Iterable[tuple[int, float]]) -> dict[tuple[int, float], list[str]]:
+    """One reading of each candidate's command line; processes gone (or zombies) are left out.
 
-    Watchers (this module's own processes, whose command line names ``raywatch``) are never
-    candidates: a watcher listed in its own kill list would terminate itself before the others.
+    An empty list is a process caught inside exec(): Popen has returned (exec closed the parent's
+    pipe) but the new image's arguments are not mapped yet, so it is too early to judge what it is.
     """
     import psutil
 
-    out = []
+    out = {}
     for pid, ctime in candidates:
         try:
-            cmd = " ".join(psutil.Process(pid).cmdline())
+            out[(pid, ctime)] = psutil.Process(pid).cmdline()
         except psutil.Error:
             continue
-        if "ray" in cmd and "raywatch" not in cmd:
-            out.append((pid, ctime))
-    return sorted(out)
+    return out
 
 
-def prefect_servers(candidates: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
-    """The candidates that are a temporary Prefect API server (see :data:`PREFECT_SERVER_APP`)."""
-    import psutil
+def is_ray(cmdline: list[str]) -> bool:
+    """Whether a command line is Ray's (it names Ray: ``gcs_server``, ``raylet``, ``ray::...``).
 
-    out = []
-    for pid, ctime in candidates:
-        try:
-            if PREFECT_SERVER_APP in psutil.Process(pid).cmdline():
-                out.append((pid, ctime))
-        except psutil.Error:
-            continue
-    return sorted(out)
+    Watchers (this module's own processes, whose command line names ``raywatch``) never are: a
+    watcher listed in its own kill list would terminate itself before the others.
+    """
+    cmd = " ".join(cmdline)
+    return "ray" in cmd and "raywatch" not in cmd
+
+
+def is_prefect_server(cmdline: list[str]) -> bool:
+    """Whether a command line is a temporary Prefect API server's (see :data:`PREFECT_SERVER_APP`)."""
+    return PREFECT_SERVER_APP in cmdline
 
 
 class Watcher:
@@ -119,8 +138,8 @@ def start(procs: Iterable[tuple[int, float]]) -> Watcher:
 
 
 def raylet_workers(raylets: Iterable[tuple[int, float]], before: float) -> list[tuple[int, float]]:
-    """``(pid, create_time)`` of processes started by one of ``raylets`` (``RAY_RAYLET_PID`` in their
-    environment) that were created after that raylet and before ``before`` (a time.time())."""
+    """``(pid, started_at)`` of processes started by one of ``raylets`` (``RAY_RAYLET_PID`` in their
+    environment) that were created after that raylet and before ``before`` (a :func:`since_boot`)."""
     import psutil
 
     started = dict(raylets)
@@ -130,7 +149,7 @@ def raylet_workers(raylets: Iterable[tuple[int, float]], before: float) -> list[
     for p in psutil.process_iter():
         try:
             owner = int(p.environ().get("RAY_RAYLET_PID", "0"))
-            ct = p.create_time()
+            ct = started_at(p)
         except (psutil.Error, ValueError):
             continue
         if owner in started and started[owner] - CTIME_TOL_S <= ct < before:
@@ -148,7 +167,7 @@ def reap(procs: Iterable[tuple[int, float]], grace_s: float = GRACE_S, term_wait
     """
     import psutil
 
-    died_at = time.time()
+    died_at = since_boot()
     procs = set(procs)
     # Children the listed processes started since the last poll (Ray's agents a raylet starts late)
     # are looked up now, before the grace period in which a dying raylet can orphan them.
@@ -159,7 +178,7 @@ def reap(procs: Iterable[tuple[int, float]], grace_s: float = GRACE_S, term_wait
     for pid, ctime in procs | set(raylet_workers(raylets, died_at)):
         try:
             p = psutil.Process(pid)
-            if pid != os.getpid() and abs(p.create_time() - ctime) < CTIME_TOL_S \
+            if pid != os.getpid() and abs(started_at(p) - ctime) < CTIME_TOL_S \
                     and p.status() != psutil.STATUS_ZOMBIE:
                 alive.append(p)
         except psutil.Error:
@@ -179,7 +198,7 @@ def reap(procs: Iterable[tuple[int, float]], grace_s: float = GRACE_S, term_wait
 
 
 def children_of(parents: Iterable[tuple[int, float]]) -> set[tuple[int, float]]:
-    """``(pid, create_time)`` of every live descendant of the ``parents`` that still run with their
+    """``(pid, started_at)`` of every live descendant of the ``parents`` that still run with their
     recorded create time (a parent whose pid was reused contributes nothing)."""
     import psutil
 
@@ -187,14 +206,14 @@ def children_of(parents: Iterable[tuple[int, float]]) -> set[tuple[int, float]]:
     for pid, ctime in parents:
         try:
             parent = psutil.Process(pid)
-            if abs(parent.create_time() - ctime) >= CTIME_TOL_S:
+            if abs(started_at(parent) - ctime) >= CTIME_TOL_S:
                 continue
             kids = parent.children(recursive=True)
         except psutil.Error:
             continue
         for p in kids:
             try:
-                out.add((p.pid, p.create_time()))
+                out.add((p.pid, started_at(p)))
             except psutil.Error:
                 pass
     return out
