@@ -144,6 +144,23 @@ def test_colocated_pool_shares_bundles(ray_local, tiny_model_dir):
     assert placement_group_table(pg)["state"] == "REMOVED"
 
 
+def test_lora_reference_takes_no_slot_of_the_pool(ray_local, tiny_model_dir):
+    """Under LoRA the reference is the actor with its adapters off: it must not halve the actor's
+    share of a colocated pool, nor need a pool of its own under split placement."""
+    from trajflow.infra.placement import Placement
+
+    one = "resources.pools={p: {nodes: 1, devices_per_node: 1, device: cpu, num_cpus_per_worker: 1}}"
+    lora = [f"model.path={tiny_model_dir}", one, "actor.pool=p", "actor.kl_loss_coef=0.1", "model.lora_rank=4"]
+    placement = Placement(load_config(None, lora), placement_timeout_s=60)
+    try:
+        assert placement.actor_options("actor", 0)["num_cpus"] == 1.0  # not shared with a reference
+    finally:
+        placement.close()
+    load_config(None, lora + ["resources.placement=split"])  # no reference.pool needed
+    with pytest.raises(ConfigError, match="needs reference.pool"):  # another model as reference: a worker
+        load_config(None, lora + ["resources.placement=split", f"reference.path={tiny_model_dir}"])
+
+
 def test_default_config_keeps_single_actor_options(tiny_model_dir):
     from trajflow.infra.placement import Placement
 

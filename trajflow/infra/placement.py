@@ -100,7 +100,11 @@ def role_enabled(cfg: Any, role: str) -> bool:
     if role == "actor":
         return True
     if role == "reference":
-        return cfg.actor.kl_loss_coef > 0 or bool(cfg.algorithm.use_kl_in_reward)
+        needed = cfg.actor.kl_loss_coef > 0 or bool(cfg.algorithm.use_kl_in_reward)
+        # Under LoRA the actor with its adapters disabled is the reference (verl's ref_in_actor):
+        # no worker, no slot, no share of the pool, unless reference.path names another model.
+        in_actor = cfg.model.lora_rank > 0 and not cfg.reference.path
+        return needed and not in_actor
     if role == "critic":
         # Lazy: stages.advantage imports torch, and the config layer stays importable without it.
         from stages.advantage import needs_values

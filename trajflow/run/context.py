@@ -158,7 +158,9 @@ class RunContext:
         return self.needs_reference() and self.cfg.model.lora_rank > 0 and not self.cfg.reference.path
 
     def needs_reference_worker(self) -> bool:
-        return self.needs_reference() and not self.reference_in_actor()
+        from trajflow.infra.placement import role_enabled
+
+        return role_enabled(self.cfg, "reference")
 
     def needs_critic(self) -> bool:
         """The advantage estimator needs a critic's values (registry metadata of the estimator)."""
