@@ -82,3 +82,37 @@ def test_local_ray_listens_on_loopback_only():
     # The switch that makes the node IP loopback is restored: a later ray.init(address=...) or a
     # `ray start` is untouched.
     assert seen["enable_ray_cluster_after"] is True
+
+
+DEEPSPEED_PROBE = PROBE.split("assert start_ray(")[0] + """
+import tempfile
+from pathlib import Path
+from tests.conftest import make_tiny_model
+from tests.test_deepspeed_ranks import spawn_ds
+
+model_dir = make_tiny_model(Path(tempfile.mkdtemp()))
+assert start_ray(load_config(None, ["resources.num_cpus=2"]))
+try:
+    before = {(r["pid"], r["port"]) for r in listening()}
+    group = spawn_ds(model_dir, 1)
+    pids = [int(p) for p in ray.get([h.__ray_call__.remote(lambda self: __import__("os").getpid())
+                                     for h in group.handles])]
+    rows = [r for r in listening() if (r["pid"], r["port"]) not in before]
+finally:
+    stop_ray()
+print(json.dumps({"listening": rows, "ranks": pids}))
+"""
+
+
+def test_deepspeed_rendezvous_listens_on_loopback_only():
+    """torch's env:// rendezvous serves its TCPStore on every interface; the ranks of a local run
+    must meet on the address Ray gave them (loopback), like everything else the run opens."""
+    out = subprocess.run([sys.executable, "-c", DEEPSPEED_PROBE], cwd=REPO, capture_output=True, text=True,
+                         timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = seen["listening"]
+    # Not vacuous: both ranks opened sockets for the process group (the store and gloo's pairs).
+    assert {r["pid"] for r in rows} == set(seen["ranks"]), rows
+    exposed = [f"{r['name']} (pid {r['pid']}) {r['ip']}:{r['port']}" for r in rows if not _is_loopback(r["ip"])]
+    assert not exposed, "listening beyond loopback: " + ", ".join(exposed)

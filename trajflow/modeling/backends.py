@@ -138,6 +138,36 @@ def setup_rank_env(master_addr: str, master_port: int, rank: int, world_size: in
                        "DS_ACCELERATOR": _DS_ACCELERATOR[device]})
 
 
+def join_process_group(backend: str, rank: int, world_size: int, timeout_s: float = 1800.0) -> None:
+    """Join the ranks' torch.distributed group through a TCPStore that rank 0 serves on ``MASTER_ADDR`` only.
+
+    torch's env:// rendezvous binds its store on every interface (``:::MASTER_PORT``), so a local
+    run exposed it to the network though Ray and the driver listen on loopback. Rank 0 binds the
+    socket itself and hands it to the store (``master_listen_fd``); the other ranks connect as
+    before. ``deepspeed.init_distributed`` then finds the group already initialised and keeps it.
+    Reads the variables :func:`setup_rank_env` set.
+    """
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(max(128, world_size))
+        store = dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=sock.detach())
+    else:
+        store = dist.TCPStore(addr, port, world_size, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def _skip_cpu_op_builds() -> None:
     """Keep DeepSpeed from JIT-compiling its shared-memory all-reduce op on CPU (~40 s).
 
@@ -257,6 +287,7 @@ class DeepSpeedBackend:
             _skip_cpu_op_builds()
         import deepspeed
 
+        join_process_group(collective_backend(device), rank, world_size)
         deepspeed.init_distributed(dist_backend=collective_backend(device), auto_mpi_discovery=False,
                                    rank=rank, world_size=world_size)
         self.rank, self.world_size = rank, world_size
