@@ -121,3 +121,38 @@ def test_engine_comparisons_skip_observation_tokens(worker):
     assert metrics["actor/rollout_logprob_diff"] < 1e-5
     assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["rollout_corr/rollout_is_clipfrac"] == 0.0
+
+
+def test_critic_fits_generated_tokens_only(tiny_model_dir):
+    # Interior mask from the rollout, times the gate's quarantine (row 2), through the stage's own
+    # batch builders. The value head starts at 0, so clipping is inactive and the first loss is
+    # 0.5 * mean of R^2 over the generated tokens of the kept rows; the observation tokens' returns
+    # (100) must not count.
+    import pyarrow as pa
+    from omegaconf import OmegaConf
+
+    from stages.policy_update import critic_batch, with_loss_mask
+    from trajflow.config import CriticConfig
+    from trajflow.workers.critic import CriticWorker
+
+    masks = [[1, 1, 0, 0, 1], [1, 0, 0, 1], [1, 1]]
+    returns = [[1.0, 2.0, 100.0, 100.0, 3.0], [4.0, 100.0, 100.0, 5.0], [7.0, 7.0]]
+    joined = pa.table({
+        "sample_id": ["a", "b", "c"],
+        "prompt_ids": pa.array([[1, 2, 3], [1, 2, 3], [4, 5]], pa.list_(pa.int32())),
+        "response_ids": pa.array([[10, 11, 12, 13, 14], [15, 16, 17, 18], [19, 20]], pa.list_(pa.int32())),
+        "loss_mask": pa.array(masks, pa.list_(pa.int8())),
+        "values": pa.array([[0.0] * len(m) for m in masks], pa.list_(pa.float32())),
+        "returns": pa.array(returns, pa.list_(pa.float32())),
+    })
+    cfg = OmegaConf.create({"actor": {"ppo_mini_batch_size": 3, "shuffle": False}, "rollout": {"n": 1},
+                            "trainer": {"seed": 0}})
+    batch = critic_batch(with_loss_mask(joined, {"quarantined_sample_ids": ["c"]}), 1, cfg)
+    critic = CriticWorker(str(tiny_model_dir), CriticConfig(lr=1e-2, cliprange_value=0.5, ppo_epochs=1,
+                                                            ppo_micro_batch_size=2, grad_clip=0.0),
+                          ModelConfig(dtype="float32"), "cpu", 1)
+    m = critic.update_critic(batch)
+    kept = np.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert m["critic/vf_loss"] == pytest.approx(0.5 * np.mean(kept ** 2), rel=1e-6)
+    var = np.var(kept, ddof=1)
+    assert m["critic/vf_explained_var"] == pytest.approx(1 - var / (var + 1e-5), abs=1e-9)
