@@ -28,7 +28,7 @@ from stages.policy_update import critic_batch, update_batch, update_batch_option
 from stages.reward import final_scores, reward_table
 from stages.rollout import rollout_table, sampling_params
 from stages.seeds import Salt, iteration_seed
-from trajflow.batch import join_stages, lengths
+from trajflow.batch import join_stages, lengths, trainable_lengths
 from trajflow.errors import NonFiniteError
 from trajflow.faults import fault_point
 from trajflow.gates import run_iteration_gate
@@ -158,7 +158,7 @@ def _dynamic_sampling(ctx: RunContext, iteration: int) -> tuple[pa.Table, int]:
         t = rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n, offset=k * target,
                           extra_info_type=ctx.datasets.extra_info_type)
         rule, extras, _, rm = roles.score(ctx, t)
-        final, _ = final_scores(rule, rm, lengths(t.column("response_ids")), reward_cfg, cfg.rollout.max_new_tokens)
+        final, _ = final_scores(rule, rm, trainable_lengths(t), reward_cfg, cfg.rollout.max_new_tokens)
         return GenerationBatch(t, rule, extras, rm, final)
 
     t0 = time.perf_counter()
@@ -276,7 +276,8 @@ def update_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: Sta
     """The critic update (first, as verl, when there is a critic) and the policy update; stores
     ``update.json`` and returns its metrics."""
     cfg, state = ctx.cfg, ctx.iteration(iteration)
-    joined = with_loss_mask(join_stages([ctx.store.read_ref(r) for r in (rollout, reward, advantage)]), gate)
+    stored = join_stages([ctx.store.read_ref(r) for r in (rollout, reward, advantage)])
+    joined = with_loss_mask(stored, gate)
     metrics: dict = {}
     if ctx.critic is not None and "values" in joined.column_names:  # no values: every row was quarantined
         if state.critic_update is None:  # a retry after the actor failed must not update the critic twice
@@ -294,7 +295,7 @@ def update_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: Sta
             f"non-finite gradient norm and were skipped (trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps}); "
             f"the weights are unchanged since the last finite step. Lower actor.lr, check the rewards and advantages "
             f"of {ctx.store.iteration_dir(iteration)}, or resume from the last checkpoint")
-    metrics.update(batch_metrics(joined))
+    metrics.update(batch_metrics(stored))  # data metrics over every row, quarantined ones too
     if cfg.algorithm.mask_truncated_samples:
         metrics["batch/masked_truncated"] = float(sum(f == "length" for f in joined.column("finish_reason").to_pylist()))
     metrics.update(state.rollout_metrics)

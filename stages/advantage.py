@@ -37,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from trajflow.batch import lengths, pad_ragged, to_ragged
+from trajflow.batch import lengths, pad_ragged, to_ragged, trainable_mask
 
 from stages.group_stats import (GroupStats, broadcast_rows, check_inputs, group_ids,
                                 masked_finite, masked_tokens)
@@ -595,7 +595,8 @@ def advantage_table(joined: pa.Table, algorithm_cfg: dict, values: list[np.ndarr
 
     Args:
         joined: rollout + reward columns (needs ``sample_id``, ``group_id``, ``response_ids``,
-            ``token_rewards``).
+            ``token_rewards``; a multi-turn rollout's ``loss_mask`` restricts every estimator to the
+            generated tokens, and the other tokens get advantage and return 0).
         algorithm_cfg: the ``algorithm`` config section.
         values: critic values per row (ragged, aligned with ``response_ids``), for ``gae``.
         reward_baselines: per-row baseline reward (ReMax's greedy score).
@@ -603,9 +604,7 @@ def advantage_table(joined: pa.Table, algorithm_cfg: dict, values: list[np.ndarr
     resp_len = lengths(joined.column("response_ids"))
     T = max(int(resp_len.max()) if len(resp_len) else 1, 1)
     rewards = pad_ragged(joined.column("token_rewards"), 0.0, torch.float32, length=T)
-    mask = torch.arange(T)[None, :] < torch.from_numpy(resp_len)[:, None]
-    if "loss_mask" in joined.column_names:
-        mask = mask & pad_ragged(joined.column("loss_mask"), 0, torch.float32, length=T).bool()
+    mask = trainable_mask(joined, T)  # a multi-turn row's tool/environment tokens take no part
     conf = AdvantageConfig(gamma=algorithm_cfg["gamma"], lam=algorithm_cfg["lam"],
                            norm_adv_by_std_in_grpo=algorithm_cfg["norm_adv_by_std_in_grpo"])
     extra: dict[str, Any] = {}

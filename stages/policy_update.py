@@ -21,7 +21,7 @@ from stages.kl import DEFAULT_KL_LOSS_TYPE, has_k2_gradient, kl_penalty
 from stages.policy_losses import (LOG_RATIO_CLAMP, PolicyLossConfig, agg_loss, bool_mask, check_same_shape,
                                    compute_policy_loss, fill_outside, masked_mean_float)
 from stages.seeds import Salt, iteration_seed
-from trajflow.batch import lengths
+from trajflow.batch import lengths, trainable_mask
 
 __all__ = [
     "ACTOR_LOSS_SHARES",
@@ -337,9 +337,11 @@ class UpdateRows:
         response_ids: token ids of each row's response.
         old_logprobs: the rollout engine's log-prob of each response token.
         advantages: one advantage per response token.
-        loss_mask: optional 0/1 per response token (0: the token is out of the policy loss; whole
-            quarantined or truncated rows are all 0); ``None``: every token counts. A per-token
-            mask over the response also covers multi-turn responses (tool output tokens masked).
+        loss_mask: optional 0/1 per response token (0: the token is out of the policy loss: tool and
+            environment tokens of a multi-turn row, and every token of a quarantined or truncated
+            row); ``None``: every token counts. The policy loss, its KL and entropy terms, every
+            aggregation mode's token and row counts, and the engine-vs-trainer log-prob comparisons
+            (``actor/rollout_logprob_diff``, rollout importance sampling) use only tokens where it is 1.
         ref_logprobs: optional reference log-prob per response token (the KL loss).
 
     Raises:
@@ -462,22 +464,36 @@ def actor_loss_mask(joined: pa.Table, mask_truncated: bool) -> tuple[list[list[f
 
 
 def with_loss_mask(joined: pa.Table, gate: dict | None) -> pa.Table:
-    """Add a ragged 0/1 float32 ``loss_mask`` column that drops the gate's quarantined rows.
+    """The policy loss mask: the rollout's trainable-token ``loss_mask`` times the gate's quarantine.
+
+    A multi-turn rollout stores ``loss_mask`` (list<int8>: 1 where the model generated the token);
+    single-turn rows have none (every token counts). Rows the gate quarantined are zeroed. The
+    result replaces the column, as list<float32>, so the update and the critic read one mask.
 
     Args:
-        joined: the iteration's joined stages (needs ``sample_id``, ``response_ids``).
-        gate: the gate result (``quarantined_sample_ids``); ``None`` or none quarantined: unchanged.
+        joined: the iteration's joined stages (needs ``sample_id``, ``response_ids``; optionally the
+            rollout's ``loss_mask``).
+        gate: the gate result (``quarantined_sample_ids``); ``None`` or none quarantined: the rollout's
+            mask as it is.
 
     Returns:
-        ``joined``, plus ``loss_mask`` (list<float32>, one entry per response token) when rows are dropped.
+        ``joined``, unchanged when nothing is quarantined; otherwise with ``loss_mask`` (list<float32>,
+        one entry per response token) = rollout mask (1 when absent) * (0 on quarantined rows, else 1).
+
+    Raises:
+        trajflow.errors.BatchError: a rollout ``loss_mask`` row of another length than its response.
     """
     dropped = set((gate or {}).get("quarantined_sample_ids") or ())
     if not dropped:
         return joined
     lens = lengths(joined.column("response_ids"))
     keep = [sid not in dropped for sid in joined.column("sample_id").to_pylist()]
-    mask = [[1.0 if k else 0.0] * int(n) for k, n in zip(keep, lens)]
-    return joined.append_column("loss_mask", pa.array(mask, pa.list_(pa.float32())))
+    trainable = trainable_mask(joined)
+    mask = [trainable[i, :int(n)].float().tolist() if k else [0.0] * int(n) for i, (k, n) in enumerate(zip(keep, lens))]
+    column = pa.array(mask, pa.list_(pa.float32()))
+    if "loss_mask" in joined.column_names:
+        return joined.set_column(joined.column_names.index("loss_mask"), "loss_mask", column)
+    return joined.append_column("loss_mask", column)
 
 
 def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_mini_batch_size: int,

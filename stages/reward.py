@@ -22,9 +22,10 @@ import torch
 
 from stages.kl import apply_kl_penalty_to_rewards
 from stages.scorers import SCORERS, load_custom_function, select_scorer
-from trajflow.batch import decode_nested, json_column, lengths, list_column, pad_ragged, to_ragged
+from trajflow.batch import decode_nested, json_column, lengths, list_column, pad_ragged, to_ragged, trainable_mask
 
-__all__ = ["RewardResult", "compute_scores", "final_scores", "overlong_penalty", "reward_table", "score_rows"]
+__all__ = ["RewardResult", "compute_scores", "final_scores", "last_trainable_index", "overlong_penalty",
+           "reward_table", "score_rows"]
 
 # --------------------------------------------------------------------------------------------- batch scoring
 
@@ -296,6 +297,20 @@ def score_rows(data_sources: list[str], solutions: list[str], ground_truths: lis
                                          "strict_format": reward_cfg.get("strict_format", True)})
 
 
+def last_trainable_index(mask: torch.Tensor) -> torch.Tensor:
+    """Where an outcome reward goes: the position of each row's last True in ``mask``.
+
+    Args:
+        mask: ``(batch, response_len)`` bool, the generated tokens (:func:`trajflow.batch.trainable_mask`).
+
+    Returns:
+        ``(batch,)`` int64 positions; 0 for a row with no True (its reward is masked away anyway).
+    """
+    T = mask.shape[-1]
+    pos = torch.arange(T, device=mask.device).expand_as(mask)
+    return torch.where(mask, pos, torch.full_like(pos, -1)).max(dim=-1).values.clamp(min=0)
+
+
 def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
                  ref_logprobs: list[np.ndarray] | None, reward_cfg: dict, algorithm_cfg: dict,
                  max_new_tokens: int, kl_coef: float, rm_scores: np.ndarray | None = None,
@@ -304,8 +319,13 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
 
     The sequence score (:func:`final_scores`: rule scores, combined with the reward model's when
     one is enabled, plus DAPO's soft overlong punishment, Yu et al. 2025, eq. 13) sits on the last
-    response token (outcome reward). With ``algorithm.use_kl_in_reward`` the per-token penalty
-    ``kl_coef * KL`` is subtracted (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2).
+    response token the policy generated (outcome reward): the last token whose rollout ``loss_mask``
+    is 1, which for a single-turn row is the last response token. With
+    ``algorithm.use_kl_in_reward`` the per-token penalty ``kl_coef * KL`` is subtracted (Ziegler et
+    al. 2019, eq. 2; Ouyang et al. 2022, eq. 2) on the generated tokens only; observation and
+    template tokens of a multi-turn row (``loss_mask`` 0) get reward 0, no KL, and do not count in
+    ``critic/kl``'s per-row token mean. The overlong penalty's length is the number of generated
+    tokens.
 
     Args:
         rollout: the rollout table.
@@ -323,13 +343,14 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
         for ReMax, ``token_rewards``, ...) and metrics (``critic/kl``, ``reward/*``).
     """
     resp_len = lengths(rollout.column("response_ids"))
+    B, T = len(resp_len), max(int(resp_len.max()) if len(resp_len) else 1, 1)
+    mask = trainable_mask(rollout, T)
     rule = np.asarray(scores, dtype=np.float32).copy()
-    scores, metrics = final_scores(rule, rm_scores, resp_len, reward_cfg, max_new_tokens)
-    B, T = len(scores), max(int(resp_len.max()) if len(resp_len) else 1, 1)
+    # The overlong penalty measures the generation budget: observation tokens of a multi-turn row
+    # were not generated, so they do not count against rollout.max_new_tokens.
+    scores, metrics = final_scores(rule, rm_scores, mask.sum(dim=-1).numpy(), reward_cfg, max_new_tokens)
     token_scores = torch.zeros((B, T), dtype=torch.float32)
-    last = torch.from_numpy(np.maximum(resp_len - 1, 0))
-    token_scores[torch.arange(B), last] = torch.from_numpy(scores)
-    mask = torch.arange(T)[None, :] < torch.from_numpy(resp_len)[:, None]
+    token_scores[torch.arange(B), last_trainable_index(mask)] = torch.from_numpy(scores)
     token_scores = token_scores * mask
     token_rewards = token_scores
     if algorithm_cfg.get("use_kl_in_reward"):

@@ -29,12 +29,17 @@ PROMPT_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()
 
 # Columns each stage writes (the contract in design.md). `sample_id` keys every stage table.
 # Optional columns: rollout `rollout_logprobs` (engines that report log-probs), `baseline_response_ids`
-# and `baseline_response_text` (ReMax); reward `rule_score`/`rm_score` (reward model), `reward_baseline`
-# (ReMax).
+# and `baseline_response_text` (ReMax), and the multi-turn columns of MULTI_TURN_COLUMNS; reward
+# `rule_score`/`rm_score` (reward model), `reward_baseline` (ReMax).
+#: Rollout columns of multi-turn episodes: `loss_mask` list<int8> (1 where the model generated the
+#: response token, 0 on tool/environment and template tokens; absent = all ones), `turn_spans`
+#: list<int32> (flat [start, end) offsets of each assistant turn in `response_ids`), `num_turns` int32,
+#: `messages` and `tool_calls` (list<struct>, for audit and display only; training never reads them).
+MULTI_TURN_COLUMNS = ("loss_mask", "turn_spans", "num_turns", "messages", "tool_calls")
 ROLLOUT_COLUMNS = ("sample_id", "prompt_id", "group_id", "iteration", "policy_version", "prompt",
                    "prompt_ids", "response_ids", "response_text", "old_logprobs", "finish_reason",
                    "ground_truth", "data_source", "extra_info", "rollout_logprobs", "baseline_response_ids",
-                   "baseline_response_text")
+                   "baseline_response_text", *MULTI_TURN_COLUMNS)
 REWARD_COLUMNS = ("sample_id", "score", "reward_extra", "reward_error", "token_rewards", "ref_logprobs",
                   "rule_score", "rm_score", "reward_baseline")
 ADVANTAGE_COLUMNS = ("sample_id", "values", "advantages", "returns")
@@ -108,6 +113,46 @@ def to_ragged(t: "torch.Tensor", lens: Sequence[int] | np.ndarray, arrow_type: p
     flat = arr[mask]
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, type=arrow_type))
+
+
+def trainable_mask(table: pa.Table, width: int | None = None) -> "torch.Tensor":
+    """Which response tokens the policy generated, as a padded bool tensor.
+
+    The rollout's ``loss_mask`` (multi-turn rows: 0 on observation and template tokens) within each
+    row's ``response_ids``; every response token when the column is absent (single-turn rows).
+
+    Args:
+        table: a table with ``response_ids`` and optionally ``loss_mask`` (any 0/1 number type).
+        width: the padded width (default: the longest response, at least 1).
+
+    Returns:
+        ``(rows, width)`` bool, False on padding.
+
+    Raises:
+        BatchError: a ``loss_mask`` row whose length differs from its ``response_ids`` row.
+    """
+    import torch
+
+    resp_len = lengths(table.column("response_ids"))
+    if width is None:
+        width = max(int(resp_len.max()) if len(resp_len) else 1, 1)
+    mask = torch.arange(width)[None, :] < torch.from_numpy(resp_len)[:, None]
+    if "loss_mask" not in table.column_names:
+        return mask
+    col = table.column("loss_mask")
+    bad = np.nonzero(lengths(col) != resp_len)[0]
+    if len(bad):
+        r = int(bad[0])
+        raise BatchError(f"row {r}: loss_mask has {int(lengths(col)[r])} entries but response_ids has "
+                         f"{int(resp_len[r])}; they must be the same length")
+    return mask & (pad_ragged(col, 0, torch.float32, length=width) != 0)
+
+
+def trainable_lengths(table: pa.Table) -> np.ndarray:
+    """Per-row count of generated response tokens (:func:`trainable_mask`), int64 ``(rows,)``."""
+    if "loss_mask" not in table.column_names:
+        return lengths(table.column("response_ids"))
+    return trainable_mask(table).sum(dim=-1).numpy().astype(np.int64)
 
 
 def list_column(rows: Iterable[Sequence[Any]], arrow_type: pa.DataType) -> pa.ListArray:

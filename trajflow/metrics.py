@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from trajflow.batch import lengths
+from trajflow.batch import lengths, trainable_lengths, trainable_mask
 
 
 def batch_metrics(joined: pa.Table) -> dict[str, float]:
@@ -26,11 +26,21 @@ def batch_metrics(joined: pa.Table) -> dict[str, float]:
     if "token_rewards" in joined.column_names:
         tr = joined.column("token_rewards")
         stats("critic/rewards", np.array([float(np.sum(r)) if r is not None else 0.0 for r in tr.to_pylist()]))
+    # Token statistics over the generated tokens only: observation tokens of a multi-turn row carry
+    # no advantage, return or value of their own (stored as 0), and would pull the means to 0.
+    keep = None
+    if "loss_mask" in joined.column_names:
+        generated = trainable_mask(joined).numpy()
+        keep = generated[np.arange(generated.shape[1])[None, :] < resp_len[:, None]]  # in flattened ragged order
     for col, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"), ("values", "critic/values")):
         if col in joined.column_names:
             flat = joined.column(col).combine_chunks().flatten().to_numpy(zero_copy_only=False)
-            stats(name, flat.astype(np.float64))
+            stats(name, (flat if keep is None else flat[keep]).astype(np.float64))
+    # verl's response_length counts every response token (a multi-turn row's tool output included);
+    # response_length_trainable counts the tokens the policy generated and is trained on.
     stats("response_length", resp_len.astype(np.float64))
+    if keep is not None:
+        stats("response_length_trainable", trainable_lengths(joined).astype(np.float64))
     stats("prompt_length", prompt_len.astype(np.float64))
     fr = joined.column("finish_reason").to_pylist()
     m["response_length/clip_ratio"] = float(np.mean([f == "length" for f in fr])) if fr else 0.0

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from trajflow.errors import GateFailed
-from trajflow.batch import join_stages, lengths
+from trajflow.batch import join_stages, trainable_lengths
 from trajflow.gates.docs import json_safe, write_data_docs
 from trajflow.gates.validate import run_gate
 from trajflow.run.context import RunContext
@@ -26,15 +26,21 @@ log = logging.getLogger(__name__)
 
 
 def gate_view(rollout: pa.Table, reward: pa.Table) -> pa.Table:
-    """The columns the gate validates, one row per response (see ``trajflow.gates``)."""
-    joined = join_stages([rollout.select(["sample_id", "group_id", "iteration", "response_ids", "finish_reason"]),
-                          reward.select(["sample_id", "score", "reward_error"])])
+    """The columns the gate validates, one row per response (see ``trajflow.gates``).
+
+    ``response_length`` is the number of tokens the policy generated (:func:`trajflow.batch.trainable_lengths`):
+    the whole response of a single-turn row; for a multi-turn row without the tool and environment
+    tokens, which do not count against ``rollout.max_new_tokens``.
+    """
+    cols = ["sample_id", "group_id", "iteration", "response_ids", "finish_reason"]
+    cols += ["loss_mask"] if "loss_mask" in rollout.column_names else []
+    joined = join_stages([rollout.select(cols), reward.select(["sample_id", "score", "reward_error"])])
     return pa.table({
         "sample_id": joined.column("sample_id"),
         "group_id": joined.column("group_id"),
         "iteration": joined.column("iteration"),
         "score": joined.column("score"),
-        "response_length": pa.array(lengths(joined.column("response_ids")), pa.int32()),
+        "response_length": pa.array(trainable_lengths(joined), pa.int32()),
         "finish_reason": joined.column("finish_reason"),
         "reward_error": joined.column("reward_error"),
     })

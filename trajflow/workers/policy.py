@@ -61,7 +61,7 @@ class _UpdateState:
 
     trainer_old: list[np.ndarray] | None  # the trainer's old log-probs (None: fully on-policy)
     diffs: list[float] = field(default_factory=list)  # |trainer old - engine| per micro-batch
-    is_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # rollout-IS inputs
+    is_rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)  # rollout-IS inputs
     first_step_ratio_dev: float | None = None
     nonfinite_steps: int = 0  # optimizer steps skipped because the gradient norm was not finite
 
@@ -400,7 +400,9 @@ class PolicyWorker(Worker):
         is_w = None
         if live:
             rollout_lp = self._ragged(rows.old_logprobs, ids, T)
-            m = packed.response_mask
+            # The engine's log-probs exist only where it sampled: a multi-turn row stores 0.0 on its
+            # tool/environment tokens, so engine and trainer are compared on the masked tokens only.
+            m = packed.response_mask & (mask > 0)
             if epoch == 0:
                 state.diffs.append(float(((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)))
             if settings.rollout_is:  # truncated IS: min(pi_old / pi_rollout, C), a constant weight
@@ -409,7 +411,8 @@ class PolicyWorker(Worker):
                 if epoch == 0:
                     for j, r in enumerate(ids):
                         n = len(rows.response_ids[r])
-                        state.is_rows[r] = (old[j, :n].cpu().numpy(), rollout_lp[j, :n].cpu().numpy())
+                        state.is_rows[r] = (old[j, :n].cpu().numpy(), rollout_lp[j, :n].cpu().numpy(),
+                                            m[j, :n].cpu().numpy())
         adv = self._ragged(rows.advantages, ids, T)
         # Dr. GRPO's constant normaliser is the response cap (verl pads responses to it), not the
         # micro-batch's longest response, so micro-batches add up to the mini-batch loss.
@@ -437,17 +440,19 @@ class PolicyWorker(Worker):
                 step[k] = step.get(k, 0.0) + float(v) * frac
 
     @staticmethod
-    def _rollout_is_metrics(rows: dict[int, tuple[np.ndarray, np.ndarray]], level: str, threshold: float) -> dict:
-        """``rollout_corr/*`` over the whole batch from each row's (trainer old, engine) log-probs."""
+    def _rollout_is_metrics(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], level: str,
+                            threshold: float) -> dict:
+        """``rollout_corr/*`` over the whole batch from each row's (trainer old, engine) log-probs and
+        the mask of the tokens that count."""
         ordered = [rows[r] for r in sorted(rows)]
-        width = max([len(o) for o, _ in ordered] + [1])
+        width = max([len(o) for o, _, _ in ordered] + [1])
         old = torch.zeros((len(ordered), width), dtype=torch.float64)
         eng = torch.zeros_like(old)
         mask = torch.zeros((len(ordered), width), dtype=torch.bool)
-        for i, (o, e) in enumerate(ordered):
+        for i, (o, e, k) in enumerate(ordered):
             old[i, :len(o)] = torch.from_numpy(o.astype(np.float64))
             eng[i, :len(e)] = torch.from_numpy(e.astype(np.float64))
-            mask[i, :len(o)] = True
+            mask[i, :len(k)] = torch.from_numpy(k.astype(bool))
         return rollout_is_weights(old, eng, mask, level, threshold)[1]
 
     # ------------------------------------------------------------------ checkpoints
