@@ -1,7 +1,7 @@
 """PNG plots of metric curves (matplotlib, Agg canvas; no display, no pyplot global state).
 
-Used at the end of a run (``plots/reward.png`` and ``plots/response_length.png`` as MLflow
-artifacts, see :func:`log_run_plots`) and by ``trajflow compare`` (one subplot per metric, one line
+Used at the end of a run (``plots/reward.png`` and ``plots/response_length.png`` in the run folder
+and as MLflow artifacts, see :func:`log_run_plots`) and by ``trajflow compare`` (one subplot per metric, one line
 per run, see :func:`plot_curves`).
 """
 
@@ -160,18 +160,20 @@ def run_plots(client, mlflow_run_id: str, out_dir: str | Path, run_name: str | N
     ]
 
 
-def log_run_plots(tracker, run_name: str | None = None) -> list[str]:
-    """Write the end-of-run plots and log them as MLflow artifacts under ``plots/``.
+def log_run_plots(tracker, run_name: str | None = None, out_dir: str | Path | None = None) -> list[str]:
+    """Write the end-of-run plots (the learning curve ``reward.png``: training score and held-out
+    accuracy per iteration; ``response_length.png``) and log them as MLflow artifacts under ``plots/``.
 
     Args:
         tracker: the run's :class:`trajflow.tracking.Tracker`.
         run_name: shown in the titles.
+        out_dir: where the PNGs stay (the run folder's ``plots/``); ``None``: only in MLflow.
 
     Returns:
         The artifact paths (``plots/reward.png``, ``plots/response_length.png``).
     """
     with tempfile.TemporaryDirectory(prefix="trajflow-plots-") as tmp:
-        paths = run_plots(tracker.client, tracker.run_id, tmp, run_name)
+        paths = run_plots(tracker.client, tracker.run_id, out_dir if out_dir is not None else tmp, run_name)
         for p in paths:
             tracker.log_artifact(p, "plots")
         return [f"plots/{p.name}" for p in paths]

@@ -118,6 +118,9 @@ def test_run_logs_config_and_end_of_run_plots(two_runs, tmp_path):
         assert cfg.read_text() == (two_runs.root / name / "config.yaml").read_text()
         png = Path(client.download_artifacts(rid, "plots/reward.png", str(tmp_path)))
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        kept = two_runs.root / name / "plots"  # the learning curve stays in the run folder too
+        assert sorted(p.name for p in kept.iterdir()) == ["response_length.png", "reward.png"]
+        assert (kept / "reward.png").read_bytes() == png.read_bytes()
         tags = client.get_run(rid).data.tags
         assert tags["trajflow.run_id"] == name and tags["trajflow.recipe"] == "grpo_default"
 

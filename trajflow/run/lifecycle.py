@@ -787,13 +787,13 @@ def finished_summary(cfg: DictConfig, run_id: str) -> dict | None:
 
 
 def _log_end_of_run_plots(ctx: RunContext) -> None:
-    """Reward and response-length PNGs as MLflow artifacts (``plots/``); a plotting error only warns."""
+    """Reward and response-length PNGs in ``<run>/plots/`` and as MLflow artifacts; a plotting error only warns."""
     if ctx.tracker is None:
         return
     try:
         from trajflow.plots import log_run_plots
 
-        log_run_plots(ctx.tracker, ctx.run_id)
+        log_run_plots(ctx.tracker, ctx.run_id, ctx.store.run_dir / "plots")
     except Exception as e:  # a missing plot must never fail a finished run
         log.warning("could not log the end-of-run plots: %s", e)
 
