@@ -94,6 +94,24 @@ class DataConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-using rollouts (verl's ``actor_rollout_ref.rollout.multi_turn``)."""
+
+    enable: bool = _f(False, "run episodes of an environment instead of one response per prompt")
+    environment: str = _f("tool_calculator", "registered environment (trajflow.envs.registry.ENVIRONMENTS)")
+    max_assistant_turns: int = _f(4, "assistant turns per episode; one more ends it with finish_reason max_turns", ge=1)
+    max_user_turns: int = _f(4, "observation (tool/user) turns per episode before finish_reason max_turns", ge=0)
+    max_tokens_per_turn: int = _f(0, "tokens one assistant turn may generate (0 = what is left of rollout.max_new_tokens)",
+                                  ge=0)
+    max_tool_response_length: int = _f(256, "characters of a tool's result shown to the model (longer is cut)", ge=1)
+    tool_config_path: Optional[str] = _f(None, "YAML file naming the tools and their options (null = the "
+                                         "environment's own tools)")
+    format: str = _f("hermes", "how the model writes tool calls: <tool_call>{json}</tool_call>",
+                     choices=["hermes"])
+    tool_workers: int = _f(4, "sandbox processes running tool calls at once", ge=1)
+
+
+@dataclass
 class RolloutConfig:
     """Sampling responses from the current policy."""
 
@@ -111,6 +129,7 @@ class RolloutConfig:
                                        gt=0.0, le=1.0)
     pool: Optional[str] = _f(None, "resource pool of separate rollout workers (null = generate inside the "
                              "policy workers, sharing their weights)")
+    multi_turn: MultiTurnConfig = _section(MultiTurnConfig)
 
 
 @dataclass
