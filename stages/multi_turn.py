@@ -165,3 +165,23 @@ def multi_turn_metrics(table: pa.Table) -> dict[str, float]:
             "tool/calls_per_episode": len(calls) / rows,
             "num_turns/mean": float(turns.mean()) if turns.size else 0.0,
             "num_turns/max": float(turns.max()) if turns.size else 0.0}
+
+
+@dataclass(frozen=True)
+class EpisodeGeneration:
+    """What a multi-turn rollout returns: ``len(rows)`` episodes (the caller repeats each prompt row ``n``
+    times, prompt-major).
+
+    Attributes:
+        episodes: the episodes.
+        response_ids: each episode's ``response_ids`` (for length metrics and scoring helpers).
+        response_text: each episode's ``response_ids`` decoded without special tokens.
+        policy_version: the version of the weights that generated.
+        timing: ``timing_s/gen`` (seconds, tool calls included).
+    """
+
+    episodes: list[Episode]
+    response_ids: list[list[int]]
+    response_text: list[str]
+    policy_version: int
+    timing: dict[str, float] = field(default_factory=dict)

@@ -51,15 +51,16 @@ class Scripted:
     calls: int = 0
 
     def generate(self, prompt_ids, params):
-        out, lps = [], []
+        out, lps, fin = [], [], []
         for p in prompt_ids:
             k = self.owner[tuple(p[:self.plen])]
             text = self.turns[k].pop(0)
             ids = self.tok(text, add_special_tokens=False)["input_ids"][:params.max_new_tokens]
             out.append(ids)
             lps.append([-0.5] * len(ids))
+            fin.append("stop" if ids and ids[-1] == self.tok.eos_token_id else "length")
         self.calls += 1
-        return GenerationOutput(response_ids=out, finish_reason=["stop"] * len(out), logprobs=lps)
+        return GenerationOutput(response_ids=out, finish_reason=fin, logprobs=lps)
 
 
 def _scripted(tok, renderer, turns, env_name="tool_calculator", limits=None, sandbox=None):

@@ -30,11 +30,13 @@ PROMPT_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()
 # Columns each stage writes (the contract in design.md). `sample_id` keys every stage table.
 # Optional columns: rollout `rollout_logprobs` (engines that report log-probs), `baseline_response_ids`
 # and `baseline_response_text` (ReMax); reward `rule_score`/`rm_score` (reward model), `reward_baseline`
-# (ReMax).
+# (ReMax); multi-turn rows add `loss_mask`, `turn_spans`, `num_turns`, `messages`, `tool_calls`,
+# `env_reward` (stages/multi_turn.py).
 ROLLOUT_COLUMNS = ("sample_id", "prompt_id", "group_id", "iteration", "policy_version", "prompt",
                    "prompt_ids", "response_ids", "response_text", "old_logprobs", "finish_reason",
                    "ground_truth", "data_source", "extra_info", "rollout_logprobs", "baseline_response_ids",
-                   "baseline_response_text")
+                   "baseline_response_text", "loss_mask", "turn_spans", "num_turns", "messages", "tool_calls",
+                   "env_reward")
 REWARD_COLUMNS = ("sample_id", "score", "reward_extra", "reward_error", "token_rewards", "ref_logprobs",
                   "rule_score", "rm_score", "reward_baseline")
 ADVANTAGE_COLUMNS = ("sample_id", "values", "advantages", "returns")

@@ -568,6 +568,29 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if ob.enable and ob.len > cfg.rollout.max_new_tokens:
         raise ConfigError(f"{source}: reward.overlong_buffer.len={ob.len} must be <= rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}")
+    mt = cfg.rollout.multi_turn
+    if mt.enable:
+        from trajflow.envs.registry import ENVIRONMENTS, load_builtin_environments
+
+        load_builtin_environments()
+        if mt.environment not in ENVIRONMENTS:
+            close = difflib.get_close_matches(str(mt.environment), ENVIRONMENTS.names(), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{source}: rollout.multi_turn.environment={mt.environment!r} is not registered: "
+                              f"choose one of {', '.join(ENVIRONMENTS.names())}{hint}")
+        if cfg.algorithm.filter_groups.enable:
+            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support "
+                              "algorithm.filter_groups.enable=true (dynamic sampling of episodes); set it to false")
+        if cfg.algorithm.adv_estimator == "remax":
+            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support "
+                              "algorithm.adv_estimator='remax' (its greedy baseline is single-turn)")
+        if cfg.model.prompt_format != "auto":
+            raise ConfigError(f"{source}: rollout.multi_turn.enable=true needs model.prompt_format='auto' "
+                              f"(the chat template renders the turns), got {cfg.model.prompt_format!r}")
+        if mt.tool_config_path:
+            from trajflow.envs.tools import load_tool_config
+
+            load_tool_config(mt.tool_config_path)
     if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")

@@ -91,7 +91,7 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
         for i in live:
             left = limits.total_tokens - len(episodes[i].response_ids)
             budgets.setdefault(min(left, limits.turn_tokens) if limits.turn_tokens else left, []).append(i)
-        stepping = []
+        stepping, ended = [], {}
         for budget, idx in sorted(budgets.items()):
             call = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=turn_seed(params.seed, turn, budget))
             out = engine.generate([episodes[i].prompt_ids + episodes[i].response_ids for i in idx], call)
@@ -102,10 +102,11 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
                 text = decode(ids)
                 calls = parse_tool_calls(text, fmt)
                 e.messages.append({"role": "assistant", "content": text, "tool_calls": tool_calls_json(calls)})
-                if not ids or ids[-1] not in eos:
+                if out.finish_reason[j] != "stop" or not ids:
                     e.finish_reason = "length"  # cut by the turn or total budget: not a finished message
                 else:
                     stepping.append(i)
+                    ended[i] = ids[-1] in eos
         with ThreadPoolExecutor(max_workers=max(1, min(step_workers, len(stepping) or 1))) as pool:
             results: list[StepResult] = list(pool.map(
                 lambda i: envs[i].step({"role": "assistant", "content": episodes[i].messages[-1]["content"]}),
@@ -125,7 +126,7 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
                 e.finish_reason = "max_turns"
                 continue
             before = convs[i]
-            obs_ids = renderer.observation_ids(before, res.observations, ended_with_eos=True)
+            obs_ids = renderer.observation_ids(before, res.observations, ended_with_eos=ended[i])
             convs[i] = before + [{"role": "assistant", "content": e.messages[-1]["content"]}] + \
                 [dict(m) for m in res.observations]
             e.messages.extend({"role": m["role"], "content": m["content"], "tool_calls": None}
@@ -139,3 +140,51 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
         if e.finish_reason is None:
             e.finish_reason = "max_turns"
     return episodes
+
+
+class EpisodeRunner:
+    """Everything one process needs to run episodes from the ``rollout.multi_turn`` config: the tools,
+    the sandbox (its processes start on first use), the renderer and the environment factory.
+
+    Args:
+        multi_turn: the ``rollout.multi_turn`` section.
+        tokenizer: the policy's tokenizer (with a chat template).
+        eos_ids: ids that end an assistant turn.
+        total_tokens: ``rollout.max_new_tokens``, the cap on everything after the prompt.
+
+    Raises:
+        ConfigError: the tool config is wrong (names the file, the tool and the field).
+        ValueError: unknown environment, or a tokenizer without a chat template.
+    """
+
+    def __init__(self, multi_turn: Any, tokenizer: Any, eos_ids: Sequence[int], total_tokens: int) -> None:
+        import logging
+
+        from trajflow.envs.registry import EnvContext, environment_tools
+        from trajflow.envs.sandbox import Sandbox
+        from trajflow.envs.tools import load_tool_config
+
+        self.cfg = multi_turn
+        self.tokenizer = tokenizer
+        self.eos_ids = list(eos_ids)
+        configured = load_tool_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
+        tools = environment_tools(multi_turn.environment, EnvContext(configured, None, multi_turn.format))
+        self.sandbox = Sandbox(tools, max_response_chars=multi_turn.max_tool_response_length,
+                               workers=multi_turn.tool_workers)
+        self.context = EnvContext(configured, self.sandbox, multi_turn.format)
+        self.renderer = ChatRenderer(tokenizer, [t.schema() for t in tools], self.eos_ids)
+        self.limits = EpisodeLimits(total_tokens=int(total_tokens), turn_tokens=int(multi_turn.max_tokens_per_turn),
+                                    max_assistant_turns=int(multi_turn.max_assistant_turns),
+                                    max_user_turns=int(multi_turn.max_user_turns))
+        if tools:
+            isolation = self.sandbox.probe_isolation()
+            logging.getLogger(__name__).info("tool sandbox isolation: %s", isolation)
+
+    def run(self, engine: Any, rows: Sequence[dict], params: SamplingParams) -> list[Episode]:
+        """One episode per row (fresh environments) with ``engine``."""
+        from trajflow.envs.registry import make_environment
+
+        envs = [make_environment(self.cfg.environment, self.context) for _ in rows]
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return run_episodes(engine, self.renderer, envs, rows, params, self.limits, self.eos_ids,
+                            fmt=self.cfg.format, decode=decode, step_workers=max(1, int(self.cfg.tool_workers)))

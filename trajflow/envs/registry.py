@@ -100,9 +100,13 @@ def make_environment(name: str, ctx: EnvContext) -> Environment:
     Raises:
         ValueError: ``name`` is not registered (lists the registered names).
     """
-    import trajflow.envs.tool_calculator  # noqa: F401 - registers the built-in environments
-
+    load_builtin_environments()
     return ENVIRONMENTS.get(name)(ctx)
+
+
+def load_builtin_environments() -> None:
+    """Import the modules that register the built-in environments."""
+    import trajflow.envs.tool_calculator  # noqa: F401
 
 
 def environment_tools(name: str, ctx: EnvContext) -> list[Tool]:
