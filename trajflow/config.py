@@ -98,7 +98,7 @@ class MultiTurnConfig:
     """Multi-turn, tool-using rollouts (verl's ``actor_rollout_ref.rollout.multi_turn``)."""
 
     enable: bool = _f(False, "run episodes of an environment instead of one response per prompt")
-    environment: str = _f("tool_calculator", "registered environment (trajflow.envs.registry.ENVIRONMENTS)")
+    environment: str = _f("tool_calculator", "registered environment name, or 'module:factory' of your own")
     max_assistant_turns: int = _f(4, "assistant turns per episode; one more ends it with finish_reason max_turns", ge=1)
     max_user_turns: int = _f(4, "observation (tool/user) turns per episode before finish_reason max_turns", ge=0)
     max_tokens_per_turn: int = _f(0, "tokens one assistant turn may generate (0 = what is left of rollout.max_new_tokens)",
@@ -570,10 +570,15 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
                           f"{cfg.rollout.max_new_tokens}")
     mt = cfg.rollout.multi_turn
     if mt.enable:
-        from trajflow.envs.registry import ENVIRONMENTS, load_builtin_environments
+        from trajflow.envs.registry import ENVIRONMENTS, environment_factory, load_builtin_environments
 
         load_builtin_environments()
-        if mt.environment not in ENVIRONMENTS:
+        if ":" in str(mt.environment):
+            try:
+                environment_factory(str(mt.environment))
+            except ValueError as e:
+                raise ConfigError(f"{source}: rollout.multi_turn.environment={mt.environment!r}: {e}") from None
+        elif mt.environment not in ENVIRONMENTS:
             close = difflib.get_close_matches(str(mt.environment), ENVIRONMENTS.names(), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{source}: rollout.multi_turn.environment={mt.environment!r} is not registered: "

@@ -100,8 +100,22 @@ def make_environment(name: str, ctx: EnvContext) -> Environment:
     Raises:
         ValueError: ``name`` is not registered (lists the registered names).
     """
+    return environment_factory(name)(ctx)
+
+
+def environment_factory(name: str):
+    """The factory of a registered environment, or of ``"module:factory"`` (imported: how a run's
+    workers find an environment defined in the user's own package).
+
+    Raises:
+        ValueError: not registered, or the module or factory cannot be imported.
+    """
     load_builtin_environments()
-    return ENVIRONMENTS.get(name)(ctx)
+    if ":" in name and name not in ENVIRONMENTS:
+        from trajflow.envs.tools import import_callable
+
+        return import_callable(name)
+    return ENVIRONMENTS.get(name)
 
 
 def load_builtin_environments() -> None:
