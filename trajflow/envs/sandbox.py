@@ -1,14 +1,16 @@
 """The tool sandbox: every tool call runs in its own short-lived worker process with limits.
 
-Each call is a child of a ``forkserver`` process (started once, with only this module and the
-built-in tools imported: no torch, no model, no Ray state), so the caller's memory is never shared
-and a call that hangs or crashes takes down only its own process. In the child, before the tool
-runs:
+Each call is a fresh Python interpreter (``python -m trajflow.envs.sandbox``) that imports only this
+module and the tool: it shares no memory with the caller (no model, no torch, no Ray state; a
+``fork`` of a multi-threaded policy worker would also be unsafe), and a call that hangs or crashes
+takes down only its own process. The request goes in on stdin as JSON and the answer comes back as
+JSON on a private pipe, so whatever the tool prints cannot be taken for its result. In the child,
+before the tool is imported:
 
 * ``RLIMIT_CPU`` (``Tool.cpu_time_s``) and ``RLIMIT_AS`` (``Tool.memory_mb``) are set;
 * the network is cut by moving the process into a new, empty network namespace
   (``unshare(CLONE_NEWNET)``); that needs root (or ``CAP_SYS_ADMIN``) on Linux, and when it fails the
-  call still runs, without network isolation, and :func:`isolation` says why.
+  call still runs, without network isolation, and :attr:`Sandbox.isolation` says why.
 
 The parent waits ``Tool.timeout_s`` of wall-clock time and kills the child after that. Every
 failure is returned as a :class:`ToolResult` whose ``error`` starts with its kind (``timeout:``,
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import resource
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,9 +38,6 @@ from trajflow.envs.tools import Tool, check_arguments, import_callable
 log = logging.getLogger(__name__)
 
 CLONE_NEWNET = 0x40000000
-
-#: Modules the forkserver imports once, so that a call's child starts without importing them.
-_PRELOAD = ["trajflow.envs.sandbox", "trajflow.envs.calculator", "trajflow.envs.python_tool"]
 
 
 @dataclass(frozen=True)
@@ -95,27 +95,37 @@ def _drop_network() -> str:
         return f"no network isolation: unshare(CLONE_NEWNET) failed: {e}"
 
 
-def _child(conn, function: str, arguments: dict, options: dict, cpu_s: int, memory_mb: int) -> None:
-    """Body of a call's process: limits, network cut, the call, then one message on ``conn``."""
+def _child(request: dict) -> tuple[str, str, str]:
+    """Body of a call's process: limits, network cut, the call; returns ``(status, value, isolation)``."""
     net = _drop_network()
-    resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_s), int(cpu_s) + 1))
-    mem = int(memory_mb) * 1024 * 1024
+    cpu_s, memory_mb = int(request["cpu_s"]), int(request["memory_mb"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    mem = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     try:
-        value = import_callable(function)(**arguments, **options)
+        value = import_callable(request["function"])(**request["arguments"], **request["options"])
         if not isinstance(value, str):
-            msg = ("error", f"result: the tool returned {type(value).__name__}, not a string", net)
-        else:
-            msg = ("ok", value, net)
+            return "error", f"result: the tool returned {type(value).__name__}, not a string", net
+        return "ok", value, net
     except MemoryError:
-        msg = ("error", f"memory: the call ran out of its {memory_mb} MiB", net)
+        return "error", f"memory: the call ran out of its {memory_mb} MiB", net
     except BaseException as e:  # everything the tool raises is the model's to read
-        msg = ("error", f"exception: {type(e).__name__}: {e}", net)
+        return "error", f"exception: {type(e).__name__}: {e}", net
+
+
+def _main() -> None:
+    """Entry point of a call's process: request on stdin, answer on the fd named by ``argv[1]``."""
+    import sys
+
+    out = os.fdopen(int(sys.argv[1]), "w")
+    request = json.loads(sys.stdin.read())
     try:
-        conn.send(msg)
+        status, value, net = _child(request)
+        text = json.dumps([status, value, net])
     except MemoryError:
-        conn.send(("error", f"memory: the call ran out of its {memory_mb} MiB", net))
-    conn.close()
+        text = json.dumps(["error", f"memory: the call ran out of its {request.get('memory_mb')} MiB", "?"])
+    out.write(text)
+    out.close()
 
 
 def _probe() -> str:
@@ -136,8 +146,6 @@ class Sandbox:
         self.max_response_chars = int(max_response_chars)
         self.workers = int(workers)
         self._slots = threading.BoundedSemaphore(self.workers)
-        self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(_PRELOAD)
         self.isolation: str | None = None
 
     def _truncate(self, text: str) -> str:
@@ -147,37 +155,38 @@ class Sandbox:
 
     def _spawn(self, function: str, arguments: dict, options: dict, tool: Tool) -> tuple[str, str | None]:
         """``(output, error)`` of one call in its own process."""
-        parent, child = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(target=_child, args=(child, function, arguments, options, tool.cpu_time_s,
-                                                     tool.memory_mb), daemon=True)
-        proc.start()
-        child.close()
+        read_fd, write_fd = os.pipe()
+        request = json.dumps({"function": function, "arguments": arguments, "options": options,
+                              "cpu_s": tool.cpu_time_s, "memory_mb": tool.memory_mb})
+        # The child imports what this process can: the same sys.path, whatever set it.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
-            if not parent.poll(tool.timeout_s):
-                proc.kill()
-                proc.join()
-                return "", f"timeout: the call took longer than {tool.timeout_s:g} s and was stopped"
-            try:
-                status, value, net = parent.recv()
-            except EOFError:
-                proc.join()
-                code = proc.exitcode
-                if code is not None and code < 0 and -code == signal.SIGXCPU:
-                    return "", f"cpu: the call used more than {tool.cpu_time_s} s of CPU time"
-                if code is not None and code < 0 and -code == signal.SIGKILL:
-                    return "", f"crashed: killed (SIGKILL), likely out of its {tool.memory_mb} MiB"
-                return "", f"crashed: the call's process exited with code {code}"
-            proc.join(1.0)
-            if self.isolation is None:
-                self.isolation = net
-                if net != "netns":
-                    log.warning("tool sandbox: %s; tools run with CPU, memory and time limits only", net)
-            return (value, None) if status == "ok" else ("", value)
+            proc = subprocess.Popen([sys.executable, "-m", "trajflow.envs.sandbox", str(write_fd)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    pass_fds=(write_fd,), env=env, close_fds=True, start_new_session=True)
         finally:
-            parent.close()
-            if proc.is_alive():
+            os.close(write_fd)
+        with os.fdopen(read_fd, "r") as answer:
+            try:
+                proc.communicate(request.encode(), timeout=tool.timeout_s)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join()
+                proc.wait()
+                return "", f"timeout: the call took longer than {tool.timeout_s:g} s and was stopped"
+            text = answer.read()
+        if not text:
+            code = proc.returncode
+            if code is not None and code < 0 and -code == signal.SIGXCPU:
+                return "", f"cpu: the call used more than {tool.cpu_time_s} s of CPU time"
+            if code is not None and code < 0 and -code == signal.SIGKILL:
+                return "", f"crashed: killed (SIGKILL), likely out of its {tool.memory_mb} MiB"
+            return "", f"crashed: the call's process exited with code {code}"
+        status, value, net = json.loads(text)
+        if self.isolation is None:
+            self.isolation = net
+            if net != "netns":
+                log.warning("tool sandbox: %s; tools run with CPU, memory and time limits only", net)
+        return (value, None) if status == "ok" else ("", value)
 
     def call(self, call: ToolCall) -> ToolResult:
         """Run one parsed call; every failure becomes the result's ``error`` (never raised)."""
@@ -215,3 +224,7 @@ class Sandbox:
                      function="trajflow.envs.sandbox:_probe", timeout_s=30.0)
         self._spawn(probe.function, {}, {}, probe)
         return self.isolation or "unknown"
+
+
+if __name__ == "__main__":
+    _main()
