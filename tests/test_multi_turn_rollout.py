@@ -171,3 +171,27 @@ def test_hf_engine_episodes_keep_sampled_tokens_and_logprobs(tiny_model_dir, tok
         assert torch.allclose(tf[mask], torch.tensor(ep.old_logprobs)[mask], atol=1e-4)
         assert all(lp == 0.0 for lp, m in zip(ep.old_logprobs, ep.loss_mask) if m == 0)
     assert multi >= 2  # the check covered tokens after an observation
+
+
+def test_templates_with_tools_and_without_the_prefix_property(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from trajflow.envs.render import TemplatePrefixError
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # A template that takes tools= (as Qwen's and Hermes' do) gets the schemas, not the plain block.
+    tok.chat_template = ("{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }};"
+                         "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                         "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% endif %}")
+    r = ChatRenderer(tok, [BUILTIN_TOOLS["calculator"].schema(), BUILTIN_TOOLS["python"].schema()], [tok.eos_token_id])
+    assert r.native_tools
+    text = tok.decode(r.prompt_ids([{"role": "user", "content": "hi"}]))
+    assert text == "<|im_start|>system\nTOOLS:calculator;python;<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n" \
+                   "<|im_start|>assistant\n"
+    # A template whose header counts the messages re-renders earlier text: refused, not guessed at.
+    tok.chat_template = ("{{ messages|length }} messages\n{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    r = ChatRenderer(tok, [], [tok.eos_token_id])
+    with pytest.raises(TemplatePrefixError, match="prefix|extension"):
+        r.observation_ids([{"role": "user", "content": "hi"}], [{"role": "user", "content": "go on"}], True)
