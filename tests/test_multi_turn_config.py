@@ -25,6 +25,8 @@ def test_recipe_loads_and_points_at_smollm2():
     (["algorithm.adv_estimator=remax"], "does not support algorithm.adv_estimator='remax'"),
     (["algorithm.filter_groups.enable=true"], "does not support algorithm.filter_groups.enable=true"),
     (["model.prompt_format=plain"], "needs model.prompt_format='auto'"),
+    (["actor.strategy=deepspeed", "actor.zero_stage=3", "actor.world_size=2", "data.train_batch_size=8"],
+     "does not support actor.zero_stage=3 with actor.world_size=2 on the hf engine"),
     (["rollout.multi_turn.format=json"], "rollout.multi_turn.format='json' is not allowed"),
     (["rollout.multi_turn.max_assistant_turns=0"], "rollout.multi_turn.max_assistant_turns=0 is out of range"),
 ])

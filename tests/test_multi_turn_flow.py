@@ -27,9 +27,11 @@ def test_multi_turn_train_run_stores_episodes_and_audits_tools(eos_model, tmp_pa
         "data.dataset": "basic_arithmetic_tool", "rollout.max_new_tokens": 96,
         "rollout.multi_turn.enable": True, "rollout.multi_turn.environment": "tests.mt_envs:scripted_calls",
         "rollout.multi_turn.max_assistant_turns": 4, "rollout.multi_turn.max_tokens_per_turn": 24,
-        "trainer.test_freq": 0, "trainer.log_samples": 0})
+        "trainer.test_freq": 2, "trainer.log_samples": 0})
     summary = train("grpo_tool_calculator", over)
     run_dir = Path(summary["run_dir"])
+    # Validation ran as episodes too (2 held-out prompts, greedy): its lengths count the tool turns' tokens.
+    assert summary["metrics"]["val-aux/response_length/mean"] > 0
     t = pq.read_table(run_dir / "iterations" / "000001" / "rollout.parquet").to_pylist()
     assert len(t) == 4  # 2 prompts x n=2
     stopped = 0
@@ -51,6 +53,12 @@ def test_multi_turn_train_run_stores_episodes_and_audits_tools(eos_model, tmp_pa
             assert [m["role"] for m in row["messages"]] == ["assistant", "tool", "assistant", "tool", "assistant"]
             assert row["messages"][1]["content"] == "7006652"
     assert stopped >= 1, [r["finish_reason"] for r in t]
+
+    last = pq.read_table(run_dir / "iterations" / "000002" / "rollout.parquet").to_pylist()
+    m = summary["metrics"]
+    assert m["tool/calls"] == sum(len(r["tool_calls"]) for r in last)
+    assert m["tool/errors"] == sum(c["error"] is not None for r in last for c in r["tool_calls"])
+    assert m["num_turns/max"] == max(r["num_turns"] for r in last)
 
     found = query_audit(tmp_path / "runs", summary["run_id"],
                         where="tool_errors > 0 AND tool_names LIKE '%,search,%' AND iteration = 1")

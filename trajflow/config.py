@@ -589,6 +589,12 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         if cfg.algorithm.adv_estimator == "remax":
             raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support "
                               "algorithm.adv_estimator='remax' (its greedy baseline is single-turn)")
+        if (cfg.actor.strategy == "deepspeed" and cfg.actor.zero_stage == 3 and cfg.actor.world_size > 1
+                and cfg.rollout.engine == "hf" and cfg.rollout.pool is None):
+            # ZeRO-3 ranks decode in lockstep; episodes give each rank its own number of generate calls.
+            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support actor.zero_stage=3 with "
+                              f"actor.world_size={cfg.actor.world_size} on the hf engine (ranks would wait on each "
+                              "other's turns); use actor.zero_stage<=2, rollout.pool or rollout.engine=vllm")
         if cfg.model.prompt_format != "auto":
             raise ConfigError(f"{source}: rollout.multi_turn.enable=true needs model.prompt_format='auto' "
                               f"(the chat template renders the turns), got {cfg.model.prompt_format!r}")
