@@ -29,10 +29,11 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> list[ToolCall]:
     """
     if fmt not in FORMATS:
         raise ValueError(f"rollout.multi_turn.format={fmt!r}: choose one of {', '.join(FORMATS)}")
-    calls = []
+    calls, end = [], 0
     for m in _CALL.finditer(text):
         calls.append(_parse_one(m.group(1).strip()))
-    tail = text[m.end():] if calls else text  # noqa: F821 - m is bound when calls is non-empty
+        end = m.end()
+    tail = text[end:]  # an opening tag after the last complete call was never closed
     if "<tool_call>" in tail:
         raw = tail[tail.index("<tool_call>"):]
         calls.append(ToolCall("", None, raw, "malformed: <tool_call> is not closed by </tool_call>"))
