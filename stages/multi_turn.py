@@ -174,7 +174,7 @@ class EpisodeGeneration:
 
     Attributes:
         episodes: the episodes.
-        response_ids: each episode's ``response_ids`` (for length metrics and scoring helpers).
+        response_ids: each episode's ``response_ids`` (for length metrics and scoring).
         response_text: each episode's ``response_ids`` decoded without special tokens.
         policy_version: the version of the weights that generated.
         timing: ``timing_s/gen`` (seconds, tool calls included).
