@@ -30,7 +30,8 @@ APP = Path(__file__).resolve().with_name("app.py")
 #: The columns of a trajectory row (the audit table's contract, ``trajflow.audit.query_audit``).
 TRAJECTORY_COLUMNS = ("sample_id", "iteration", "group_id", "prompt_id", "data_source", "prompt_text",
                       "response_text", "ground_truth", "score", "reward_extra", "reward_error", "finish_reason",
-                      "response_length", "advantage_mean", "policy_version", "checkpoint_id")
+                      "response_length", "advantage_mean", "policy_version", "checkpoint_id", "num_turns",
+                      "tool_names", "tool_calls", "tool_errors")
 
 
 # ----------------------------------------------------------------------------------------- runs
@@ -226,13 +227,16 @@ def _iteration_rows(store: RunStore, it: int) -> pa.Table | None:
     """One iteration's trajectories with the audit columns, from its Parquet files (None if no rollout)."""
     import numpy as np
 
+    from trajflow.audit import tool_columns
     from trajflow.batch import join_stages, lengths
 
     if not store.stage_path(it, "rollout").exists():
         return None
-    tables = [store.read_stage(it, "rollout", verify=False).select(
+    rollout = store.read_stage(it, "rollout", verify=False)
+    multi = [c for c in ("num_turns", "tool_calls") if c in rollout.column_names]
+    tables = [rollout.select(
         ["sample_id", "iteration", "group_id", "prompt_id", "data_source", "prompt", "response_text", "ground_truth",
-         "finish_reason", "response_ids", "policy_version"])]
+         "finish_reason", "response_ids", "policy_version"] + multi)]
     if store.stage_path(it, "reward").exists():
         tables.append(store.read_stage(it, "reward", verify=False).select(["sample_id", "score", "reward_extra",
                                                                           "reward_error"]))
@@ -258,6 +262,7 @@ def _iteration_rows(store: RunStore, it: int) -> pa.Table | None:
         "response_length": pa.array(lengths(t.column("response_ids")), pa.int64()),
         "advantage_mean": pa.array(adv, pa.float64()), "policy_version": t.column("policy_version").cast(pa.int64()),
         "checkpoint_id": pa.nulls(n, pa.string()),
+        **tool_columns(t),
     })
 
 

@@ -23,6 +23,7 @@ from prefect.cache_policies import NONE
 
 from stages.advantage import advantage_table, fill_dropped_rows
 from stages.dynamic_sampling import GenerationBatch, dynamic_sampling, sampling_metrics
+from stages.multi_turn import multi_turn_table
 from stages.names import Stage
 from stages.policy_update import critic_batch, update_batch, update_batch_options, with_loss_mask
 from stages.reward import final_scores, reward_table
@@ -126,6 +127,13 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
     _rewind_data_cursor(ctx, iteration)
     if cfg.algorithm.filter_groups.enable:
         table, policy_version = _dynamic_sampling(ctx, iteration)
+    elif cfg.rollout.multi_turn.enable:
+        params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
+        gen = roles.generate_episodes(ctx, state.prompts, params, iteration)
+        table = multi_turn_table(iteration, state.prompts, gen.episodes, gen.response_text, cfg.rollout.n,
+                                 gen.policy_version, extra_info_type=ctx.datasets.extra_info_type)
+        state.timing["timing_s/gen"] = gen.timing["timing_s/gen"]
+        policy_version = gen.policy_version
     else:
         params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
         prompt_ids, gen = roles.generate(ctx, state.prompts, params, iteration)

@@ -54,8 +54,29 @@ AUDIT_SCHEMA = pa.schema([
     ("advantage_mean", pa.float64()),
     ("policy_version", pa.int64()),
     ("checkpoint_id", pa.string()),
+    ("num_turns", pa.int64()),
+    ("tool_names", pa.string()),
+    ("tool_calls", pa.int64()),
+    ("tool_errors", pa.int64()),
 ])
 AUDIT_COLUMNS = tuple(AUDIT_SCHEMA.names)
+
+
+def tool_columns(table: pa.Table) -> dict[str, pa.Array]:
+    """The audit's multi-turn columns of rollout rows: ``num_turns``, ``tool_names`` (the tools called,
+    in order of first call, as ``",calculator,python,"`` so that ``tool_names LIKE '%,python,%'``
+    matches one name exactly), ``tool_calls`` and ``tool_errors`` (counts). Null for single-turn rows.
+    """
+    n = table.num_rows
+    if "tool_calls" not in table.column_names:
+        return {"num_turns": pa.nulls(n, pa.int64()), "tool_names": pa.nulls(n, pa.string()),
+                "tool_calls": pa.nulls(n, pa.int64()), "tool_errors": pa.nulls(n, pa.int64())}
+    calls = [row or [] for row in table.column("tool_calls").to_pylist()]
+    names = ["," + ",".join(dict.fromkeys(c["name"] for c in row if c["name"])) + "," if row else "" for row in calls]
+    return {"num_turns": table.column("num_turns").cast(pa.int64()),
+            "tool_names": pa.array(names, pa.string()),
+            "tool_calls": pa.array([len(row) for row in calls], pa.int64()),
+            "tool_errors": pa.array([sum(c["error"] is not None for c in row) for row in calls], pa.int64())}
 
 
 def prompt_text(prompt: str | list | None) -> str | None:
@@ -140,6 +161,7 @@ def audit_rows(store: RunStore, iteration: int, checkpoint_id: str | None) -> pa
         "advantage_mean": adv,
         "policy_version": col("policy_version", pa.int64()),
         "checkpoint_id": pa.array([checkpoint_id] * n, pa.string()),
+        **tool_columns(joined),
     }, schema=AUDIT_SCHEMA)
 
 
@@ -186,6 +208,10 @@ def append_iteration(store: RunStore, iteration: int, checkpoint_id: str | None,
     if table is None:
         table = db.create_table(TABLE, rows, schema=AUDIT_SCHEMA)
         _index_text(table)
+        return rows.num_rows
+    if table.schema.names != list(AUDIT_COLUMNS):
+        # A table written before the multi-turn columns existed: rebuilt from the Parquet record.
+        rebuild_audit(store)
         return rows.num_rows
     table.delete(f"iteration = {int(iteration)}")
     table.add(rows)

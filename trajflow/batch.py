@@ -34,8 +34,9 @@ PROMPT_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()
 #: Rollout columns of multi-turn episodes: `loss_mask` list<int8> (1 where the model generated the
 #: response token, 0 on tool/environment and template tokens; absent = all ones), `turn_spans`
 #: list<int32> (flat [start, end) offsets of each assistant turn in `response_ids`), `num_turns` int32,
-#: `messages` and `tool_calls` (list<struct>, for audit and display only; training never reads them).
-MULTI_TURN_COLUMNS = ("loss_mask", "turn_spans", "num_turns", "messages", "tool_calls")
+#: `messages` and `tool_calls` (list<struct>, for audit and display only; training never reads them),
+#: `env_reward` float32 (the environment's own reward, nullable; see stages/multi_turn.py).
+MULTI_TURN_COLUMNS = ("loss_mask", "turn_spans", "num_turns", "messages", "tool_calls", "env_reward")
 ROLLOUT_COLUMNS = ("sample_id", "prompt_id", "group_id", "iteration", "policy_version", "prompt",
                    "prompt_ids", "response_ids", "response_text", "old_logprobs", "finish_reason",
                    "ground_truth", "data_source", "extra_info", "rollout_logprobs", "baseline_response_ids",

@@ -94,6 +94,24 @@ class DataConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-using rollouts (verl's ``actor_rollout_ref.rollout.multi_turn``)."""
+
+    enable: bool = _f(False, "run episodes of an environment instead of one response per prompt")
+    environment: str = _f("tool_calculator", "registered environment name, or 'module:factory' of your own")
+    max_assistant_turns: int = _f(4, "assistant turns per episode; one more ends it with finish_reason max_turns", ge=1)
+    max_user_turns: int = _f(4, "observation (tool/user) turns per episode before finish_reason max_turns", ge=0)
+    max_tokens_per_turn: int = _f(0, "tokens one assistant turn may generate (0 = what is left of rollout.max_new_tokens)",
+                                  ge=0)
+    max_tool_response_length: int = _f(256, "characters of a tool's result shown to the model (longer is cut)", ge=1)
+    tool_config_path: Optional[str] = _f(None, "YAML file naming the tools and their options (null = the "
+                                         "environment's own tools)")
+    format: str = _f("hermes", "how the model writes tool calls: <tool_call>{json}</tool_call>",
+                     choices=["hermes"])
+    tool_workers: int = _f(4, "sandbox processes running tool calls at once", ge=1)
+
+
+@dataclass
 class RolloutConfig:
     """Sampling responses from the current policy."""
 
@@ -111,6 +129,7 @@ class RolloutConfig:
                                        gt=0.0, le=1.0)
     pool: Optional[str] = _f(None, "resource pool of separate rollout workers (null = generate inside the "
                              "policy workers, sharing their weights)")
+    multi_turn: MultiTurnConfig = _section(MultiTurnConfig)
 
 
 @dataclass
@@ -549,6 +568,40 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if ob.enable and ob.len > cfg.rollout.max_new_tokens:
         raise ConfigError(f"{source}: reward.overlong_buffer.len={ob.len} must be <= rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}")
+    mt = cfg.rollout.multi_turn
+    if mt.enable:
+        from trajflow.envs.registry import ENVIRONMENTS, environment_factory, load_builtin_environments
+
+        load_builtin_environments()
+        if ":" in str(mt.environment):
+            try:
+                environment_factory(str(mt.environment))
+            except ValueError as e:
+                raise ConfigError(f"{source}: rollout.multi_turn.environment={mt.environment!r}: {e}") from None
+        elif mt.environment not in ENVIRONMENTS:
+            close = difflib.get_close_matches(str(mt.environment), ENVIRONMENTS.names(), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{source}: rollout.multi_turn.environment={mt.environment!r} is not registered: "
+                              f"choose one of {', '.join(ENVIRONMENTS.names())}{hint}")
+        if cfg.algorithm.filter_groups.enable:
+            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support "
+                              "algorithm.filter_groups.enable=true (dynamic sampling of episodes); set it to false")
+        if cfg.algorithm.adv_estimator == "remax":
+            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support "
+                              "algorithm.adv_estimator='remax' (its greedy baseline is single-turn)")
+        if (cfg.actor.strategy == "deepspeed" and cfg.actor.zero_stage == 3 and cfg.actor.world_size > 1
+                and cfg.rollout.engine == "hf" and cfg.rollout.pool is None):
+            # ZeRO-3 ranks decode in lockstep; episodes give each rank its own number of generate calls.
+            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support actor.zero_stage=3 with "
+                              f"actor.world_size={cfg.actor.world_size} on the hf engine (ranks would wait on each "
+                              "other's turns); use actor.zero_stage<=2, rollout.pool or rollout.engine=vllm")
+        if cfg.model.prompt_format != "auto":
+            raise ConfigError(f"{source}: rollout.multi_turn.enable=true needs model.prompt_format='auto' "
+                              f"(the chat template renders the turns), got {cfg.model.prompt_format!r}")
+        if mt.tool_config_path:
+            from trajflow.envs.tools import load_tool_config
+
+            load_tool_config(mt.tool_config_path)
     if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")

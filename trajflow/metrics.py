@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from stages.multi_turn import multi_turn_metrics
 from trajflow.batch import lengths, trainable_lengths, trainable_mask
 
 
@@ -51,6 +52,7 @@ def batch_metrics(joined: pa.Table) -> dict[str, float]:
     m["perf/total_num_tokens"] = float(total.sum())
     if "reward_error" in joined.column_names:
         m["reward/scorer_errors"] = float(joined.column("reward_error").null_count * -1 + joined.num_rows)
+    m.update(multi_turn_metrics(joined))  # tool/* and num_turns/*, multi-turn rows only
     return m
 
 

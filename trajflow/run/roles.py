@@ -31,6 +31,19 @@ def generate(ctx: RunContext, prompts: list, params: SamplingParams, iteration: 
     return prompt_ids, wait(ctx, pending)
 
 
+def generate_episodes(ctx: RunContext, prompts: list, params: SamplingParams, iteration: int | None = None):
+    """Run ``params.n`` multi-turn episodes per prompt on the policy (or rollout) workers.
+
+    Returns:
+        :class:`stages.multi_turn.EpisodeGeneration`, ``len(prompts) * n`` episodes, prompt-major.
+    """
+    rows = [{"messages": p.messages, "ground_truth": str(p.ground_truth), "data_source": p.data_source,
+             "extra_info": p.extra_info, "prompt_id": str(p.prompt_id)} for p in prompts for _ in range(params.n)]
+    pending = ctx.actor.generate_episodes.remote(rows, params)
+    fault_point("rollout", iteration)
+    return wait(ctx, pending)
+
+
 def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
           ) -> tuple[np.ndarray, list, int, np.ndarray | None]:
     """Score a rollout table's responses: rule scorers on ``reward.num_workers`` Ray tasks and, in

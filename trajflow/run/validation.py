@@ -38,8 +38,13 @@ def run_validation(ctx: RunContext, step: int) -> dict[str, float]:
     n = cfg.rollout.val_n
     params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, step, Salt.VALIDATION), n=n,
                              temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0)
-    prompt_ids = wait(ctx, ctx.actor.tokenize_prompts.remote([p.messages for p in prompts], cfg.data.max_prompt_length))
-    gen = wait(ctx, ctx.actor.generate_sequences.remote(prompt_ids, params, False))
+    if cfg.rollout.multi_turn.enable:  # the held-out prompts as episodes, tools and all
+        from trajflow.run.roles import generate_episodes
+
+        gen = generate_episodes(ctx, prompts, params)
+    else:
+        prompt_ids = wait(ctx, ctx.actor.tokenize_prompts.remote([p.messages for p in prompts], cfg.data.max_prompt_length))
+        gen = wait(ctx, ctx.actor.generate_sequences.remote(prompt_ids, params, False))
     rows = [p for p in prompts for _ in range(n)]
     result = score_rows([p.data_source for p in rows], gen.response_text, [str(p.ground_truth) for p in rows],
                         [json.dumps(p.extra_info, default=str) for p in rows], ctx.reward_settings())

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from stages.multi_turn import EpisodeGeneration
 from stages.policy_update import ACTOR_LOSS_SHARES, ActorLossConfig, UpdateBatch, UpdateRows, actor_loss
 from stages.rollout import Generation, SamplingParams
 from stages.rollout_correction import rollout_is_weights
@@ -231,6 +232,31 @@ class PolicyWorker(Worker):
                 old_logprobs = out.logprobs
         return Generation(response_ids=out.response_ids, response_text=text, finish_reason=out.finish_reason,
                           old_logprobs=old_logprobs, policy_version=self.policy_version, timing=timing)
+
+    @dispatch("split", split_args=("rows",))
+    def generate_episodes(self, rows: list[dict], params: SamplingParams) -> EpisodeGeneration:
+        """Run one multi-turn episode per row (``rollout.multi_turn``) on this worker's engine.
+
+        Tools run in the sandbox's own processes, never in this one. The caller repeats each prompt
+        row ``n`` times; ``params.n`` is ignored.
+
+        Returns:
+            :class:`~stages.multi_turn.EpisodeGeneration` with the episodes in row order; the engine's
+            log-probs are the episodes' ``old_logprobs`` (0.0 everywhere for greedy decoding).
+        """
+        from trajflow.engines.episodes import EpisodeRunner
+
+        if getattr(self, "_episodes", None) is None:
+            self._episodes = EpisodeRunner(self.rollout.multi_turn, self.tokenizer, self.eos_ids,
+                                           self.rollout.max_new_tokens)
+        t0 = time.perf_counter()
+        episodes = self._episodes.run(self.engine, rows, params)
+        if getattr(self.engine, "colocated", False):
+            self.engine.sleep()
+        ids = [e.response_ids for e in episodes]
+        return EpisodeGeneration(episodes=episodes, response_ids=ids,
+                                 response_text=self.tokenizer.batch_decode(ids, skip_special_tokens=True),
+                                 policy_version=self.policy_version, timing={"timing_s/gen": time.perf_counter() - t0})
 
     @dispatch("split", split_args=("prompt_ids", "response_ids"))
     def compute_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],

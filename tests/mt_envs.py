@@ -1,0 +1,66 @@
+"""A scripted tool environment and an EOS-prone tiny model, for multi-turn runs through the real flow.
+
+The random tiny model cannot write tool calls, so :class:`ScriptedCalls` makes them itself: whatever
+the assistant says, turn 1 runs ``calculator`` on ``1234 * 5678`` and turn 2 calls an unknown tool,
+both in the real sandbox; turn 3 ends the episode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trajflow.envs.registry import EnvContext, StepResult, ToolEnvironment
+from trajflow.envs.sandbox import ToolCall
+from trajflow.envs.tools import BUILTIN_TOOLS
+
+
+class ScriptedCalls(ToolEnvironment):
+    def __init__(self, ctx: EnvContext) -> None:
+        super().__init__(ctx, default_tools=[BUILTIN_TOOLS["calculator"]])
+        self.turn = 0
+
+    def step(self, message: dict) -> StepResult:
+        self.turn += 1
+        if self.turn == 1:
+            calls = [ToolCall("calculator", {"expression": "1234 * 5678"}, "")]
+        elif self.turn == 2:
+            calls = [ToolCall("search", {"q": "x"}, "")]
+        else:
+            return StepResult(done=True)
+        results = self.sandbox.run(calls)
+        return StepResult(observations=[{"role": "tool", "content": r.result} for r in results], tool_calls=results)
+
+
+def scripted_calls(ctx: EnvContext) -> ScriptedCalls:
+    return ScriptedCalls(ctx)
+
+
+def make_eos_model(out: Path, eos_logit_scale: float = 1.7) -> Path:
+    """The tiny model (tests.conftest.make_tiny_model) changed so that every token is followed by EOS with
+    probability ~0.2 and by a uniformly drawn token otherwise: turns of a few tokens that end.
+
+    The residual stream is just the token embedding (attention and MLP outputs zeroed), whose
+    dimension 0 is a constant 4, and the untied head reads only that dimension into the EOS logit.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import make_tiny_model
+
+    make_tiny_model(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    model.config.tie_word_embeddings = False
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = 4.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False)
+        head.weight.zero_()
+        head.weight[model.config.eos_token_id, 0] = eos_logit_scale
+        model.lm_head = head
+    model.save_pretrained(out)
+    return out

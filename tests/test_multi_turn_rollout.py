@@ -1,0 +1,197 @@
+"""The multi-turn episode loop: token-in/token-out rows per the contract, on the real HF engine with the
+tiny model, and the tool flow and budgets with scripted assistant turns and the real sandbox."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from stages.multi_turn import multi_turn_metrics, multi_turn_table
+from stages.rollout import SamplingParams
+from trajflow.engines.base import GenerationOutput
+from trajflow.engines.episodes import EpisodeLimits, run_episodes
+from trajflow.engines.hf import HFRolloutEngine
+from trajflow.envs.registry import ENVIRONMENTS, EnvContext, Environment, StepResult, make_environment
+from trajflow.envs.render import ChatRenderer
+from trajflow.envs.sandbox import Sandbox
+from trajflow.envs.tools import BUILTIN_TOOLS
+
+ROW = {"messages": [{"role": "user", "content": "Calculate 1234 * 5678."}], "ground_truth": "7006652",
+       "data_source": "reasoning_gym/basic_arithmetic", "extra_info": {}, "prompt_id": "0"}
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}</tool_call>'
+
+
+class GoOn(Environment):
+    """Never done: answers every assistant message with the user message "go on"."""
+
+    def step(self, message: dict) -> StepResult:
+        return StepResult(observations=[{"role": "user", "content": "go on"}])
+
+
+@ENVIRONMENTS.register("test_go_on")
+def _go_on(ctx: EnvContext) -> GoOn:
+    return GoOn()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@dataclass
+class Scripted:
+    """An engine that "samples" given assistant texts in order (one list per episode), for the loop's logic."""
+
+    tok: object
+    turns: list[list[str]]
+    calls: int = 0
+
+    def generate(self, prompt_ids, params):
+        out, lps, fin = [], [], []
+        for p in prompt_ids:
+            k = self.owner[tuple(p[:self.plen])]
+            text = self.turns[k].pop(0)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"][:params.max_new_tokens]
+            out.append(ids)
+            lps.append([-0.5] * len(ids))
+            fin.append("stop" if ids and ids[-1] == self.tok.eos_token_id else "length")
+        self.calls += 1
+        return GenerationOutput(response_ids=out, finish_reason=fin, logprobs=lps)
+
+
+def _scripted(tok, renderer, turns, env_name="tool_calculator", limits=None, sandbox=None):
+    sandbox = sandbox or Sandbox([BUILTIN_TOOLS["calculator"]], max_response_chars=64)
+    envs = [make_environment(env_name, EnvContext([], sandbox)) for _ in turns]
+    rows = [{**ROW, "messages": [{"role": "user", "content": f"Problem {k}."}]} for k in range(len(turns))]
+    engine = Scripted(tok, turns)
+    # Episodes are told apart by their prompt tokens (they differ only in the problem number).
+    prompts = [renderer.prompt_ids(e.reset(r)) for e, r in zip(envs, rows)]
+    engine.plen = len(prompts[0])
+    engine.owner = {tuple(p): k for k, p in enumerate(prompts)}
+    limits = limits or EpisodeLimits(total_tokens=512, max_assistant_turns=3, max_user_turns=3)
+    return run_episodes(engine, renderer, envs, rows, SamplingParams(temperature=1.0, seed=1), limits,
+                        [tok.eos_token_id])
+
+
+def test_tool_call_episode_follows_the_row_contract(tok):
+    renderer = ChatRenderer(tok, [BUILTIN_TOOLS["calculator"].schema()], [tok.eos_token_id])
+    eos = tok.eos_token
+    (ep,) = _scripted(tok, renderer, [[f"Let me compute. {CALL}{eos}", f"The product is 7006652.\nAnswer: 7006652{eos}"]])
+    assert ep.finish_reason == "stop" and ep.num_turns == 2
+    t1 = tok(f"Let me compute. {CALL}{eos}", add_special_tokens=False)["input_ids"]
+    t2 = tok(f"The product is 7006652.\nAnswer: 7006652{eos}", add_special_tokens=False)["input_ids"]
+    # ChatML, written out by hand: the closing newline, the tool turn, the next generation prompt.
+    obs = tok("\n<|im_start|>tool\n7006652<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert ep.response_ids == t1 + obs + t2
+    assert ep.loss_mask == [1] * len(t1) + [0] * len(obs) + [1] * len(t2)
+    assert ep.old_logprobs == [-0.5] * len(t1) + [0.0] * len(obs) + [-0.5] * len(t2)
+    assert ep.turn_spans == [0, len(t1), len(t1) + len(obs), len(t1) + len(obs) + len(t2)]
+    assert [m["role"] for m in ep.messages] == ["assistant", "tool", "assistant"]
+    assert '"expression": "1234 * 5678"' in ep.messages[0]["tool_calls"] and ep.messages[2]["tool_calls"] is None
+    (call,) = ep.tool_calls
+    assert (call["turn"], call["name"], call["result"], call["error"]) == (0, "calculator", "7006652", None)
+    # The prompt: the reset messages with the plain tools block in the system message (no tools= in SmolLM2's template).
+    text = tok.decode(ep.prompt_ids)
+    assert text.startswith("<|im_start|>system\n") and '"name": "calculator"' in text and "<tools>" in text
+    assert text.endswith("<|im_start|>user\nProblem 0.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_errors_turns_and_budgets(tok):
+    renderer = ChatRenderer(tok, [BUILTIN_TOOLS["calculator"].schema()], [tok.eos_token_id])
+    eos = tok.eos_token
+    bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 **"}}</tool_call>'
+    eps = _scripted(tok, renderer, [
+        [f"{bad}{eos}", f"{CALL}{eos}", f"{CALL}{eos}"],           # 3 turns, still calling: max_turns
+        ["<tool_call>{oops</tool_call>" + eos, f"Answer: 1{eos}"],  # malformed, then stops
+        ["no end of turn here"],                                     # no EOS: cut, length
+    ])
+    assert [e.finish_reason for e in eps] == ["max_turns", "stop", "length"]
+    assert [e.num_turns for e in eps] == [3, 2, 1]
+    assert eps[0].tool_calls[0]["error"].startswith("exception: ValueError: cannot parse")
+    assert eps[0].tool_calls[0]["result"].startswith("Error: exception:")
+    assert eps[1].tool_calls[0]["error"].startswith("malformed:") and eps[1].tool_calls[0]["name"] == ""
+    # The last turn's tool result is recorded but its tokens are not appended (nothing would answer them).
+    assert eps[0].loss_mask[-1] == 1 and eps[0].messages[-1]["role"] == "tool"
+
+    from types import SimpleNamespace
+    prompts = [SimpleNamespace(prompt_id=str(k), ground_truth="1", data_source="d", extra_info={}) for k in range(3)]
+    table = multi_turn_table(0, prompts, eps, ["x"] * 3, n=1, policy_version=0)
+    m = multi_turn_metrics(table)
+    # calls: 3 (episode 0) + 1 (episode 1); errors: the bad expression and the malformed call.
+    assert m["tool/calls"] == 4 and m["tool/errors"] == 2 and m["tool/timeouts"] == 0
+    assert m["num_turns/mean"] == pytest.approx(2.0) and m["num_turns/max"] == 3
+    assert table.schema.field("loss_mask").type.value_type.bit_width == 8
+
+    # Total budget: an observation that does not fit ends the episode with `length`, before it is appended.
+    t1 = len(tok(f"{CALL}{eos}", add_special_tokens=False)["input_ids"])
+    (ep,) = _scripted(tok, renderer, [[f"{CALL}{eos}", f"Answer: 7006652{eos}"]],
+                      limits=EpisodeLimits(total_tokens=t1 + 5, max_assistant_turns=3, max_user_turns=3))
+    assert ep.finish_reason == "length" and len(ep.response_ids) == t1 and ep.num_turns == 1
+    # max_user_turns=0: no observation may be appended.
+    (ep,) = _scripted(tok, renderer, [[f"{CALL}{eos}"]],
+                      limits=EpisodeLimits(total_tokens=512, max_assistant_turns=3, max_user_turns=0))
+    assert ep.finish_reason == "max_turns" and ep.num_turns == 1
+
+
+def test_hf_engine_episodes_keep_sampled_tokens_and_logprobs(tiny_model_dir, tok):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    eos = tok.eos_token_id
+    bias = torch.zeros(len(tok))
+    bias[eos] = 9.0  # the random tiny model ends a turn after a few tokens instead of never
+    model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    engine = HFRolloutEngine(model, tok.pad_token_id, [eos], micro_batch_size=8)
+    renderer = ChatRenderer(tok, [], [eos])
+    envs = [make_environment("test_go_on", EnvContext([], None)) for _ in range(4)]
+    rows = [{**ROW, "messages": [{"role": "user", "content": f"Say {k}."}]} for k in range(4)]
+    eps = run_episodes(engine, renderer, envs, rows, SamplingParams(temperature=1.0, seed=3),
+                       EpisodeLimits(total_tokens=96, turn_tokens=24, max_assistant_turns=3, max_user_turns=3), [eos])
+    obs = tok("\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    multi = 0
+    for ep in eps:
+        assert ep.finish_reason in ("max_turns", "length")
+        assert len(ep.response_ids) == len(ep.loss_mask) == len(ep.old_logprobs) <= 96
+        spans = list(zip(ep.turn_spans[::2], ep.turn_spans[1::2]))
+        multi += len(spans) > 1
+        for (a, b), nxt in zip(spans, spans[1:] + [(len(ep.response_ids), None)]):
+            assert ep.loss_mask[a:b] == [1] * (b - a) and b - a <= 24
+            assert ep.response_ids[b:nxt[0]] == (obs if nxt[1] is not None else [])
+            assert ep.loss_mask[b:nxt[0]] == [0] * (nxt[0] - b)
+        # Teacher-forced log-probs of the whole sequence equal the sampler's at the generated tokens.
+        ids = torch.tensor([ep.prompt_ids + ep.response_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        tf = logp.gather(-1, ids[0, 1:, None])[:, 0][len(ep.prompt_ids) - 1:]
+        mask = torch.tensor(ep.loss_mask, dtype=torch.bool)
+        assert torch.allclose(tf[mask], torch.tensor(ep.old_logprobs)[mask], atol=1e-4)
+        assert all(lp == 0.0 for lp, m in zip(ep.old_logprobs, ep.loss_mask) if m == 0)
+    assert multi >= 2  # the check covered tokens after an observation
+
+
+def test_templates_with_tools_and_without_the_prefix_property(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from trajflow.envs.render import TemplatePrefixError
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # A template that takes tools= (as Qwen's and Hermes' do) gets the schemas, not the plain block.
+    tok.chat_template = ("{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name }};"
+                         "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                         "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% endif %}")
+    r = ChatRenderer(tok, [BUILTIN_TOOLS["calculator"].schema(), BUILTIN_TOOLS["python"].schema()], [tok.eos_token_id])
+    assert r.native_tools
+    text = tok.decode(r.prompt_ids([{"role": "user", "content": "hi"}]))
+    assert text == "<|im_start|>system\nTOOLS:calculator;python;<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n" \
+                   "<|im_start|>assistant\n"
+    # A template whose header counts the messages re-renders earlier text: refused, not guessed at.
+    tok.chat_template = ("{{ messages|length }} messages\n{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    r = ChatRenderer(tok, [], [tok.eos_token_id])
+    with pytest.raises(TemplatePrefixError, match="prefix|extension"):
+        r.observation_ids([{"role": "user", "content": "hi"}], [{"role": "user", "content": "go on"}], True)

@@ -1,0 +1,130 @@
+"""The environment interface and the registry of environments by name (``rollout.multi_turn.environment``).
+
+An environment is built once per episode by its registered factory, ``factory(ctx: EnvContext) ->
+Environment``; :meth:`Environment.reset` gives the episode's first messages from the prompt row and
+:meth:`Environment.step` answers each assistant message. :class:`ToolEnvironment` is the usual base:
+it runs the message's tool calls in the sandbox and ends the episode at the first message without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from stages.registry import Registry
+from trajflow.envs.sandbox import Sandbox, ToolResult
+from trajflow.envs.tool_format import parse_tool_calls
+from trajflow.envs.tools import Tool
+
+#: Environments by config name; a factory takes an :class:`EnvContext` and returns an :class:`Environment`.
+ENVIRONMENTS = Registry("environment")
+
+
+@dataclass(frozen=True)
+class EnvContext:
+    """What an environment factory gets.
+
+    Attributes:
+        tools: the tools of the run (from ``rollout.multi_turn.tool_config_path``, or the
+            environment's defaults when that is null: then ``tools`` is empty).
+        sandbox: where tool calls run.
+        format: ``rollout.multi_turn.format``.
+    """
+
+    tools: Sequence[Tool]
+    sandbox: Sandbox | None
+    format: str = "hermes"
+
+
+@dataclass
+class StepResult:
+    """An environment's answer to an assistant message.
+
+    Attributes:
+        observations: messages appended to the conversation (``{"role": "tool"|"user", "content": str}``).
+        done: the episode is over (``finish_reason`` ``stop``).
+        reward: an outcome reward from the environment, or ``None`` (the reward stage's scorer decides).
+        tool_calls: the calls this step ran, for the stored record and the ``tool/*`` metrics.
+    """
+
+    observations: list[dict] = field(default_factory=list)
+    done: bool = False
+    reward: float | None = None
+    tool_calls: list[ToolResult] = field(default_factory=list)
+
+
+class Environment:
+    """One episode's environment. Subclasses override :meth:`reset` and :meth:`step`.
+
+    Attributes:
+        tools: the tools whose schemas are shown to the model (the chat template's ``tools=``).
+    """
+
+    tools: Sequence[Tool] = ()
+
+    def reset(self, row: dict) -> list[dict]:
+        """The episode's first messages (rendered as the prompt), from a prompt row with keys
+        ``messages``, ``ground_truth``, ``data_source``, ``extra_info``, ``prompt_id``."""
+        return [dict(m) for m in row["messages"]]
+
+    def step(self, message: dict) -> StepResult:
+        """Answer an assistant message ``{"role": "assistant", "content": str}``."""
+        raise NotImplementedError
+
+
+class ToolEnvironment(Environment):
+    """Runs the tool calls of each assistant message; the first message without a call ends the episode.
+
+    Each call's result becomes one ``{"role": "tool", "content": result}`` message (an
+    ``"Error: ..."`` text when it failed).
+    """
+
+    def __init__(self, ctx: EnvContext, default_tools: Sequence[Tool] = ()) -> None:
+        self.tools = list(ctx.tools) or list(default_tools)
+        self.format = ctx.format
+        self.sandbox = ctx.sandbox
+
+    def step(self, message: dict) -> StepResult:
+        calls = parse_tool_calls(message.get("content") or "", self.format)
+        if not calls:
+            return StepResult(done=True)
+        if self.sandbox is None:
+            raise RuntimeError("ToolEnvironment.step needs a sandbox (EnvContext.sandbox is None)")
+        results = self.sandbox.run(calls)
+        return StepResult(observations=[{"role": "tool", "content": r.result} for r in results], tool_calls=results)
+
+
+def make_environment(name: str, ctx: EnvContext) -> Environment:
+    """Build the environment registered as ``name``.
+
+    Raises:
+        ValueError: ``name`` is not registered (lists the registered names).
+    """
+    return environment_factory(name)(ctx)
+
+
+def environment_factory(name: str):
+    """The factory of a registered environment, or of ``"module:factory"`` (imported: how a run's
+    workers find an environment defined in the user's own package).
+
+    Raises:
+        ValueError: not registered, or the module or factory cannot be imported.
+    """
+    load_builtin_environments()
+    if ":" in name and name not in ENVIRONMENTS:
+        from trajflow.envs.tools import import_callable
+
+        return import_callable(name)
+    return ENVIRONMENTS.get(name)
+
+
+def load_builtin_environments() -> None:
+    """Import the modules that register the built-in environments."""
+    import trajflow.envs.tool_calculator  # noqa: F401
+
+
+def environment_tools(name: str, ctx: EnvContext) -> list[Tool]:
+    """The tools an episode of ``name`` offers (what the sandbox must know)."""
+    return list(make_environment(name, ctx).tools)
+
+
