@@ -428,11 +428,13 @@ def test_sigkilled_driver_leaves_no_ray_or_prefect_server_process(tmp_path):
 # ------------------------------------------------------------------ audit table
 
 
-def _fake_iteration(store: RunStore, it: int, scores: list[float], texts: list[str]) -> None:
+def _fake_iteration(store: RunStore, it: int, scores: list[float], texts: list[str],
+                    loss_masks: list[list[int]] | None = None) -> None:
     n = len(scores)
     sids = [f"it{it:06d}-p{j // 2:04d}-s{j % 2}" for j in range(n)]
     resp = [list(range(3 + j)) for j in range(n)]
-    store.write_stage(it, "rollout", pa.table({
+    multi_turn = {} if loss_masks is None else {"loss_mask": pa.array(loss_masks, pa.list_(pa.int8()))}
+    store.write_stage(it, "rollout", pa.table({**multi_turn,
         "sample_id": sids, "prompt_id": [f"p{j // 2}" for j in range(n)], "group_id": [s[:-3] for s in sids],
         "iteration": pa.array([it] * n, pa.int64()), "policy_version": pa.array([it - 1] * n, pa.int64()),
         "prompt": [json.dumps([{"role": "user", "content": f"question {j // 2}"}]) for j in range(n)],
@@ -450,6 +452,21 @@ def _fake_iteration(store: RunStore, it: int, scores: list[float], texts: list[s
         "advantages": pa.array([[float(j)] * (len(r) - 1) + [float(j) + 1.0] for j, r in enumerate(resp)],
                                pa.list_(pa.float32())),
         "returns": pa.array([[0.0] * len(r) for r in resp], pa.list_(pa.float32()))}), it - 1)
+
+
+def test_audit_advantage_mean_counts_only_generated_tokens_of_multi_turn_rows(tmp_path):
+    from trajflow.audit import append_iteration, query_audit
+
+    store = RunStore(tmp_path, "run")
+    store.run_dir.mkdir()
+    store.write_config("recipe: x\n")
+    # Row 1: 4 tokens, advantages [1, 1, 1, 2], the middle two a tool result (mask 0).
+    _fake_iteration(store, 1, [0.0, 1.0], ["a", "b"], loss_masks=[[1, 1, 1], [1, 0, 0, 1]])
+    assert append_iteration(store, 1, "initial") == 2
+    rows = {r["sample_id"]: r for r in query_audit(tmp_path, "run", limit=10).to_pylist()}
+    assert rows["it000001-p0000-s1"]["advantage_mean"] == pytest.approx((1 + 2) / 2)  # not (1+1+1+2)/4
+    assert rows["it000001-p0000-s1"]["response_length"] == 4  # the whole response, as verl counts it
+    assert rows["it000001-p0000-s0"]["advantage_mean"] == pytest.approx((0 + 0 + 1) / 3)
 
 
 def test_audit_append_query_and_idempotent_reappend(tmp_path):

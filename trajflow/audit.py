@@ -142,8 +142,14 @@ def audit_rows(store: RunStore, iteration: int, checkpoint_id: str | None) -> pa
             return joined.column(name).cast(typ)
         return pa.nulls(n, typ)
 
-    adv = pa.array(_row_means(joined.column("advantages")), pa.float64(), from_pandas=True) if has_adv \
-        else pa.nulls(n, pa.float64())
+    if not has_adv:
+        adv = pa.nulls(n, pa.float64())
+    elif "loss_mask" in joined.column_names:  # multi-turn: over the tokens the policy generated
+        means = [float(np.mean(np.asarray(a, np.float64)[np.asarray(m) > 0])) if any(m) else np.nan
+                 for a, m in zip(joined.column("advantages").to_pylist(), joined.column("loss_mask").to_pylist())]
+        adv = pa.array(means, pa.float64(), from_pandas=True)
+    else:
+        adv = pa.array(_row_means(joined.column("advantages")), pa.float64(), from_pandas=True)
     return pa.table({
         "sample_id": col("sample_id", pa.string()),
         "iteration": col("iteration", pa.int64()),
