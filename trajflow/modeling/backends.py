@@ -168,6 +168,44 @@ def join_process_group(backend: str, rank: int, world_size: int, timeout_s: floa
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
+def weights_only_checkpoint_engine(engine: Any) -> Any:
+    """DeepSpeed's checkpoint engine, reading its ``.pt`` shards with ``torch.load(weights_only=True)``.
+
+    DeepSpeed 0.19's ``TorchCheckpointEngine.load`` unpickles with ``weights_only=False``: a tampered
+    shard in a run folder would run code on resume. Only tensors, containers and the few plain
+    DeepSpeed classes its checkpoints hold (:data:`DEEPSPEED_SAFE_GLOBALS`) are accepted now; any
+    other object fails the load with torch's ``UnpicklingError`` naming it.
+
+    Args:
+        engine: the engine ``deepspeed.initialize`` configured (a ``TorchCheckpointEngine``).
+
+    Returns:
+        The same engine with its ``load`` replaced, or ``engine`` unchanged when it is another kind
+        (e.g. a decoupled or Nebula engine), which trajflow does not configure.
+    """
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    if type(engine) is not TorchCheckpointEngine:
+        return engine
+
+    def load(path: str, map_location=None):
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    engine.load = load
+    return engine
+
+
+def deepspeed_safe_globals() -> list:
+    """The non-tensor classes DeepSpeed's own checkpoints contain: loss scalers, the ZeRO stage enum,
+    and ZeRO-1/2's record of where each parameter sits in the flat optimizer partition."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
 def _skip_cpu_op_builds() -> None:
     """Keep DeepSpeed from JIT-compiling its shared-memory all-reduce op on CPU (~40 s).
 
@@ -294,8 +332,12 @@ class DeepSpeedBackend:
         self.zero_stage = int(actor.zero_stage)
         self.config = deepspeed_config(actor, dtype, world_size)
         params = [p for p in model.parameters() if p.requires_grad]
+        # LoRA: the frozen base never changes and is reloaded from model.path, so a checkpoint holds
+        # the adapters and their optimizer state only.
+        self.frozen_base = len(params) < sum(1 for _ in model.parameters())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=PackedLogProbs(model), model_parameters=params,
                                                                  config=self.config)
+        self.engine.checkpoint_engine = weights_only_checkpoint_engine(self.engine.checkpoint_engine)
         self.model = model
 
     # ---------------------------------------------------------------- update
@@ -416,7 +458,8 @@ class DeepSpeedBackend:
         """
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        self.engine.save_checkpoint(str(d / "deepspeed"), tag="latest", save_latest=False)
+        self.engine.save_checkpoint(str(d / "deepspeed"), tag="latest", save_latest=False,
+                                    exclude_frozen_parameters=self.frozen_base)
         save_state(rng_state(), d, f"rng_rank{self.rank:05d}")
         if self.rank == 0:
             save_state({**state, "world_size": self.world_size, "zero_stage": self.zero_stage, "format": "deepspeed"},
@@ -439,7 +482,8 @@ class DeepSpeedBackend:
             raise RuntimeError(f"{d} was saved by {state['world_size']} DeepSpeed ranks; actor.world_size is "
                                f"{self.world_size} (resume with the same number of ranks)")
         path, _ = self.engine.load_checkpoint(str(d / "deepspeed"), tag="latest", load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+                                              load_lr_scheduler_states=False,
+                                              load_module_strict=not self.frozen_base)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {d / 'deepspeed'}")
         set_rng_state(load_state(d, f"rng_rank{self.rank:05d}"))
