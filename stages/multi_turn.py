@@ -146,11 +146,13 @@ def tool_calls_json(calls: Sequence[Any]) -> str | None:
 
 
 def multi_turn_metrics(table: pa.Table) -> dict[str, float]:
-    """``tool/calls``, ``tool/errors``, ``tool/timeouts`` (counts over the batch), ``num_turns/mean|max``
-    and ``tool/calls_per_episode``; empty for a single-turn table.
+    """``tool/calls``, ``tool/errors``, ``tool/timeouts`` (counts over the batch), ``num_turns/mean|max``,
+    ``tool/calls_per_episode`` and ``tool/well_formed_frac``; empty for a single-turn table.
 
     ``tool/errors`` counts every failed call (timeouts included); a timeout is an error whose text
-    starts with ``timeout:`` (:mod:`trajflow.envs.sandbox`).
+    starts with ``timeout:`` (:mod:`trajflow.envs.sandbox`). ``tool/well_formed_frac`` is the share of
+    episodes with at least one call that parsed, named a known tool and passed its arguments' schema
+    (whatever the tool then did): what a model has to learn first.
     """
     if "num_turns" not in table.column_names:
         return {}
@@ -158,7 +160,11 @@ def multi_turn_metrics(table: pa.Table) -> dict[str, float]:
     calls = [c for row in table.column("tool_calls").to_pylist() for c in (row or [])]
     errors = [c["error"] for c in calls if c["error"] is not None]
     rows = max(1, table.num_rows)
+    format_errors = ("malformed:", "unknown tool:", "arguments:")
+    well_formed = sum(any(c["error"] is None or not c["error"].startswith(format_errors) for c in (row or []))
+                      for row in table.column("tool_calls").to_pylist())
     return {"tool/calls": float(len(calls)), "tool/errors": float(len(errors)),
+            "tool/well_formed_frac": well_formed / rows,
             "tool/timeouts": float(sum(e.startswith("timeout:") for e in errors)),
             "tool/calls_per_episode": len(calls) / rows,
             "num_turns/mean": float(turns.mean()) if turns.size else 0.0,

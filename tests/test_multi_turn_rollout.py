@@ -123,6 +123,9 @@ def test_errors_turns_and_budgets(tok):
     m = multi_turn_metrics(table)
     # calls: 3 (episode 0) + 1 (episode 1); errors: the bad expression and the malformed call.
     assert m["tool/calls"] == 4 and m["tool/errors"] == 2 and m["tool/timeouts"] == 0
+    # Episode 0 made well-formed calls (the bad expression parsed; the tool raised); episode 1's only
+    # call was malformed; episode 2 made none: 1 of 3.
+    assert m["tool/well_formed_frac"] == pytest.approx(1 / 3)
     assert m["num_turns/mean"] == pytest.approx(2.0) and m["num_turns/max"] == 3
     assert table.schema.field("loss_mask").type.value_type.bit_width == 8
 

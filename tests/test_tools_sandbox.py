@@ -173,7 +173,11 @@ def test_output_truncated_and_calls_run_concurrently():
 def test_tool_environment_turns_calls_into_tool_messages():
     env = make_environment("tool_calculator", EnvContext([], Sandbox([BUILTIN_TOOLS["calculator"]])))
     msgs = env.reset({"messages": [{"role": "user", "content": "Calculate 1234 * 5678."}]})
-    assert msgs[0]["role"] == "system" and "<tool_call>" in msgs[0]["content"] and msgs[1]["role"] == "user"
+    assert msgs[0]["role"] == "system" and "<tool_call>" in msgs[0]["content"]
+    # A worked episode before the problem: call, tool answer (right: 4021 - 387 + 1290 - 56 = 4868), final line.
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert msgs[3]["content"] == "4868" and msgs[4]["content"] == "Answer: 4868"
+    assert msgs[-1]["content"] == "Calculate 1234 * 5678."
     step = env.step({"role": "assistant", "content":
                      '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}</tool_call>'})
     assert not step.done and step.observations == [{"role": "tool", "content": "7006652"}]

@@ -20,8 +20,22 @@ INSTRUCTIONS = (
 )
 
 
+#: One worked episode placed before the question, as earlier turns of the conversation: a call, the
+#: tool's answer (in the tool role, rendered as every observation is), the final line. Measured on
+#: SmolLM2-135M-Instruct (3 problems x 8 samples at temperature 1): well-formed calculator calls in
+#: 0 of 24 replies with the instructions alone, 12 of 24 with this example as well.
+WORKED_EPISODE = (
+    {"role": "user", "content": "Calculate 4021 - 387 + 1290 - 56."},
+    {"role": "assistant",
+     "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "4021 - 387 + 1290 - 56"}}</tool_call>'},
+    {"role": "tool", "content": "4868"},
+    {"role": "assistant", "content": "Answer: 4868"},
+)
+
+
 class ToolCalculatorEnv(ToolEnvironment):
-    """Arithmetic with a calculator: the system message gets :data:`INSTRUCTIONS`."""
+    """Arithmetic with a calculator: the system message gets :data:`INSTRUCTIONS`, and
+    :data:`WORKED_EPISODE` comes before the problem."""
 
     def __init__(self, ctx: EnvContext) -> None:
         super().__init__(ctx, default_tools=[BUILTIN_TOOLS["calculator"]])
@@ -32,7 +46,7 @@ class ToolCalculatorEnv(ToolEnvironment):
             messages[0]["content"] = f"{messages[0]['content']}\n\n{INSTRUCTIONS}"
         else:
             messages.insert(0, {"role": "system", "content": INSTRUCTIONS})
-        return messages
+        return messages[:1] + [dict(m) for m in WORKED_EPISODE] + messages[1:]
 
 
 @ENVIRONMENTS.register("tool_calculator")
