@@ -224,3 +224,31 @@ def test_auto_resolves_per_this_machine_and_is_recorded():
     assert "actor.mixed_precision.param_dtype" in cfg.trainer.precision_auto
     pinned = load_config(None, ["actor.mixed_precision.param_dtype=float32", "rollout.dtype=float32"])
     assert pinned.trainer.precision_auto is None
+
+
+def test_a_run_prints_records_and_logs_its_precision(tiny_model_dir, ray_local, tmp_path, capsys):
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.train import train
+    from tests.conftest import tiny_overrides
+
+    fast, why = bf16_is_fast("cpu")
+    expected = "bfloat16" if fast else "float32"
+    summary = train(None, tiny_overrides(tiny_model_dir, tmp_path, **{
+        "actor.mixed_precision.param_dtype": "auto", "rollout.dtype": "bfloat16", "trainer.total_iterations": 1,
+        "trainer.test_freq": 0, "tracking.log_model": False}))
+    out = capsys.readouterr().out
+    head = out.splitlines()[:5]
+    line = f"precision: float32 master weights, actor compute {expected}, rollout bfloat16"
+    assert any(h.startswith(line) and why in h for h in head), head
+    meta = json.loads((tmp_path / summary["run_id"] / "run.json").read_text())
+    assert meta["precision"]["actor"] == expected and meta["precision"]["rollout"] == "bfloat16"
+    assert meta["precision"]["master"] == "float32" and why in meta["precision"]["auto"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlrun = client.get_run(summary["mlflow_run_id"])
+    assert mlrun.data.params["actor.mixed_precision.param_dtype"] == expected
+    assert mlrun.data.params["rollout.dtype"] == "bfloat16"
+    assert why in mlrun.data.params["trainer.precision_auto"]
+    assert mlrun.data.metrics["rollout_corr/max_abs_diff"] > 0  # a bf16 sampler differs from the fp32 trainer

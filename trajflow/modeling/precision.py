@@ -99,3 +99,28 @@ def section_dtype(section: Any) -> str:
     """``section.mixed_precision.param_dtype`` (``float32`` where the section has none)."""
     mp = getattr(section, "mixed_precision", None)
     return str(getattr(mp, "param_dtype", "float32")) if mp is not None else "float32"
+
+
+def run_precision(cfg: Any) -> dict[str, Any]:
+    """The run's precision, as ``run.json`` records it and the first lines print it.
+
+    Args:
+        cfg: the resolved run config (``auto`` already replaced by :func:`trajflow.config.load_config`).
+
+    Returns:
+        ``{"master": model.dtype, "actor": ..., "critic": ..., "reference": ..., "reward_model": ...,
+        "rollout": rollout.dtype, "auto": trainer.precision_auto or None}`` (compute dtypes per role).
+    """
+    return {"master": str(cfg.model.dtype),
+            "actor": section_dtype(cfg.actor), "critic": section_dtype(cfg.critic),
+            "reference": section_dtype(cfg.reference), "reward_model": section_dtype(cfg.reward.reward_model),
+            "rollout": str(cfg.rollout.dtype), "auto": cfg.trainer.precision_auto}
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One console line for :func:`run_precision`'s record."""
+    line = (f"precision: {record['master']} master weights, actor compute {record['actor']}, "
+            f"rollout {record['rollout']}")
+    if record.get("auto"):
+        line += f"; {record['auto']}"
+    return line
