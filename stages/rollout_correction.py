@@ -21,7 +21,7 @@ import numbers
 
 import torch
 
-__all__ = ["ROLLOUT_IS_LEVELS", "ROLLOUT_IS_LOG_CLAMP", "rollout_is_weights"]
+__all__ = ["ROLLOUT_IS_LEVELS", "ROLLOUT_IS_LOG_CLAMP", "rollout_is_weights", "rollout_mismatch_metrics"]
 
 #: Allowed values of ``algorithm.rollout_is``.
 ROLLOUT_IS_LEVELS = ("token", "sequence")
@@ -94,3 +94,94 @@ def rollout_is_weights(
         "rollout_corr/log_ratio_mean": float(diff.sum() / n_tok) if n_tok else 0.0,
     }
     return weights, metrics
+
+
+@torch.no_grad()
+def rollout_mismatch_metrics(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    threshold: float,
+) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the trainer's, over the response tokens.
+
+    With ``d_it = log pi_rollout(y_it) - log pi_old(y_it)`` on valid tokens (tokens sampled from
+    pi_rollout), ``rho_it = pi_old / pi_rollout = exp(-d_it)`` and ``n_i`` valid tokens in row i,
+    the names and definitions are verl's rollout-correction diagnostics (Liu, Li et al. 2025, "When
+    Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch"):
+
+    - ``rollout_corr/kl``: token mean of ``d`` (k1 estimate of KL(pi_rollout || pi_old));
+    - ``rollout_corr/k3_kl``: token mean of ``rho - log rho - 1`` (Schulman's k3, >= 0 per token);
+    - ``rollout_corr/training_log_ppl`` / ``rollout_log_ppl``: row mean of ``-mean_t log pi`` under
+      the trainer / the engine; ``rollout_corr/training_ppl`` / ``rollout_ppl``: row mean of their exp;
+    - ``rollout_corr/log_ppl_diff``: row mean of ``D_i = mean_t d_it`` (= log PPL_train - log
+      PPL_rollout of row i); ``_abs_diff``, ``_max``, ``_min``: mean |D_i|, max D_i, min D_i;
+    - ``rollout_corr/ppl_ratio``: row mean of ``exp(D_i)``;
+    - ``rollout_corr/chi2_token``: token mean of ``rho^2`` minus 1 (chi-square divergence estimate);
+    - ``rollout_corr/max_abs_diff``: max over tokens of ``|d|``;
+    - ``rollout_corr/truncated_frac``: share of tokens whose token-level IS weight ``rho`` exceeds
+      ``threshold`` (the ones truncated IS would cut at C, whether or not the correction is on);
+    - ``training/rollout_probs_diff_mean`` / ``_max``: token mean / max of
+      ``|pi_old - pi_rollout|`` in probability space (verl's names).
+
+    Args:
+        old_log_prob: ``(batch, response_len)`` float, the trainer's log-probs of the sampled tokens.
+        rollout_log_prob: ``(batch, response_len)`` float, the engine's (``old_logprobs`` column).
+        response_mask: ``(batch, response_len)`` bool or 0/1.
+        threshold: the truncation bound C > 0 (``algorithm.rollout_is_threshold``).
+
+    Returns:
+        The metrics above as floats (all 0, ppl ratios 1, when no token is valid). Computed in float64.
+
+    Raises:
+        ValueError: mismatched shapes or a non-positive ``threshold``.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold > 0:
+        raise ValueError(f"algorithm.rollout_is_threshold must be a number > 0, got {threshold!r}")
+    for name, t in (("rollout_log_prob", rollout_log_prob), ("response_mask", response_mask)):
+        if not isinstance(t, torch.Tensor) or t.shape != old_log_prob.shape or old_log_prob.dim() != 2:
+            raise ValueError(f"{name} must have the shape of old_log_prob {tuple(old_log_prob.shape)} "
+                             f"(batch, response_len), got {getattr(t, 'shape', type(t).__name__)}")
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    old, eng = old_log_prob.double()[mask], rollout_log_prob.double()[mask]
+    if old.numel() == 0:
+        names = ("kl", "k3_kl", "training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff",
+                 "log_ppl_diff_max", "log_ppl_diff_min", "chi2_token", "max_abs_diff", "truncated_frac")
+        out = {f"rollout_corr/{k}": 0.0 for k in names}
+        out.update({"rollout_corr/training_ppl": 1.0, "rollout_corr/rollout_ppl": 1.0, "rollout_corr/ppl_ratio": 1.0,
+                    "training/rollout_probs_diff_mean": 0.0, "training/rollout_probs_diff_max": 0.0})
+        return out
+    d = eng - old
+    log_rho = (-d).clamp(-ROLLOUT_IS_LOG_CLAMP, ROLLOUT_IS_LOG_CLAMP)
+    rho = torch.exp(log_rho)
+    # Per-row means over each row's valid tokens (rows without one do not count).
+    m = mask.double()
+    n = m.sum(-1)
+    rows = n > 0
+    zero = torch.zeros((), dtype=torch.float64, device=old_log_prob.device)
+
+    def row_mean(x: torch.Tensor) -> torch.Tensor:
+        return (torch.where(mask, x, zero).sum(-1)[rows] / n[rows])
+
+    train_lppl = row_mean(-old_log_prob.double())
+    roll_lppl = row_mean(-rollout_log_prob.double())
+    D = row_mean(rollout_log_prob.double() - old_log_prob.double())
+    pdiff = (old.exp() - eng.exp()).abs()
+    return {
+        "rollout_corr/kl": float(d.mean()),
+        "rollout_corr/k3_kl": float((rho - log_rho - 1).mean()),
+        "rollout_corr/training_log_ppl": float(train_lppl.mean()),
+        "rollout_corr/rollout_log_ppl": float(roll_lppl.mean()),
+        "rollout_corr/training_ppl": float(train_lppl.exp().mean()),
+        "rollout_corr/rollout_ppl": float(roll_lppl.exp().mean()),
+        "rollout_corr/log_ppl_diff": float(D.mean()),
+        "rollout_corr/log_ppl_abs_diff": float(D.abs().mean()),
+        "rollout_corr/log_ppl_diff_max": float(D.max()),
+        "rollout_corr/log_ppl_diff_min": float(D.min()),
+        "rollout_corr/ppl_ratio": float(D.exp().mean()),
+        "rollout_corr/chi2_token": float((rho ** 2).mean() - 1.0),
+        "rollout_corr/max_abs_diff": float(d.abs().max()),
+        "rollout_corr/truncated_frac": float((rho > threshold).double().mean()),
+        "training/rollout_probs_diff_mean": float(pdiff.mean()),
+        "training/rollout_probs_diff_max": float(pdiff.max()),
+    }

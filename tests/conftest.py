@@ -66,6 +66,9 @@ def tiny_overrides(model_dir: Path, store_root: Path, **extra) -> list[str]:
         "trainer.progress": False,
         "trainer.log_samples": 2,
         "gates.enabled": False,
+        # Pinned, so a test computes the same on every machine (the default recipe may say 'auto').
+        "actor.mixed_precision.param_dtype": "float32",
+        "rollout.dtype": "float32",
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -189,7 +189,13 @@ def test_rollout_is_weights_from_engine_log_probs_that_differ(tiny_model_dir):
     # one on-policy step: the PPO ratio is 1, so token-mean of -A over the 7 tokens
     assert plain["actor/pg_loss"] == pytest.approx(-sum(map(sum, ADV)) / 7, rel=1e-5)
     assert plain["actor/rollout_logprob_diff"] == pytest.approx(np.log(2.0), rel=1e-5)
-    assert not any(k.startswith("rollout_corr/") for k in plain)
+    # No correction: no IS-weight statistics, but the mismatch is measured every iteration:
+    # d = log pi_rollout - log pi_old = -log 2 on every token, rho = pi_old / pi_rollout = 2.
+    assert not any(k.startswith("rollout_corr/rollout_is") for k in plain)
+    assert plain["rollout_corr/kl"] == pytest.approx(-np.log(2.0), rel=1e-5)
+    assert plain["rollout_corr/max_abs_diff"] == pytest.approx(np.log(2.0), rel=1e-5)
+    assert plain["rollout_corr/k3_kl"] == pytest.approx(2.0 - np.log(2.0) - 1.0, rel=1e-4)
+    assert plain["rollout_corr/ppl_ratio"] == pytest.approx(0.5, rel=1e-5)
 
     # token level, C = 1.5: every weight is min(2, 1.5) = 1.5
     tok = _policy(tiny_model_dir).update_actor(UpdateBatch(rows, UpdateSettings(rollout_is="token",

@@ -160,6 +160,28 @@ def test_grpo(env):
     assert "loss_agg_mode: seq-mean-token-mean" in (d / "config.yaml").read_text()
 
 
+def test_grpo_bf16_rollout(env):
+    # bf16 compute over fp32 masters, a bf16 sampler, token-level rollout IS (C = 2).
+    from trajflow.config import load_config
+
+    shipped = load_config("grpo_bf16_rollout")
+    assert shipped.actor.mixed_precision.param_dtype == "bfloat16" and shipped.rollout.dtype == "bfloat16"
+    assert shipped.algorithm.rollout_is == "token"
+    # tiny_overrides pins the dtypes to float32 for machine independence: give the recipe's back.
+    d = run(env, "grpo_bf16_rollout", **{"actor.mixed_precision.param_dtype": "bfloat16", "rollout.dtype": "bfloat16"})
+    assert json.loads((d / "run.json").read_text())["precision"]["rollout"] == "bfloat16"
+    for it in (1, 2):
+        upd = it_json(d, it, "update.json")
+        # The trainer's pi_old is its own forward: the first PPO ratio is exactly 1 even so.
+        assert upd["actor/ratio_first_step_max_abs_dev"] == 0.0
+        # The bf16 sampler's log-probs differ from the fp32-master trainer's, a little.
+        assert 0 < upd["rollout_corr/max_abs_diff"] < 1.0
+        assert 0 < upd["rollout_corr/k3_kl"] < 0.05
+        assert upd["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=0.05)
+        # Both count the tokens with pi_old / pi_rollout > C (one from the IS weights, one from the diagnostics).
+        assert upd["rollout_corr/truncated_frac"] == pytest.approx(upd["rollout_corr/rollout_is_clipfrac"])
+
+
 def test_dr_grpo(env):
     d = run(env, "dr_grpo")
     for it in (1, 2):

@@ -52,13 +52,33 @@ def _section(cls: type) -> Any:
     return field(default_factory=cls, metadata={"help": cls.__doc__ or ""})
 
 
+#: dtype names a mixed_precision.* or rollout.dtype key takes; ``auto`` is resolved by :func:`load_config`.
+PRECISION_DTYPES = ["float32", "bfloat16", "float16", "auto"]
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """Mixed precision of one role (verl's fsdp_config.mixed_precision): fp32 master weights and
+    optimizer state, forwards in param_dtype, log-probs and losses in fp32."""
+
+    param_dtype: str = _f("float32", "compute dtype of forwards/backwards over the fp32 master weights "
+                          "(torch.autocast); auto = bfloat16 where bf16 is fast (CPU amx_bf16/avx512_bf16, CUDA "
+                          "with bf16), else float32", choices=PRECISION_DTYPES)
+    reduce_dtype: str = _f("float32", "dtype gradients are reduced in across data-parallel ranks (DeepSpeed's "
+                           "communication_data_type); the one-process backend has no reduction: float32",
+                           choices=["float32", "bfloat16"])
+    buffer_dtype: str = _f("float32", "dtype of the model's floating-point buffers (rotary inv_freq, ...)",
+                           choices=["float32", "bfloat16"])
+
+
 @dataclass
 class ModelConfig:
     """The policy model."""
 
     path: str = _f("smollm2-135m-instruct",
                    "Hugging Face model directory, or a built-in name: 'smollm2-135m-instruct', 'gemma3-270m'")
-    dtype: str = _f("float32", "parameter dtype for training and rollout",
+    dtype: str = _f("float32", "storage dtype of the weights: float32 (the fp32 master weights); bf16/fp16 "
+                    "compute is actor.mixed_precision.param_dtype, the sampler's is rollout.dtype",
                     choices=["float32", "bfloat16", "float16"])
     cache_dir: Optional[str] = _f(None, "where built-in models are converted to safetensors "
                                   "(default: $TRAJFLOW_CACHE or ~/.cache/trajflow)")
@@ -129,6 +149,9 @@ class RolloutConfig:
                                        gt=0.0, le=1.0)
     pool: Optional[str] = _f(None, "resource pool of separate rollout workers (null = generate inside the "
                              "policy workers, sharing their weights)")
+    dtype: str = _f("float32", "dtype of the weights the sampler runs: float32 shares the trained module (hf "
+                    "engine); bfloat16/float16 sample from the engine's own copy in that dtype, re-synced after "
+                    "every update; auto = bfloat16 where bf16 is fast, else float32", choices=PRECISION_DTYPES)
     multi_turn: MultiTurnConfig = _section(MultiTurnConfig)
 
 
@@ -151,6 +174,7 @@ class RewardModelConfig:
     rm_weight: float = _f(1.0, "weight of the reward model's score in the combined score")
     micro_batch_size: int = _f(8, "sequences per reward-model forward pass", ge=1)
     max_length: int = _f(2048, "prompt + response tokens scored; longer inputs keep their last tokens", ge=1)
+    mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig)
 
 
 @dataclass
@@ -253,6 +277,7 @@ class ActorConfig:
     world_size: int = _f(1, "data-parallel ranks of the policy (> 1 needs actor.strategy=deepspeed)", ge=1)
     pool: str = _f("default", "resource pool of the policy workers (resources.pools; 'default' = the "
                    "implicit pool when none are declared)")
+    mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig)
 
 
 @dataclass
@@ -267,6 +292,7 @@ class CriticConfig:
     ppo_micro_batch_size: int = _f(8, "sequences per critic forward/backward", ge=1)
     grad_clip: float = _f(1.0, "critic max gradient norm (0 = off)", ge=0.0)
     pool: Optional[str] = _f(None, "resource pool of the critic (null = the actor's pool)")
+    mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig)
 
 
 @dataclass
@@ -275,6 +301,7 @@ class ReferenceConfig:
 
     path: Optional[str] = _f(None, "reference model (default: model.path)")
     pool: Optional[str] = _f(None, "resource pool of the reference workers (null = the actor's pool)")
+    mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig)
 
 
 @dataclass
@@ -302,6 +329,8 @@ class TrainerConfig:
                             "a stage timed out); dead workers are recreated from the newest checkpoint", ge=0)
     stage_retry_delay_s: float = _f(5.0, "seconds between a failed stage attempt and its retry", ge=0.0)
     stage_timeout_s: float = _f(3600.0, "wall-clock limit of one stage attempt in seconds (0 = none)", ge=0.0)
+    precision_auto: Optional[str] = _f(None, "recorded, not an input: how the 'auto' dtypes were resolved when the "
+                                       "run started (set by trajflow)")
     stage_timeouts: dict = _f({}, "per-stage limits in seconds overriding stage_timeout_s, e.g. "
                               "{update_actor: 1800}; stages: " + ", ".join(STAGE_NAMES))
 
@@ -606,6 +635,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
                           f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
     _check_lora(cfg, source)
+    _check_precision(cfg, source)
     from trajflow.infra.allocator import allocator_error
 
     bad_allocator = allocator_error(str(cfg.resources.allocator))
@@ -620,6 +650,74 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     from trajflow.infra.placement import validate_resources  # pools, placement, DeepSpeed ranks
 
     validate_resources(cfg, source)
+
+
+#: The config sections with a ``mixed_precision`` sub-section (full key prefixes).
+PRECISION_SECTIONS = ("actor", "critic", "reference", "reward.reward_model")
+
+
+def _section_node(cfg: DictConfig, key: str) -> DictConfig:
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _check_precision(cfg: DictConfig, source: str) -> None:
+    """The mixed-precision rules: fp32 master weights, and compute dtypes each backend can run."""
+    if cfg.model.dtype != "float32":
+        # Pure low-precision training (bf16 weights and AdamW state) loses every update below the
+        # dtype's resolution; the mixed policy is what was meant, and it is spelled explicitly.
+        raise ConfigError(
+            f"{source}: model.dtype={cfg.model.dtype!r} would train {cfg.model.dtype} weights and optimizer state "
+            f"(updates below {cfg.model.dtype}'s resolution are lost); keep model.dtype=float32 (master weights) and "
+            f"set actor.mixed_precision.param_dtype={cfg.model.dtype} (compute; also critic./reference."
+            f"mixed_precision.param_dtype) and rollout.dtype={cfg.model.dtype} (sampling), or 'auto' for both")
+    for key in PRECISION_SECTIONS:
+        mp = _section_node(cfg, key).mixed_precision
+        deepspeed = key == "actor" and cfg.actor.strategy == "deepspeed"
+        if mp.param_dtype == "float16" and key in ("actor", "critic") and not deepspeed:
+            raise ConfigError(f"{source}: {key}.mixed_precision.param_dtype='float16' needs loss scaling, which only "
+                              f"actor.strategy=deepspeed has; use bfloat16 (same range as float32, no scaling) or "
+                              f"float32")
+        if mp.reduce_dtype != "float32" and not deepspeed:
+            raise ConfigError(f"{source}: {key}.mixed_precision.reduce_dtype={mp.reduce_dtype!r} needs a "
+                              f"data-parallel reduction (actor.strategy=deepspeed); the one-process backend's "
+                              f"gradients are float32: set {key}.mixed_precision.reduce_dtype=float32")
+    if cfg.actor.strategy == "deepspeed" and cfg.actor.mixed_precision.param_dtype == "float16" \
+            and cfg.actor.mixed_precision.reduce_dtype == "bfloat16":
+        raise ConfigError(f"{source}: actor.mixed_precision.reduce_dtype='bfloat16' with param_dtype='float16': "
+                          f"choose float32 (or bfloat16 for both)")
+
+
+def _auto_choice(device: str) -> tuple[str, str]:
+    from trajflow.modeling.precision import bf16_is_fast
+
+    fast, why = bf16_is_fast(device)
+    return ("bfloat16" if fast else "float32"), why
+
+
+def resolve_auto_precision(cfg: DictConfig) -> str | None:
+    """Replace every ``auto`` dtype (``<section>.mixed_precision.param_dtype``, ``rollout.dtype``) by
+    ``bfloat16`` where bf16 is fast on ``trainer.device`` and ``float32`` elsewhere
+    (:func:`trajflow.modeling.precision.bf16_is_fast`), decided on this machine, once, at start.
+
+    The stored config then holds the concrete dtypes, so a resumed run keeps them on any machine.
+
+    Returns:
+        The decision as one line (also stored in ``trainer.precision_auto``), or ``None`` when no
+        key was ``auto``.
+    """
+    keys = [f"{k}.mixed_precision.param_dtype" for k in PRECISION_SECTIONS] + ["rollout.dtype"]
+    auto = [k for k in keys if OmegaConf.select(cfg, k) == "auto"]
+    if not auto:
+        return None
+    dtype, why = _auto_choice(str(cfg.trainer.device))
+    for k in auto:
+        OmegaConf.update(cfg, k, dtype, merge=False)
+    note = f"auto -> {dtype} ({why}) for {', '.join(auto)}"
+    cfg.trainer.precision_auto = note
+    return note
 
 
 def _check_lora(cfg: DictConfig, source: str) -> None:
@@ -704,6 +802,7 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
             raise _explain(e, source) from None
     if cfg.actor.ppo_mini_batch_size is None:  # verl's default: the whole batch in one optimizer step
         cfg.actor.ppo_mini_batch_size = cfg.data.train_batch_size
+    resolve_auto_precision(cfg)
     validate(cfg, "config")
     OmegaConf.set_readonly(cfg, True)
     return cfg

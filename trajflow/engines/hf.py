@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import numpy as np
@@ -36,23 +37,55 @@ class HFRolloutEngine:
     common prefix (:func:`trajflow.modeling.forward.prefix_fits_window`): every prompt is left-padded
     whole, so the window counts real tokens, as it does for ``generate``.
 
+    Rollout precision (``rollout.dtype``): with a ``dtype`` other than the trained module's, the
+    engine samples from its own copy of the module in that dtype (a bf16 copy halves the bytes each
+    decode step reads, and runs bf16 matmuls), refreshed from the trained module by :meth:`sync`
+    after every update. Its log-probs then differ slightly from the trainer's; the update logs the
+    difference (``rollout_corr/*``) and ``algorithm.rollout_is`` corrects for it.
+
     Args:
         model: the policy module.
         pad_id: pad token id (left padding of prompts).
         eos_ids: ids that end a response.
         micro_batch_size: rows per ``generate`` call.
         device: torch device of the model.
+        dtype: ``rollout.dtype`` (``None`` or the module's own dtype: share the module).
     """
 
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], micro_batch_size: int = 32,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", dtype: str | None = None) -> None:
+        from trajflow.modeling.precision import DTYPES
+
+        self.source = model
         self.model = model
+        target = DTYPES[dtype] if dtype is not None else None
+        if target is not None and any(p.is_floating_point() and p.dtype != target for p in model.parameters()):
+            self.model = copy.deepcopy(model).to(target).eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
         self.pad_id = pad_id
         self.eos_ids = list(eos_ids)
         self.micro_batch_size = micro_batch_size
         self.device = device
         # Data-parallel ranks with sharded parameters (ZeRO-3) must run every decoding step together.
         self.synced_gpus = False
+
+    @property
+    def own_copy(self) -> bool:
+        """Whether the engine samples from its own copy of the weights (another dtype than training)."""
+        return self.model is not self.source
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Copy the trained module's current weights into the engine's copy, cast to its dtype
+        (a no-op when the engine shares the module). Parameters and buffers are matched by name."""
+        if not self.own_copy:
+            return
+        src = dict(self.source.named_parameters())
+        src.update(dict(self.source.named_buffers()))
+        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+            if name in src:
+                t.copy_(src[name])
 
     def update_weights(self, named_tensors=None) -> None:
         """Load new weights ``{name: tensor}`` into the module (a separate rollout worker's copy).

@@ -108,7 +108,8 @@ class VLLMRolloutEngine:
         self.lora_request = None  # None: the base model (B = 0 at start, so also the initial policy)
         self._lora_dir = None
         lora_kw = {"enable_lora": True, "max_lora_rank": int(lora_rank), "max_loras": 1} if lora_rank > 0 else {}
-        self.llm = LLM(**lora_kw, model=str(model_path), tokenizer=str(model_path), dtype=model_cfg.dtype,
+        dtype = str(getattr(rollout, "dtype", model_cfg.dtype))  # rollout.dtype: the sampler's own precision
+        self.llm = LLM(**lora_kw, model=str(model_path), tokenizer=str(model_path), dtype=dtype,
                        gpu_memory_utilization=float(rollout.gpu_memory_utilization),
                        seed=int(seed), enable_sleep_mode=colocated, tensor_parallel_size=1,
                        logprobs_mode="processed_logprobs",

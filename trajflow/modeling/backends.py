@@ -20,6 +20,7 @@ import torch
 from trajflow.config import ActorConfig
 from trajflow.modeling.forward import forward_micro_batch
 from trajflow.modeling.packing import PackedBatch, balanced_partition
+from trajflow.modeling.precision import autocast
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
 
 #: Metrics that are not sums over rows (everything else in an update's metrics adds up across ranks).
@@ -27,6 +28,7 @@ NON_ADDITIVE = frozenset({"actor/grad_norm", "actor/kl_coef", "critic/grad_norm"
 
 _DS_ACCELERATOR = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
 _DTYPE_KEYS = {"bfloat16": "bf16", "float16": "fp16"}
+_DS_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def adamw(params, lr: float, betas: Sequence[float] = (0.9, 0.999), weight_decay: float = 0.0,
@@ -43,28 +45,40 @@ def adamw(params, lr: float, betas: Sequence[float] = (0.9, 0.999), weight_decay
 
 
 class LocalBackend:
-    """Single-process training (the default): exactly the update every run used before.
+    """Single-process training (the default).
+
+    Mixed precision (:mod:`trajflow.modeling.precision`): the parameters, their gradients and the
+    AdamW state are whatever dtype the module was loaded in (float32: the master weights); with
+    ``param_dtype`` bfloat16 each training forward runs under ``torch.autocast``, so the matmuls
+    run in bf16 against bf16 casts of the fp32 weights, autograd returns fp32 gradients to the fp32
+    parameters, and the log-probs and losses come out float32. ``float32`` runs no autocast at all.
 
     Args:
         model: the module being trained.
         optimizer: its torch optimizer.
+        param_dtype: compute dtype (``actor.mixed_precision.param_dtype``): float32 or bfloat16.
     """
 
     distributed = False
     rank = 0
     world_size = 1
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 param_dtype: str = "float32") -> None:
         self.model = model
         self.optimizer = optimizer
+        self.param_dtype = param_dtype
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False,
                 entropy_grad: bool = False):
-        """Training forward of one micro-batch: :func:`~trajflow.modeling.forward.forward_micro_batch`."""
-        return forward_micro_batch(self.model, packed, temperature, compute_entropy, entropy_grad=entropy_grad)
+        """Training forward of one micro-batch (:func:`~trajflow.modeling.forward.forward_micro_batch`)
+        in the compute dtype; returns float32 ``(b, T)`` log-probs (and entropy)."""
+        device = next(self.model.parameters()).device
+        with autocast(self.param_dtype, device):
+            return forward_micro_batch(self.model, packed, temperature, compute_entropy, entropy_grad=entropy_grad)
 
     def micro_batches(self, mini: Sequence[int], split: Callable[[list[int]], list[list[int]]],
                       weights: Sequence[float]) -> list[tuple[list[int], bool]]:
@@ -223,14 +237,18 @@ def _skip_cpu_op_builds() -> None:
     ops["deepspeed_shm_comm"] = False
 
 
-def deepspeed_config(actor: ActorConfig, dtype: str, world_size: int) -> dict:
+def deepspeed_config(actor: ActorConfig, world_size: int) -> dict:
     """The DeepSpeed config built from the ``actor`` section.
+
+    The precision policy maps onto DeepSpeed's own mixed precision, which keeps fp32 master weights
+    and optimizer state itself: ``actor.mixed_precision.param_dtype`` bfloat16 -> ``bf16.enabled``,
+    float16 -> ``fp16.enabled`` with dynamic loss scaling (``loss_scale: 0``; Micikevicius et al.
+    2018, sec. 3.2), float32 -> neither; ``reduce_dtype`` -> ``communication_data_type`` (the dtype
+    gradients are all-reduced in).
 
     Args:
         actor: ``actor`` config section (``lr``, ``betas``, ``weight_decay``, ``grad_clip``,
-            ``ppo_micro_batch_size``, ``zero_stage``).
-        dtype: ``model.dtype`` (``bfloat16``/``float16`` turn on DeepSpeed's mixed precision with
-            fp32 master weights; ``float32`` trains in fp32).
+            ``ppo_micro_batch_size``, ``zero_stage``, ``mixed_precision``).
         world_size: data-parallel ranks.
 
     Returns:
@@ -255,8 +273,13 @@ def deepspeed_config(actor: ActorConfig, dtype: str, world_size: int) -> dict:
     }
     if int(actor.zero_stage) == 3:
         cfg["zero_optimization"].update({"stage3_gather_16bit_weights_on_model_save": True})
+    mp = getattr(actor, "mixed_precision", None)
+    dtype = str(mp.param_dtype) if mp is not None else "float32"
     if dtype in _DTYPE_KEYS:
         cfg[_DTYPE_KEYS[dtype]] = {"enabled": True}
+        if dtype == "float16":
+            cfg["fp16"].update({"loss_scale": 0, "initial_scale_power": 16})
+        cfg["communication_data_type"] = _DS_DTYPE_NAMES[str(mp.reduce_dtype)]
     return cfg
 
 
@@ -309,7 +332,6 @@ class DeepSpeedBackend:
     Args:
         model: the module (moved to the device already); DeepSpeed wraps it in place.
         actor: the ``actor`` config section.
-        dtype: ``model.dtype``.
         device: ``cpu``, ``cuda`` or ``npu``.
         rank: this rank.
         world_size: number of ranks.
@@ -317,7 +339,7 @@ class DeepSpeedBackend:
 
     distributed = True
 
-    def __init__(self, model: torch.nn.Module, actor: ActorConfig, dtype: str, device: str, rank: int,
+    def __init__(self, model: torch.nn.Module, actor: ActorConfig, device: str, rank: int,
                  world_size: int) -> None:
         from trajflow.infra.devices import collective_backend
 
@@ -330,7 +352,7 @@ class DeepSpeedBackend:
                                    rank=rank, world_size=world_size)
         self.rank, self.world_size = rank, world_size
         self.zero_stage = int(actor.zero_stage)
-        self.config = deepspeed_config(actor, dtype, world_size)
+        self.config = deepspeed_config(actor, world_size)
         params = [p for p in model.parameters() if p.requires_grad]
         # LoRA: the frozen base never changes and is reloaded from model.path, so a checkpoint holds
         # the adapters and their optimizer state only.

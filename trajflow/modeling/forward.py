@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from trajflow.modeling.packing import PackedBatch, micro_batch_plan, pack
+from trajflow.modeling.precision import autocast, fp32_region
 from trajflow.modeling.support import TREE_KERNELS, fast_path_unsupported, final_logits, note_fallback, sliding_window
 from trajflow.modeling.token_logprobs import token_logprobs_entropy
 from trajflow.modeling.tree import TREE_MAX_TOKENS, common_prefix_length, tree_hidden_states, tree_packed_tokens
@@ -339,8 +340,11 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
     logps, ents = [], []
     for i in range(0, flat_h.shape[0], logits_chunk):
         logits = to_logits(flat_h[i:i + logits_chunk])
-        logp, ent = token_logprobs_entropy(logits, flat_y[i:i + logits_chunk], temperature, entropy_grad,
-                                           compute_entropy)
+        # Under a bf16 autocast the head's logits are bf16; the log-softmax over 49k-152k columns
+        # and the entropy are computed from their float32 cast, outside autocast.
+        with fp32_region(flat_h.device):
+            logp, ent = token_logprobs_entropy(logits, flat_y[i:i + logits_chunk], temperature, entropy_grad,
+                                               compute_entropy)
         logps.append(logp)
         if compute_entropy:
             ents.append(ent)
@@ -375,11 +379,13 @@ def plain_response_logits(model: torch.nn.Module, packed: PackedBatch) -> torch.
 def compute_log_probs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                       response_ids: Sequence[Sequence[int]], *, temperature: float, micro_batch_size: int,
                       pad_id: int, device: str = "cpu", compute_entropy: bool = False,
-                      max_tokens: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+                      max_tokens: int | None = None,
+                      param_dtype: str = "float32") -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """Per-token log-probs of every response, as ragged float32 arrays (one per row).
 
     Micro-batches follow :func:`micro_batch_plan` (``micro_batch_size`` rows, or a token budget of
-    ``max_tokens``), the same packing the PPO update uses.
+    ``max_tokens``), the same packing the PPO update uses. ``param_dtype`` is the compute dtype of
+    the forward (:func:`trajflow.modeling.precision.autocast`); log-probs are float32 either way.
     """
     was_training = model.training
     model.eval()
@@ -388,7 +394,8 @@ def compute_log_probs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]
     try:
         for sl in micro_batch_plan(prompt_ids, response_ids, micro_batch_size, max_tokens):
             packed = pack(prompt_ids[sl], response_ids[sl], pad_id, device)
-            logp, ent = forward_micro_batch(model, packed, temperature, compute_entropy)
+            with autocast(param_dtype, device):
+                logp, ent = forward_micro_batch(model, packed, temperature, compute_entropy)
             for j, r in enumerate(response_ids[sl]):
                 out.append(logp[j, :len(r)].float().cpu().numpy())
                 if ent_out is not None:

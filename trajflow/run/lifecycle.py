@@ -309,6 +309,9 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
             store.write_config(to_yaml(cfg))
         store.update_run_meta(status="running")
     print(f"trajflow run {run_id}: {store.run_dir}", flush=True)
+    from trajflow.modeling.precision import describe, run_precision
+
+    print(describe(run_precision(cfg)), flush=True)  # decided at config load ('auto'), before any worker starts
 
     preload_audit()
     try:
@@ -428,7 +431,10 @@ def create_run_folder(store: RunStore, cfg: DictConfig, **meta) -> None:
     store.run_dir.mkdir(parents=True, exist_ok=True)
     logs.attach_run_dir(store.run_dir)
     store.write_config(to_yaml(cfg))
-    store.update_run_meta(run_id=store.run_id, status="running", created=time.time(), **meta)
+    from trajflow.modeling.precision import run_precision
+
+    store.update_run_meta(run_id=store.run_id, status="running", created=time.time(), precision=run_precision(cfg),
+                          **meta)
 
 
 def preload_audit() -> None:

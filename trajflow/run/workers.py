@@ -97,7 +97,8 @@ def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
     place = placement(ctx)
     ctx.reference = WorkerGroup.spawn(
         ReferenceWorker, (ref_path or ctx.model_path, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.rollout),
-                          cfg.trainer.device, int(cfg.trainer.num_threads)),
+                          cfg.trainer.device, int(cfg.trainer.num_threads),
+                          OmegaConf.to_object(cfg.reference.mixed_precision)),
         [place.actor_options("reference", r) for r in range(place.world_size("reference"))], "reference")
     if wait_loaded:
         ray.get([h.pid.remote() for h in ctx.reference.handles])

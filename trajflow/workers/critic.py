@@ -19,6 +19,7 @@ from stages.policy_update import CriticBatch, CriticRows, explained_variance, va
 from trajflow.config import CriticConfig, ModelConfig
 from trajflow.modeling.backends import adamw
 from trajflow.modeling.packing import PackedBatch, micro_batch_slices, pack
+from trajflow.modeling.precision import autocast, cast_buffers, section_dtype
 from trajflow.models import load_causal_lm, load_tokenizer
 from trajflow.state_files import load_state, save_state
 from trajflow.workers.base import Worker
@@ -71,7 +72,7 @@ class CriticWorker(Worker):
         model_path: resolved Hugging Face directory of a causal LM whose body becomes the critic
             (``critic.path`` or the policy's ``model.path``).
         critic: the ``critic`` config section (``lr``, ``cliprange_value``, ``ppo_epochs``,
-            ``ppo_micro_batch_size``, ``grad_clip``).
+            ``ppo_micro_batch_size``, ``grad_clip``, ``mixed_precision``).
         model_cfg: the ``model`` config section (``dtype``, ``attn_implementation``,
             ``gradient_checkpointing``).
         device: torch device.
@@ -91,6 +92,9 @@ class CriticWorker(Worker):
         hidden = int(lm.config.hidden_size)
         self.model = ValueModel(lm.get_decoder(), hidden).to(device)
         del lm
+        # fp32 master weights and AdamW state; forwards in critic.mixed_precision.param_dtype.
+        self.param_dtype = section_dtype(critic)
+        cast_buffers(self.model, str(getattr(getattr(critic, "mixed_precision", None), "buffer_dtype", "float32")))
         self.pad_id = int(load_tokenizer(model_path).pad_token_id)
         # The critic section has no weight decay setting: AdamW's 0.
         self.optimizer = adamw(self.model.parameters(), critic.lr, device=device)
@@ -106,7 +110,8 @@ class CriticWorker(Worker):
         try:
             for sl in micro_batch_slices(len(prompt_ids), int(self.cfg.ppo_micro_batch_size)):
                 packed = pack(prompt_ids[sl], response_ids[sl], self.pad_id, self.device)
-                v = self.model(packed)
+                with autocast(self.param_dtype, self.device):
+                    v = self.model(packed)
                 for j, r in enumerate(response_ids[sl]):
                     out.append(v[j, :len(r)].cpu().numpy().astype(np.float32))
         finally:
@@ -165,7 +170,8 @@ class CriticWorker(Worker):
                     mask = packed.response_mask.float()
                     if lm is not None:
                         mask = mask * ragged(lm, ids, T)
-                    vpreds = self.model(packed)
+                    with autocast(self.param_dtype, self.device):
+                        vpreds = self.model(packed)  # float32 out: the head's output is cast up
                     loss, m = value_loss(vpreds, ragged(rows.values, ids, T), ragged(rows.returns, ids, T), mask,
                                          float(c.cliprange_value), "token-mean", global_num_tokens=global_tokens)
                     loss.backward()

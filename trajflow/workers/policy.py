@@ -20,13 +20,14 @@ import torch
 from stages.multi_turn import EpisodeGeneration
 from stages.policy_update import ACTOR_LOSS_SHARES, ActorLossConfig, UpdateBatch, UpdateRows, actor_loss
 from stages.rollout import Generation, SamplingParams
-from stages.rollout_correction import rollout_is_weights
+from stages.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.modeling import lora
 from trajflow.modeling.backends import LocalBackend, adamw
 from trajflow.modeling.forward import compute_log_probs
 from trajflow.modeling.packing import micro_batch_plan, pack
+from trajflow.modeling.precision import cast_buffers, section_dtype
 from trajflow.models import chat_prompt_ids, eos_token_ids, load_causal_lm, load_tokenizer
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
 from trajflow.workers.base import Worker
@@ -96,6 +97,9 @@ class PolicyWorker(Worker):
         self.model_cfg = model_cfg
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_causal_lm(model_path, model_cfg.dtype, device, model_cfg.attn_implementation)
+        # Master weights and AdamW state stay model.dtype (float32); forwards run in param_dtype.
+        self.param_dtype = section_dtype(actor)
+        cast_buffers(self.model, str(getattr(getattr(actor, "mixed_precision", None), "buffer_dtype", "float32")))
         if model_cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.config.use_cache = True
@@ -110,14 +114,15 @@ class PolicyWorker(Worker):
         if actor.strategy != "deepspeed":
             # Under LoRA only the adapters require grad: the optimizer state is megabytes, not 2x the model.
             self.optimizer = adamw(lora.trainable_parameters(self.model), actor.lr, actor.betas, actor.weight_decay, device)
-            self.backend = LocalBackend(self.model, self.optimizer)
+            self.backend = LocalBackend(self.model, self.optimizer, self.param_dtype)
         if rollout.engine == "vllm" and rollout.pool is None:
             from trajflow.engines.vllm import VLLMRolloutEngine
 
             self.engine = VLLMRolloutEngine(model_path, rollout, model_cfg, self.eos_ids, seed=seed, colocated=True,
                                             lora_rank=int(model_cfg.lora_rank))
         else:
-            self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.micro_batch_size, device)
+            self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.micro_batch_size, device,
+                                          dtype=str(getattr(rollout, "dtype", "float32")))
         self.policy_version = 0
         self.optimizer_steps = 0
         self.nonfinite_in_a_row = 0  # consecutive skipped optimizer steps, across updates
@@ -140,8 +145,8 @@ class PolicyWorker(Worker):
 
         setup_rank_env(master_addr, master_port, rank, world_size, self.device)
         t0 = time.perf_counter()
-        self.backend = DeepSpeedBackend(self.model, self.actor, self.model_cfg.dtype, self.device, rank, world_size)
-        if self.backend.zero_stage == 3 and isinstance(self.engine, HFRolloutEngine):
+        self.backend = DeepSpeedBackend(self.model, self.actor, self.device, rank, world_size)
+        if self.backend.zero_stage == 3 and isinstance(self.engine, HFRolloutEngine) and not self.engine.own_copy:
             # Sharded parameters: every decoding step gathers them, so ranks step together.
             self.engine.synced_gpus = world_size > 1
         return {"rank": rank, "world_size": world_size, "init_s": time.perf_counter() - t0}
@@ -163,7 +168,11 @@ class PolicyWorker(Worker):
     def _push_weights(self) -> None:
         """Send the current weights to an engine that does not share this module (vLLM, rollout workers)."""
         if isinstance(self.engine, HFRolloutEngine):
-            return  # generation runs on the trained module itself: nothing to send
+            # The trained module itself (nothing to send), or the engine's copy in rollout.dtype.
+            if self.engine.own_copy:
+                with self.backend.gathered():
+                    self.engine.sync()
+            return
         if self.lora and hasattr(self.engine, "update_adapter"):
             # vLLM serves the frozen base with the adapter as a LoRARequest: only the adapter travels.
             self.engine.update_adapter(lora.adapter_state(self.model), self.model.peft_config[lora.ADAPTER],
@@ -264,7 +273,7 @@ class PolicyWorker(Worker):
         """Per-token log-probs under the current policy, packed exactly as :meth:`update_actor` packs."""
         logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
                                     micro_batch_size=self.actor.ppo_micro_batch_size, pad_id=self.pad_id,
-                                    device=self.device, max_tokens=self._max_tokens())
+                                    device=self.device, max_tokens=self._max_tokens(), param_dtype=self.param_dtype)
         return logp
 
     @dispatch("split", split_args=("prompt_ids", "response_ids"))
@@ -285,7 +294,7 @@ class PolicyWorker(Worker):
         with lora.reference_mode(self.model):
             logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=self.rollout.temperature,
                                         micro_batch_size=int(self.rollout.log_prob_micro_batch_size),
-                                        pad_id=self.pad_id, device=self.device)
+                                        pad_id=self.pad_id, device=self.device, param_dtype=self.param_dtype)
         return logp
 
     def _max_tokens(self) -> int | None:
@@ -434,11 +443,11 @@ class PolicyWorker(Worker):
             if settings.rollout_is:  # truncated IS: min(pi_old / pi_rollout, C), a constant weight
                 is_w, _ = rollout_is_weights(old, rollout_lp, m, settings.rollout_is,
                                              float(settings.rollout_is_threshold))
-                if epoch == 0:
-                    for j, r in enumerate(ids):
-                        n = len(rows.response_ids[r])
-                        state.is_rows[r] = (old[j, :n].cpu().numpy(), rollout_lp[j, :n].cpu().numpy(),
-                                            m[j, :n].cpu().numpy())
+            if epoch == 0:  # the mismatch metrics are logged every iteration, correction or not
+                for j, r in enumerate(ids):
+                    n = len(rows.response_ids[r])
+                    state.is_rows[r] = (old[j, :n].detach().cpu().numpy(), rollout_lp[j, :n].cpu().numpy(),
+                                        m[j, :n].cpu().numpy())
         adv = self._ragged(rows.advantages, ids, T)
         # Dr. GRPO's constant normaliser is the response cap (verl pads responses to it), not the
         # micro-batch's longest response, so micro-batches add up to the mini-batch loss.
@@ -466,10 +475,12 @@ class PolicyWorker(Worker):
                 step[k] = step.get(k, 0.0) + float(v) * frac
 
     @staticmethod
-    def _rollout_is_metrics(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], level: str,
+    def _rollout_is_metrics(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], level: str | None,
                             threshold: float) -> dict:
         """``rollout_corr/*`` over the whole batch from each row's (trainer old, engine) log-probs and
-        the mask of the tokens that count."""
+        the mask of the tokens that count: the mismatch diagnostics
+        (:func:`stages.rollout_correction.rollout_mismatch_metrics`) always, the IS weights'
+        statistics when ``level`` (``algorithm.rollout_is``) is set."""
         ordered = [rows[r] for r in sorted(rows)]
         width = max([len(o) for o, _, _ in ordered] + [1])
         old = torch.zeros((len(ordered), width), dtype=torch.float64)
@@ -479,7 +490,10 @@ class PolicyWorker(Worker):
             old[i, :len(o)] = torch.from_numpy(o.astype(np.float64))
             eng[i, :len(e)] = torch.from_numpy(e.astype(np.float64))
             mask[i, :len(k)] = torch.from_numpy(k.astype(bool))
-        return rollout_is_weights(old, eng, mask, level, threshold)[1]
+        out = rollout_mismatch_metrics(old, eng, mask, threshold)
+        if level:
+            out.update(rollout_is_weights(old, eng, mask, level, threshold)[1])
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     @dispatch("broadcast")

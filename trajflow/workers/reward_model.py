@@ -15,6 +15,7 @@ import torch
 from trajflow.config import ModelConfig, RewardModelConfig
 from trajflow.errors import ModelLoadError
 from trajflow.modeling.packing import micro_batch_slices
+from trajflow.modeling.precision import autocast, cast_buffers, section_dtype
 from trajflow.models import _DTYPES, load_tokenizer
 from trajflow.workers.base import Worker
 
@@ -48,7 +49,8 @@ class RewardModelWorker(Worker):
 
     Args:
         model_path: Hugging Face directory of the reward model.
-        rm_cfg: the ``reward.reward_model`` config section (``micro_batch_size``, ``max_length``).
+        rm_cfg: the ``reward.reward_model`` config section (``micro_batch_size``, ``max_length``,
+            ``mixed_precision``).
         model_cfg: the ``model`` config section (``dtype``, ``attn_implementation``).
         device: torch device.
         num_threads: torch threads (0 = all CPUs).
@@ -80,6 +82,9 @@ class RewardModelWorker(Worker):
         self.model = model.to(device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        # fp32 weights, forwards in reward.reward_model.mixed_precision.param_dtype, scores read as float32.
+        self.param_dtype = section_dtype(rm_cfg)
+        cast_buffers(self.model, str(getattr(getattr(rm_cfg, "mixed_precision", None), "buffer_dtype", "float32")))
         self.micro_batch_size = int(rm_cfg.micro_batch_size)
         self.max_length = int(rm_cfg.max_length)
 
@@ -109,6 +114,7 @@ class RewardModelWorker(Worker):
             for j, r in enumerate(rows):  # right padding: the last real token is found by the model
                 x[j, :len(r)] = torch.tensor(r)
                 attn[j, :len(r)] = 1
-            logits = self.model(input_ids=x.to(self.device), attention_mask=attn.to(self.device)).logits
+            with autocast(self.param_dtype, self.device):
+                logits = self.model(input_ids=x.to(self.device), attention_mask=attn.to(self.device)).logits
             out[sl] = logits[:, 0].float().cpu().numpy()
         return out

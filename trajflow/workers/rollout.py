@@ -55,7 +55,9 @@ class RolloutWorker(Worker):
         else:
             from trajflow.engines.hf import HFRolloutEngine
 
-            self.model = load_causal_lm(model_path, model_cfg.dtype, device, model_cfg.attn_implementation)
+            # The sampler's own copy in rollout.dtype; update_weights casts the policy's weights into it.
+            self.model = load_causal_lm(model_path, str(getattr(rollout, "dtype", model_cfg.dtype)), device,
+                                        model_cfg.attn_implementation)
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
