@@ -30,6 +30,22 @@ ROLLOUT_IS_LOG_CLAMP = 20.0
 
 
 @torch.no_grad()
+def _checked_mask(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                  threshold: float) -> torch.Tensor:
+    """The bool mask, after checking the threshold and that the tensors are ``(batch, response_len)`` alike.
+
+    Raises:
+        ValueError: a non-positive ``threshold`` or mismatched shapes.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold > 0:
+        raise ValueError(f"algorithm.rollout_is_threshold must be a number > 0, got {threshold!r}")
+    for name, t in (("rollout_log_prob", rollout_log_prob), ("response_mask", response_mask)):
+        if not isinstance(t, torch.Tensor) or t.shape != old_log_prob.shape or old_log_prob.dim() != 2:
+            raise ValueError(f"{name} must have the shape of old_log_prob {tuple(old_log_prob.shape)} "
+                             f"(batch, response_len), got {getattr(t, 'shape', type(t).__name__)}")
+    return response_mask if response_mask.dtype == torch.bool else response_mask != 0
+
+
 def rollout_is_weights(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
@@ -65,13 +81,7 @@ def rollout_is_weights(
     """
     if level not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"algorithm.rollout_is must be one of {list(ROLLOUT_IS_LEVELS)} or null, got {level!r}")
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold > 0:
-        raise ValueError(f"algorithm.rollout_is_threshold must be a number > 0, got {threshold!r}")
-    for name, t in (("rollout_log_prob", rollout_log_prob), ("response_mask", response_mask)):
-        if not isinstance(t, torch.Tensor) or t.shape != old_log_prob.shape or old_log_prob.dim() != 2:
-            raise ValueError(f"{name} must have the shape of old_log_prob {tuple(old_log_prob.shape)} "
-                             f"(batch, response_len), got {getattr(t, 'shape', type(t).__name__)}")
-    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    mask = _checked_mask(old_log_prob, rollout_log_prob, response_mask, threshold)
     zero = torch.zeros((), dtype=torch.float64, device=old_log_prob.device)
     diff = torch.where(mask, old_log_prob.double() - rollout_log_prob.double(), zero)
     if level == "token":
@@ -136,13 +146,7 @@ def rollout_mismatch_metrics(
     Raises:
         ValueError: mismatched shapes or a non-positive ``threshold``.
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold > 0:
-        raise ValueError(f"algorithm.rollout_is_threshold must be a number > 0, got {threshold!r}")
-    for name, t in (("rollout_log_prob", rollout_log_prob), ("response_mask", response_mask)):
-        if not isinstance(t, torch.Tensor) or t.shape != old_log_prob.shape or old_log_prob.dim() != 2:
-            raise ValueError(f"{name} must have the shape of old_log_prob {tuple(old_log_prob.shape)} "
-                             f"(batch, response_len), got {getattr(t, 'shape', type(t).__name__)}")
-    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    mask = _checked_mask(old_log_prob, rollout_log_prob, response_mask, threshold)
     old, eng = old_log_prob.double()[mask], rollout_log_prob.double()[mask]
     if old.numel() == 0:
         names = ("kl", "k3_kl", "training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff",
