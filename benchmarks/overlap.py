@@ -4,13 +4,13 @@ separate pools of one CPU each: iteration throughput ratio and a timeline of whe
 Runs the ``train`` flow (real Prefect, Ray, Parquet store, MLflow on SQLite) twice with the same
 recipe, seed and split placement (``resources.placement=split``, pool ``train`` for the actor,
 pool ``gen`` for separate rollout workers), once with ``trainer.max_staleness=0`` and once with 1,
-and prints per mode the wall time of iterations 2..N (the first one loads and warms up), the
+and prints per mode the seconds per iteration after ``--warmup`` iterations (update end to update end), the
 iterations per minute, the ratio, and the median seconds of generation and update. The busy
 intervals come from the run store: a rollout ends when its ``rollout.parquet`` is written
 (``written_at`` in the manifest) and lasted ``timing_s/gen``; an update ends when its
 ``update.json`` is written and lasted ``timing_s/update_actor`` (both from MLflow).
 
-    python benchmarks/overlap.py [--iterations 6] [--tiny] [--png overlap_timeline.png] [key=value ...]
+    python benchmarks/overlap.py [--iterations 6] [--warmup 1] [--tiny [DIR]] [--png overlap_timeline.png] [key=value ...]
 
 ``--tiny`` uses a tiny random model (seconds, for checking the script; the ratio is then mostly
 overhead). The overlap can at best hide the shorter of generation and update: with generation g
@@ -76,10 +76,11 @@ def run_mode(staleness: int, args, root: Path) -> dict:
     run_dir = Path(summary["run_dir"])
     spans = busy_intervals(run_dir, f"sqlite:///{store / 'mlflow.db'}", summary["mlflow_run_id"], args.iterations)
     ends = [e for _, _, e in spans["actor"]]
-    steady = (ends[-1] - ends[0]) / (args.iterations - 1)  # seconds per iteration after the first
+    w = args.warmup  # the first iterations load, compile and open the audit table: not steady state
+    steady = (ends[-1] - ends[w - 1]) / (args.iterations - w)
     return {"staleness": staleness, "wall_s": wall, "s_per_it": steady, "spans": spans,
-            "gen_s": statistics.median(e - s for _, s, e in spans["rollout"][1:]),
-            "update_s": statistics.median(e - s for _, s, e in spans["actor"][1:])}
+            "gen_s": statistics.median(e - s for _, s, e in spans["rollout"][w:]),
+            "update_s": statistics.median(e - s for _, s, e in spans["actor"][w:])}
 
 
 def plot(results: list[dict], png: Path) -> None:
@@ -96,7 +97,7 @@ def plot(results: list[dict], png: Path) -> None:
                 ax.barh(y, e - s, left=s - t0, color=color, edgecolor="black", linewidth=0.5)
                 ax.text(s - t0 + (e - s) / 2, y, str(it), ha="center", va="center", fontsize=7)
         ax.set_yticks([0, 1], ["rollout worker (gen)", "policy worker (update)"])
-        ax.set_title(f"trainer.max_staleness={res['staleness']}: {res['s_per_it']:.1f} s/iteration after the first",
+        ax.set_title(f"trainer.max_staleness={res['staleness']}: {res['s_per_it']:.1f} s/iteration after the warm-up",
                      fontsize=9)
     axes[-1, 0].set_xlabel("seconds since the first rollout began")
     fig.tight_layout()
@@ -106,25 +107,32 @@ def plot(results: list[dict], png: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=1, help="iterations left out of the steady-state numbers")
     ap.add_argument("--tiny", nargs="?", const="make", default=None,
                     help="a tiny random model (a folder, or made in the scratch folder when given bare)")
     ap.add_argument("--png", type=Path, default=Path("overlap_timeline.png"))
     ap.add_argument("--keep", action="store_true", help="keep the run directories (removed at exit otherwise)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    if args.iterations < 2:
-        ap.error("--iterations must be >= 2 (the first iteration is warm-up)")
+    if not 1 <= args.warmup < args.iterations:
+        ap.error("need 1 <= --warmup < --iterations")
     root = scratch_dir("trajflow-overlap-", args.keep)
     if args.tiny == "make":
         from tests.conftest import make_tiny_model
 
         args.tiny = str(make_tiny_model(root / "tiny-model"))
+    import ray
+
+    # One Ray for both runs: a run that starts Ray stops it at the end, and with it the watcher that
+    # keeps Prefect's temporary server alive for the next flow of this process.
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
     load = os.getloadavg()
     results = [run_mode(0, args, root), run_mode(1, args, root)]
     load_after = os.getloadavg()
     print(f"\n=== sync vs trainer.max_staleness=1, {args.iterations} iterations, rollout and actor on one CPU each ===")
     for r in results:
-        print(f"max_staleness={r['staleness']}: {r['s_per_it']:.2f} s/iteration (iterations 2..{args.iterations}), "
+        print(f"max_staleness={r['staleness']}: {r['s_per_it']:.2f} s/iteration (iterations {args.warmup + 1}.."
+              f"{args.iterations}), "
               f"{60 / r['s_per_it']:.2f} iterations/min; median gen {r['gen_s']:.2f} s, update {r['update_s']:.2f} s; "
               f"whole run {r['wall_s']:.0f} s")
     ratio = results[0]["s_per_it"] / results[1]["s_per_it"]

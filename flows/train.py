@@ -82,7 +82,7 @@ def _train_overlapped(ctx, stage, run_id: str) -> None:
     todo = iter(run.iterations(ctx))
     # Submitted, the rollout runs in a worker thread, where Prefect's timeout cannot interrupt it (and
     # says so each time): its Ray waits are bounded by the stage's deadline all the same (stage_guard).
-    rollout_task = stage.rollout.with_options(timeout_seconds=None)
+    rollout_task = stage.rollout.with_options(timeout_seconds=0)  # 0: none (None would keep the old one)
     synced = ctx.policy_version  # the version on the rollout workers (open_run pushed the restored weights)
 
     def submit_next():
