@@ -19,6 +19,7 @@ from prefect import flow  # noqa: E402
 from flows import tasks  # noqa: E402
 from flows.reporting import iteration_artifact, quiet_expected_errors, rename_flow_run  # noqa: E402
 from trajflow.run import lifecycle as run  # noqa: E402
+from trajflow.run.recovery import stage_timeout as run_stage_timeout  # noqa: E402
 from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402
 from trajflow.store import RunStore, run_lock  # noqa: E402
 
@@ -106,24 +107,31 @@ def _train_overlapped(ctx, stage, run_id: str) -> None:
             synced = run.sync_rollout_weights(ctx, it)
 
     ahead = submit_next()
-    while ahead is not None:
-        it, future, _ = ahead
-        rollout = future.result()
-        settle(None, it)  # weights of update it-1, for the rollout of it+1
-        ahead = submit_next()  # overlaps this iteration's reward, gate, advantage and update
-        reward = stage.reward(run_id, it, rollout)
-        gate = stage.gate(run_id, it, rollout, reward)
-        advantage = stage.advantage(run_id, it, rollout, reward, gate)
-        metrics = stage.update(run_id, it, rollout, reward, advantage, gate)
-        metrics = run.record(ctx, it, metrics)
-        if run.validation_due(ctx, it):
-            settle(ahead, it)  # validation scores this update's weights, on the rollout workers
-            metrics |= stage.validate(run_id, it)
-        run.log_iteration(ctx, it, metrics)
-        if run.checkpoint_due(ctx, it):
-            settle(ahead, it)  # the in-flight rollout is stored before the checkpoint exists
-            run.save(ctx, it, sampler_state=ahead[2] if ahead is not None else None)
-        iteration_artifact(ctx, it, metrics)
+    try:
+        while ahead is not None:
+            it, future, _ = ahead
+            rollout = future.result()
+            settle(None, it)  # weights of update it-1, for the rollout of it+1
+            ahead = submit_next()  # overlaps this iteration's reward, gate, advantage and update
+            reward = stage.reward(run_id, it, rollout)
+            gate = stage.gate(run_id, it, rollout, reward)
+            advantage = stage.advantage(run_id, it, rollout, reward, gate)
+            metrics = stage.update(run_id, it, rollout, reward, advantage, gate)
+            metrics = run.record(ctx, it, metrics)
+            if run.validation_due(ctx, it):
+                settle(ahead, it)  # validation scores this update's weights, on the rollout workers
+                metrics |= stage.validate(run_id, it)
+            run.log_iteration(ctx, it, metrics)
+            if run.checkpoint_due(ctx, it):
+                settle(ahead, it)  # the in-flight rollout is stored before the checkpoint exists
+                run.save(ctx, it, sampler_state=ahead[2] if ahead is not None else None)
+            iteration_artifact(ctx, it, metrics)
+    except Exception:
+        # A failed stage (a gate, a non-finite update) ends the run: let the rollout in flight end
+        # first, so the workers are not closed under it and its task is not retried against them.
+        if ahead is not None:
+            ahead[1].wait(timeout=run_stage_timeout(ctx.cfg, "rollout"))
+        raise
 
 
 def train(recipe: str | None = None, overrides: Sequence[str] = (), run_id: str | None = None) -> dict:

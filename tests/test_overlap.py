@@ -195,3 +195,29 @@ def test_replay_of_an_off_policy_iteration_reproduces_it(overlap_runs):
     assert {k: cm[k] for k in compared} == {k: pm[k] for k in compared}
     assert_same_weights(child / "checkpoints" / "000003" / "actor" / "model.safetensors",
                         parent / "checkpoints" / "000003" / "actor" / "model.safetensors")
+
+
+def test_a_failed_gate_stops_before_the_update_and_lets_the_rollout_in_flight_finish(tiny_model_dir, ray_local,
+                                                                                     tmp_path):
+    """The gate still runs before the update that would use the batch: a NaN score stops the run in
+    iteration 1 with no advantages and no update, and the rollout of iteration 2 (submitted before
+    the gate ran) ends and is stored before the workers close."""
+    from flows.train import train
+    from trajflow.errors import GateFailed
+    from trajflow.store import RunStore
+
+    scorer = tmp_path / "nan.py"
+    scorer.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float('nan')\n")
+    over = tiny_overrides(tiny_model_dir, tmp_path / "store", **{"gates.enabled": True, "trainer.test_freq": 0,
+                                                                "reward.custom_function": f"{scorer}:score",
+                                                                "trainer.max_staleness": 1, **SPLIT})
+    with pytest.raises(GateFailed, match="score_not_null|score_finite"):
+        train(None, over, run_id="gated")
+    store = RunStore(tmp_path / "store", "gated")
+    assert store.read_manifest(1)["status"] == "gated"
+    assert not store.stage_path(1, "advantage").exists()
+    assert not (store.iteration_dir(1) / "update.json").exists()
+    assert store.verified_stage(2, "rollout") is not None
+    assert set(store.read_stage(2, "rollout").column("policy_version").to_pylist()) == {0}
+    assert store.read_run_meta()["status"] == "failed"
