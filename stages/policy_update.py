@@ -375,6 +375,8 @@ class UpdateSettings:
         rollout_is: ``"token"`` / ``"sequence"``: weight the policy-gradient loss by truncated
             rollout importance weights (:mod:`stages.rollout_correction`); ``None``: off.
         rollout_is_threshold: their truncation bound ``C``.
+        defer_weight_sync: do not push the new weights to separate rollout workers at the end of the
+            update (``trainer.max_staleness`` > 0: the driver pushes them when no rollout is in flight).
     """
 
     mini_batch_rows: int | None = None
@@ -382,6 +384,7 @@ class UpdateSettings:
     rng_seed: int | None = None
     rollout_is: str | None = None
     rollout_is_threshold: float = 2.0
+    defer_weight_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -498,7 +501,7 @@ def with_loss_mask(joined: pa.Table, gate: dict | None) -> pa.Table:
 
 def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_mini_batch_size: int,
                  use_ref_logprobs: bool, mask_truncated: bool = False, rollout_is: str | None = None,
-                 rollout_is_threshold: float = 2.0) -> UpdateBatch:
+                 rollout_is_threshold: float = 2.0, defer_weight_sync: bool = False) -> UpdateBatch:
     """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
 
     The same stored tables always give the same batch (the shuffle seed derives from the
@@ -516,6 +519,8 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         rollout_is: ``algorithm.rollout_is`` (``token``/``sequence``/None): the worker weights the
             policy-gradient loss by truncated importance weights (:mod:`stages.rollout_correction`).
         rollout_is_threshold: ``algorithm.rollout_is_threshold``.
+        defer_weight_sync: the worker does not push the new weights to the rollout workers; the
+            driver does, when no rollout is in flight (``trainer.max_staleness`` > 0).
 
     Returns:
         :class:`UpdateBatch`: rows ``prompt_ids``, ``response_ids``, ``old_logprobs``,
@@ -532,7 +537,8 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
     settings = UpdateSettings(mini_batch_rows=ppo_mini_batch_size * n, shuffle_seed=iteration_seed(seed, iteration, Salt.UPDATE_SHUFFLE),
                               rng_seed=iteration_seed(seed, iteration, Salt.UPDATE_RNG),
                               rollout_is=str(rollout_is) if rollout_is else None,
-                              rollout_is_threshold=float(rollout_is_threshold) if rollout_is else 2.0)
+                              rollout_is_threshold=float(rollout_is_threshold) if rollout_is else 2.0,
+                              defer_weight_sync=bool(defer_weight_sync))
     return UpdateBatch(rows, settings)
 
 
@@ -543,7 +549,9 @@ def update_batch_options(cfg: Any) -> dict[str, Any]:
                 ppo_mini_batch_size=int(cfg.actor.ppo_mini_batch_size),
                 use_ref_logprobs=cfg.actor.kl_loss_coef > 0,
                 mask_truncated=bool(cfg.algorithm.mask_truncated_samples),
-                rollout_is=cfg.algorithm.rollout_is, rollout_is_threshold=float(cfg.algorithm.rollout_is_threshold))
+                rollout_is=None if cfg.algorithm.rollout_is == "disable" else cfg.algorithm.rollout_is,
+                rollout_is_threshold=float(cfg.algorithm.rollout_is_threshold),
+                defer_weight_sync=int(cfg.trainer.max_staleness) > 0)
 
 
 def critic_batch(joined: pa.Table, iteration: int, cfg: Any) -> CriticBatch:

@@ -225,8 +225,8 @@ def test_separate_rollout_workers_get_the_merged_weights(tiny_model_dir):
     class ToWorker:  # RemoteRolloutEngine's interface, without Ray in between
         rank0_push = True
 
-        def update_weights(self, state):
-            remote.update_weights(state)
+        def update_weights(self, state, version=None):
+            remote.update_weights(state, version)
 
     own = policy.engine
     policy.engine = ToWorker()

@@ -30,7 +30,8 @@ PROMPT_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()
 # Columns each stage writes (the contract in design.md). `sample_id` keys every stage table.
 # Optional columns: rollout `rollout_logprobs` (engines that report log-probs), `baseline_response_ids`
 # and `baseline_response_text` (ReMax), and the multi-turn columns of MULTI_TURN_COLUMNS; reward
-# `rule_score`/`rm_score` (reward model), `reward_baseline` (ReMax).
+# `rule_score`/`rm_score` (reward model), `reward_baseline` (ReMax); advantage `staleness` int64 (the
+# trainer's policy version at the update minus the row's `policy_version`; trainer.max_staleness > 0).
 #: Rollout columns of multi-turn episodes: `loss_mask` list<int8> (1 where the model generated the
 #: response token, 0 on tool/environment and template tokens; absent = all ones), `turn_spans`
 #: list<int32> (flat [start, end) offsets of each assistant turn in `response_ids`), `num_turns` int32,
@@ -43,7 +44,7 @@ ROLLOUT_COLUMNS = ("sample_id", "prompt_id", "group_id", "iteration", "policy_ve
                    "baseline_response_text", *MULTI_TURN_COLUMNS)
 REWARD_COLUMNS = ("sample_id", "score", "reward_extra", "reward_error", "token_rewards", "ref_logprobs",
                   "rule_score", "rm_score", "reward_baseline")
-ADVANTAGE_COLUMNS = ("sample_id", "values", "advantages", "returns")
+ADVANTAGE_COLUMNS = ("sample_id", "values", "advantages", "returns", "staleness")
 
 
 def _as_list_array(col: pa.Array | pa.ChunkedArray) -> pa.ListArray:

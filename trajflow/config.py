@@ -233,8 +233,9 @@ class AlgorithmConfig:
     mask_truncated_samples: bool = _f(False, "exclude responses cut at rollout.max_new_tokens (finish_reason "
                                       "'length') from the policy loss (DAPO's overlong filtering)")
     rollout_is: Optional[str] = _f(None, "rollout importance-sampling correction: weight the policy loss by "
-                                   "min(pi_old / pi_rollout, threshold) per 'token' or per 'sequence' (null = off)",
-                                   choices=["token", "sequence"])
+                                   "min(pi_old / pi_rollout, threshold) per 'token' or per 'sequence'; null = off, "
+                                   "except with trainer.max_staleness > 0, where null means 'token' and 'disable' turns "
+                                   "it off", choices=["token", "sequence", "disable"])
     rollout_is_threshold: float = _f(2.0, "truncation bound C of the rollout importance weights", gt=0.0)
 
 
@@ -331,6 +332,9 @@ class TrainerConfig:
     stage_timeout_s: float = _f(3600.0, "wall-clock limit of one stage attempt in seconds (0 = none)", ge=0.0)
     precision_auto: Optional[str] = _f(None, "recorded, not an input: how the 'auto' dtypes were resolved when the "
                                        "run started (set by trajflow)")
+    max_staleness: int = _f(0, "policy versions a rollout may lag behind the trainer: 0 = synchronous (rollout, "
+                            "then update); 1 = iteration k+1's rollout runs on the rollout workers (rollout.pool) "
+                            "while iteration k updates (docs/overlap.md)", ge=0)
     stage_timeouts: dict = _f({}, "per-stage limits in seconds overriding stage_timeout_s, e.g. "
                               "{update_actor: 1800}; stages: " + ", ".join(STAGE_NAMES))
 
@@ -650,6 +654,36 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     from trajflow.infra.placement import validate_resources  # pools, placement, DeepSpeed ranks
 
     validate_resources(cfg, source)
+    _check_staleness(cfg, source)
+
+
+def _check_staleness(cfg: DictConfig, source: str) -> None:
+    """``trainer.max_staleness`` > 0 overlaps rollout and update: it needs rollout workers of their own
+    whose weights are synced after each update, and a rollout stage that only generates.
+
+    Raises:
+        ConfigError: names the key, the value and the fix.
+    """
+    k = cfg.trainer.max_staleness
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ConfigError(f"{source}: trainer.max_staleness={k!r} must be a non-negative integer")
+    if k == 0:
+        return
+    if k > 1:
+        raise ConfigError(f"{source}: trainer.max_staleness={k} is not supported yet: use 0 (synchronous) or 1 "
+                          f"(one-step off-policy)")
+    if cfg.rollout.pool is None:
+        raise ConfigError(f"{source}: trainer.max_staleness={k} needs a separate rollout worker group whose weights "
+                          f"can be synced while the policy trains: set rollout.pool to a pool of resources.pools "
+                          f"(e.g. resources.placement=split, resources.pools={{train: {{}}, gen: {{}}}}, "
+                          f"actor.pool=train, rollout.pool=gen), or set trainer.max_staleness=0")
+    unsupported = [(cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true"),
+                   (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true"),
+                   (cfg.algorithm.adv_estimator == "remax", "algorithm.adv_estimator='remax'")]
+    for on, what in unsupported:
+        if on:
+            raise ConfigError(f"{source}: trainer.max_staleness={k} does not support {what} yet (its rollout calls "
+                              f"the policy workers while they train); set trainer.max_staleness=0")
 
 
 #: The config sections with a ``mixed_precision`` sub-section (full key prefixes).
@@ -803,6 +837,9 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
     if cfg.actor.ppo_mini_batch_size is None:  # verl's default: the whole batch in one optimizer step
         cfg.actor.ppo_mini_batch_size = cfg.data.train_batch_size
     resolve_auto_precision(cfg)
+    if cfg.trainer.max_staleness and cfg.algorithm.rollout_is is None:
+        # Stale rows come from an older policy: correct by default ('disable' is an explicit no).
+        cfg.algorithm.rollout_is = "token"
     validate(cfg, "config")
     OmegaConf.set_readonly(cfg, True)
     return cfg

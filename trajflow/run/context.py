@@ -6,6 +6,7 @@ Prefect tasks receive only a run id and small references; they find the live obj
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,9 @@ class IterationState:
         gate_score_mean: the gate's mean of finite scores (the drift check's history), or None.
         critic_update: the critic update's metrics once it ran (a retried update must not update the
             critic twice), else None.
+        behaviour_version: ``trainer.max_staleness`` > 0: the policy version the rollout must be
+            generated with (fixed when the rollout is submitted, while the trainer moves on); None:
+            the trainer's current version (synchronous).
     """
 
     iteration: int
@@ -45,6 +49,7 @@ class IterationState:
     reward_metrics: dict[str, float] = field(default_factory=dict)
     gate_score_mean: float | None = None
     critic_update: dict[str, float] | None = None
+    behaviour_version: int | None = None
 
 
 @dataclass(slots=True)
@@ -62,7 +67,8 @@ class RunState:
         initial_checkpoint: an actor checkpoint folder a derived run (replay) starts from: a recreated
             policy worker loads it before re-applying this run's stored updates.
         policy_only: only the policy worker is needed (evaluation): no reference, critic or reward model.
-        deadline: ``time.monotonic()`` by which the running stage attempt must finish, or None.
+        deadline: ``time.monotonic()`` by which the running stage attempt must finish, or None; per
+            thread, since an overlapped rollout (``trainer.max_staleness`` > 0) runs next to the update.
         workers_lost: roles dropped after a failed stage attempt, to be recreated by the retry.
         progress: the console progress line (:class:`trajflow.run.progress.Progress`), or None.
         gate_thresholds_logged: the gate's expectations and thresholds are on the MLflow run as tags.
@@ -77,10 +83,18 @@ class RunState:
     last_metrics: dict[str, float] = field(default_factory=dict)
     initial_checkpoint: str | None = None
     policy_only: bool = False
-    deadline: float | None = None
+    _deadlines: Any = field(default_factory=threading.local, repr=False)
     workers_lost: list[str] = field(default_factory=list)
     progress: Any = None
     gate_thresholds_logged: bool = False
+
+    @property
+    def deadline(self) -> float | None:
+        return getattr(self._deadlines, "value", None)
+
+    @deadline.setter
+    def deadline(self, value: float | None) -> None:
+        self._deadlines.value = value
 
 
 @dataclass(slots=True)

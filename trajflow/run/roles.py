@@ -31,6 +31,29 @@ def generate(ctx: RunContext, prompts: list, params: SamplingParams, iteration: 
     return prompt_ids, wait(ctx, pending)
 
 
+def generate_on_rollout_workers(ctx: RunContext, prompts: list, params: SamplingParams,
+                                iteration: int | None = None) -> tuple[list, Generation]:
+    """:func:`generate`, on the separate rollout workers directly (``trainer.max_staleness`` > 0): the
+    policy workers are updating meanwhile, and a call to them would wait for the update.
+
+    The log-probs are the engines' own (the behaviour policy's, under ``rollout.temperature``) and
+    ``policy_version`` the version of the weights the engines hold.
+
+    Raises:
+        RuntimeError: the engines returned no log-probs for sampled responses.
+    """
+    cfg = ctx.cfg
+    prompt_ids = wait(ctx, ctx.rollout.tokenize_prompts.remote([p.messages for p in prompts],
+                                                               cfg.data.max_prompt_length))
+    pending = ctx.rollout.generate.remote(prompt_ids, params)
+    fault_point("rollout", iteration)
+    gen = wait(ctx, pending)
+    if not params.greedy and gen.old_logprobs is None:
+        raise RuntimeError(f"rollout.engine={cfg.rollout.engine!r} returned no log-probs: trainer.max_staleness > 0 "
+                           f"needs the behaviour policy's log-probs from the engine")
+    return prompt_ids, gen
+
+
 def generate_episodes(ctx: RunContext, prompts: list, params: SamplingParams, iteration: int | None = None):
     """Run ``params.n`` multi-turn episodes per prompt on the policy (or rollout) workers.
 

@@ -180,16 +180,32 @@ class PolicyWorker(Worker):
             return
         if self.lora:
             # Rollout workers load plain Hugging Face weights: the merged ones (base + B A scale).
-            self.engine.update_weights(lora.merged_state_dict(self.model))
+            if getattr(self.engine, "rank0_push", False):
+                self.engine.update_weights(lora.merged_state_dict(self.model), version=self.policy_version)
+            else:
+                self.engine.update_weights(lora.merged_state_dict(self.model))
             return
         if getattr(self.engine, "rank0_push", False):
-            # Separate rollout workers: rank 0 sends one full copy (gathered layer by layer under ZeRO-3).
+            # Separate rollout workers: rank 0 sends one full copy (gathered layer by layer under ZeRO-3),
+            # tagged with its policy version (recorded by every row the engines generate).
             state = self.backend.full_state_dict()
             if state is not None:
-                self.engine.update_weights(state)
+                self.engine.update_weights(state, version=self.policy_version)
             return
         with self.backend.gathered():  # an engine per rank (vLLM on this rank's GPU) needs the full weights
             self.engine.update_weights({k: v.detach() for k, v in self.model.state_dict().items()})
+
+    @dispatch("broadcast")
+    def push_weights(self) -> dict:
+        """Send the current weights to the separate rollout workers now (``trainer.max_staleness`` > 0:
+        the driver calls this after an update, once no rollout is in flight on them).
+
+        Returns:
+            ``{"policy_version": int, "timing_s/weight_sync": seconds}``.
+        """
+        t0 = time.perf_counter()
+        self._push_weights()
+        return {"policy_version": self.policy_version, "timing_s/weight_sync": time.perf_counter() - t0}
 
     @dispatch("broadcast")
     def get_weights(self) -> dict[str, np.ndarray] | None:
@@ -385,7 +401,8 @@ class PolicyWorker(Worker):
         is_rows = self.backend.gather_rows(state.is_rows)  # every rank's rows (data parallel)
         if is_rows:
             metrics.update(self._rollout_is_metrics(is_rows, settings.rollout_is, float(settings.rollout_is_threshold)))
-        self._push_weights()
+        if not settings.defer_weight_sync:
+            self._push_weights()
         metrics["timing_s/update_actor"] = time.perf_counter() - t0
         metrics["policy_version"] = self.policy_version
         return metrics

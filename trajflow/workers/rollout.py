@@ -39,6 +39,7 @@ class RolloutWorker(Worker):
 
         self._start(device, num_threads, seed)
         self.tokenizer = load_tokenizer(model_path)
+        self.prompt_format = model_cfg.prompt_format
         self.version = 0
         if rollout.engine == "vllm":
             from transformers import GenerationConfig
@@ -83,11 +84,25 @@ class RolloutWorker(Worker):
                           finish_reason=out.finish_reason, old_logprobs=None if params.greedy else out.logprobs,
                           policy_version=self.version, timing=timing)
 
+    @dispatch("rank0")
+    def tokenize_prompts(self, messages_list: list[list[dict]], max_prompt_length: int) -> list[list[int]]:
+        """Prompt token ids as the policy renders them (:func:`trajflow.workers.policy.build_prompt_ids`):
+        an overlapped rollout tokenizes here, not on the policy workers, which are training."""
+        from trajflow.workers.policy import build_prompt_ids
+
+        return build_prompt_ids(self.tokenizer, messages_list, max_prompt_length, self.prompt_format)
+
     @dispatch("broadcast")
-    def update_weights(self, state: dict) -> int:
-        """Load the policy's new weights ``{name: tensor}``; returns this engine's weight version."""
+    def update_weights(self, state: dict, version: int | None = None) -> int:
+        """Load the policy's new weights ``{name: tensor}``; returns this engine's weight version.
+
+        Args:
+            state: the weights.
+            version: the policy version they are (recorded as ``policy_version`` by what this engine
+                generates); None counts the pushes instead.
+        """
         self.engine.update_weights(state)
-        self.version += 1
+        self.version = self.version + 1 if version is None else int(version)
         return self.version
 
     @dispatch("broadcast")
@@ -128,12 +143,13 @@ class RemoteRolloutEngine:
                                 finish_reason=[f for o in outs for f in o.finish_reason], logprobs=logprobs,
                                 stats={"engine_versions": [o.policy_version for o in outs]})
 
-    def update_weights(self, named_tensors: dict) -> None:
-        """Send ``{name: tensor}`` (moved to CPU) once through the object store to every engine of ``push_to``."""
+    def update_weights(self, named_tensors: dict, version: int | None = None) -> None:
+        """Send ``{name: tensor}`` (moved to CPU) once through the object store to every engine of
+        ``push_to``, tagged with its policy ``version``."""
         if not self.push_to:
             return
         import ray
 
         state = {k: v.detach().cpu() for k, v in named_tensors.items()}
         ref = ray.put(state)
-        ray.get([h.update_weights.remote(ref) for h in self.push_to])
+        ray.get([h.update_weights.remote(ref, version) for h in self.push_to])
