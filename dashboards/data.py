@@ -463,3 +463,62 @@ def serve(store_root: str | Path = "runs", tracking_uri: str | None = None, port
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = streamlit_command(root, tracking_uri, port, address)
     os.execve(cmd[0], cmd, env)
+
+
+# ----------------------------------------------------------------------------------------- multi-turn episodes
+
+def episode_turns(messages: list[dict] | None, tool_calls: list[dict] | None) -> list[dict]:
+    """A multi-turn episode's stored ``messages`` and ``tool_calls`` as the browser's turn-by-turn view.
+
+    Args:
+        messages: the rollout row's ``messages`` (``role``, ``content``, ``tool_calls`` JSON or None),
+            assistant turns and the observations after them, in order.
+        tool_calls: the row's ``tool_calls`` (``turn``, ``name``, ``arguments``, ``result``, ``error``,
+            ``duration_s``); ``turn`` is the 0-based assistant turn that made the call.
+
+    Returns:
+        One dict per message: ``role``, ``content``, ``turn`` (the 1-based assistant turn it belongs to)
+        and, on assistant messages, ``calls``: that turn's tool calls (``name``, ``arguments``,
+        ``result``, ``error``, ``duration_s``). Empty for single-turn rows (no messages).
+    """
+    if not messages:
+        return []
+    by_turn: dict[int, list[dict]] = {}
+    for c in tool_calls or []:
+        by_turn.setdefault(int(c["turn"]), []).append(
+            {k: c.get(k) for k in ("name", "arguments", "result", "error", "duration_s")})
+    out, turn = [], 0
+    for m in messages:
+        if m.get("role") == "assistant":
+            turn += 1
+            out.append({"role": "assistant", "content": m.get("content") or "", "turn": turn,
+                        "calls": by_turn.get(turn - 1, [])})
+        else:
+            out.append({"role": m.get("role") or "", "content": m.get("content") or "", "turn": turn})
+    return out
+
+
+def episode_messages(store_root: str | Path, run_id: str, iteration: int, sample_id: str) -> list[dict]:
+    """:func:`episode_turns` of one stored response, read from its iteration's rollout Parquet file.
+
+    Returns:
+        The turns; empty when the run is single-turn (no ``messages`` column) or the row is missing.
+
+    Raises:
+        DashboardError: unknown run.
+    """
+    import pyarrow.parquet as pq
+
+    store = _store(store_root, run_id)
+    path = store.stage_path(int(iteration), "rollout")
+    if not path.exists():
+        return []
+    names = pq.read_schema(path).names
+    if "messages" not in names:
+        return []
+    t = pq.read_table(path, columns=[c for c in ("sample_id", "messages", "tool_calls") if c in names])
+    t = t.filter(pc.equal(t.column("sample_id"), sample_id))
+    if not t.num_rows:
+        return []
+    row = t.to_pylist()[0]
+    return episode_turns(row.get("messages"), row.get("tool_calls"))

@@ -8,8 +8,8 @@ import json
 import streamlit as st
 
 from dashboards.common import run_picker, settings
-from dashboards.data import (SORT_KEYS, TrajectoryFilter, find_groups, find_trajectories, trajectory_facets,
-                             trajectory_source)
+from dashboards.data import (SORT_KEYS, TrajectoryFilter, episode_messages, find_groups, find_trajectories,
+                             trajectory_facets, trajectory_source)
 
 
 @st.cache_data(ttl=15, show_spinner=False)
@@ -31,7 +31,40 @@ def _fmt(v, spec: str = ".4g") -> str:
     return "—" if v is None else format(v, spec)
 
 
-def _card(row: dict) -> None:
+@st.cache_data(ttl=15, show_spinner=False)
+def _turns(root: str, run: str, iteration: int, sample_id: str) -> list[dict]:
+    return episode_messages(root, run, iteration, sample_id)
+
+
+def _turn_view(root: str, run: str, row: dict) -> None:
+    """A multi-turn episode turn by turn: assistant messages, their tool calls, and tool results
+    (errors in red) set apart in their own elements."""
+    turns = _turns(root, run, int(row["iteration"]), row["sample_id"])
+    if not turns:
+        return
+    sid = row["sample_id"]
+    st.caption(f"{row['num_turns']} turns · finish {row['finish_reason']} · {row.get('tool_calls') or 0} tool calls · "
+               f"{row.get('tool_errors') or 0} tool errors")
+    for i, m in enumerate(turns):
+        role = m["role"]
+        with st.chat_message("assistant" if role == "assistant" else "user", avatar=None):
+            st.markdown(f"**{role}** · turn {m['turn']}")
+            key = f"turn_{sid}_{i}_{role}"
+            with st.container(key=key):
+                st.code(m["content"], language=None, wrap_lines=True)
+            for j, c in enumerate(m.get("calls") or []):
+                with st.expander(f"tool call {c['name']}" + (" · error" if c["error"] else ""), expanded=True):
+                    with st.container(key=f"toolargs_{sid}_{m['turn']}_{j}"):
+                        st.code(c["arguments"] or "", language="json", wrap_lines=True)
+                    if c["error"]:
+                        with st.container(key=f"toolerror_{sid}_{m['turn']}_{j}"):
+                            st.error(c["error"])
+                    else:
+                        with st.container(key=f"toolresult_{sid}_{m['turn']}_{j}"):
+                            st.code(c["result"] or "", language=None, wrap_lines=True)
+
+
+def _card(row: dict, root: str | None = None, run: str | None = None) -> None:
     with st.container(border=True, key=f"card_{row['sample_id']}"):
         st.markdown(
             f"**{row['sample_id']}** · iteration {row['iteration']} · `{row['data_source']}` · "
@@ -55,6 +88,8 @@ def _card(row: dict) -> None:
         if row.get("reward_error"):
             details["reward_error"] = row["reward_error"]
         st.caption("reward details: " + json.dumps(details, default=str))
+        if root is not None and row.get("num_turns") is not None:
+            _turn_view(root, run, row)
 
 
 def _group_card(group: dict) -> None:
@@ -127,4 +162,4 @@ def trajectories_page() -> None:
     st.caption(f"{len(rows)} row{'' if len(rows) == 1 else 's'}" + (f" (first {limit})" if len(rows) >= limit else "")
                + where)
     for row in rows:
-        _card(row)
+        _card(row, cfg.store_root, run)

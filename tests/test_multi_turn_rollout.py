@@ -198,3 +198,26 @@ def test_templates_with_tools_and_without_the_prefix_property(tiny_model_dir):
     r = ChatRenderer(tok, [], [tok.eos_token_id])
     with pytest.raises(TemplatePrefixError, match="prefix|extension"):
         r.observation_ids([{"role": "user", "content": "hi"}], [{"role": "user", "content": "go on"}], True)
+
+
+class LongReset(GoOn):
+    """Its reset turns every dataset prompt into a 40-word prompt (a system message added)."""
+
+    def reset(self, row: dict) -> list[dict]:
+        return [{"role": "system", "content": " ".join(["word"] * 40)}, *row["messages"]]
+
+
+def test_prompt_from_reset_over_max_prompt_length_names_row_length_and_key(tok):
+    renderer = ChatRenderer(tok, [], [tok.eos_token_id])
+    rows = [{**ROW, "prompt_id": "p0"}, {**ROW, "prompt_id": "p1", "messages": [{"role": "user", "content": "x"}]}]
+    cap = len(renderer.prompt_ids(rows[0]["messages"]))  # row 0 fits exactly
+    n_long = len(renderer.prompt_ids(LongReset().reset(rows[1])))
+    assert n_long > cap >= len(renderer.prompt_ids(rows[1]["messages"]))
+    engine = Scripted(tok, [])
+    limits = EpisodeLimits(total_tokens=16, max_assistant_turns=1, max_user_turns=1)
+    with pytest.raises(ValueError) as e:
+        run_episodes(engine, renderer, [GoOn(), LongReset()], rows, SamplingParams(), limits, [tok.eos_token_id],
+                     max_prompt_length=cap)
+    assert str(e.value).startswith(f"prompt row 1 (prompt_id 'p1'): the environment's reset gave a prompt of "
+                                   f"{n_long} tokens, more than data.max_prompt_length={cap}")
+    assert engine.calls == 0  # checked before anything is generated

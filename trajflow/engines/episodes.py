@@ -53,7 +53,7 @@ def turn_seed(seed: int, turn: int, budget: int) -> int:
 
 def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment], rows: Sequence[dict],
                  params: SamplingParams, limits: EpisodeLimits, eos_ids: Sequence[int], fmt: str = "hermes",
-                 decode: Any = None, step_workers: int = 8) -> list[Episode]:
+                 decode: Any = None, step_workers: int = 8, max_prompt_length: int = 0) -> list[Episode]:
     """Run one episode per ``(env, row)`` pair to its end.
 
     Args:
@@ -67,12 +67,16 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
         fmt: ``rollout.multi_turn.format`` (to record the parsed calls on the assistant message).
         decode: ``ids -> text`` for the assistant messages (the tokenizer's decode without special tokens).
         step_workers: environments stepped at once.
+        max_prompt_length: ``data.max_prompt_length`` (0 = unchecked): the environment's ``reset`` may
+            rewrite the dataset prompt, so its rendering is checked again here, as single-turn prompts are.
 
     Returns:
         The episodes, in ``envs`` order, each with a ``finish_reason``.
 
     Raises:
         TemplatePrefixError: the chat template cannot be extended turn by turn.
+        ValueError: a prompt from ``reset`` is longer than ``max_prompt_length`` tokens (names the row,
+            its prompt id, its length and the key).
     """
     if decode is None:
         decode = lambda ids: renderer.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -81,7 +85,13 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
     for env, row in zip(envs, rows):
         initial = env.reset(row)
         conv = renderer.with_tools(initial)
-        episodes.append(Episode(prompt_ids=renderer.prompt_ids(initial), prompt_messages=initial))
+        prompt_ids = renderer.prompt_ids(initial)
+        if max_prompt_length and len(prompt_ids) > max_prompt_length:
+            raise ValueError(f"prompt row {len(episodes)} (prompt_id {row.get('prompt_id')!r}): the environment's "
+                             f"reset gave a prompt of {len(prompt_ids)} tokens, more than "
+                             f"data.max_prompt_length={max_prompt_length}; shorten what reset returns or raise "
+                             f"data.max_prompt_length")
+        episodes.append(Episode(prompt_ids=prompt_ids, prompt_messages=initial))
         convs.append(conv)
     for turn in range(limits.max_assistant_turns):
         live = [i for i, e in enumerate(episodes) if not e.done]
@@ -180,11 +190,13 @@ class EpisodeRunner:
             isolation = self.sandbox.probe_isolation()
             logging.getLogger(__name__).info("tool sandbox isolation: %s", isolation)
 
-    def run(self, engine: Any, rows: Sequence[dict], params: SamplingParams) -> list[Episode]:
-        """One episode per row (fresh environments) with ``engine``."""
+    def run(self, engine: Any, rows: Sequence[dict], params: SamplingParams,
+            max_prompt_length: int = 0) -> list[Episode]:
+        """One episode per row (fresh environments) with ``engine``; ``max_prompt_length`` as in :func:`run_episodes`."""
         from trajflow.envs.registry import make_environment
 
         envs = [make_environment(self.cfg.environment, self.context) for _ in rows]
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         return run_episodes(engine, self.renderer, envs, rows, params, self.limits, self.eos_ids,
-                            fmt=self.cfg.format, decode=decode, step_workers=max(1, int(self.cfg.tool_workers)))
+                            fmt=self.cfg.format, decode=decode, step_workers=max(1, int(self.cfg.tool_workers)),
+                            max_prompt_length=int(max_prompt_length))

@@ -62,7 +62,7 @@ def generate_episodes(ctx: RunContext, prompts: list, params: SamplingParams, it
     """
     rows = [{"messages": p.messages, "ground_truth": str(p.ground_truth), "data_source": p.data_source,
              "extra_info": p.extra_info, "prompt_id": str(p.prompt_id)} for p in prompts for _ in range(params.n)]
-    pending = ctx.actor.generate_episodes.remote(rows, params)
+    pending = ctx.actor.generate_episodes.remote(rows, params, int(ctx.cfg.data.max_prompt_length))
     fault_point("rollout", iteration)
     return wait(ctx, pending)
 

@@ -259,7 +259,8 @@ class PolicyWorker(Worker):
                           old_logprobs=old_logprobs, policy_version=self.policy_version, timing=timing)
 
     @dispatch("split", split_args=("rows",))
-    def generate_episodes(self, rows: list[dict], params: SamplingParams) -> EpisodeGeneration:
+    def generate_episodes(self, rows: list[dict], params: SamplingParams,
+                          max_prompt_length: int = 0) -> EpisodeGeneration:
         """Run one multi-turn episode per row (``rollout.multi_turn``) on this worker's engine.
 
         Tools run in the sandbox's own processes, never in this one. The caller repeats each prompt
@@ -275,7 +276,7 @@ class PolicyWorker(Worker):
             self._episodes = EpisodeRunner(self.rollout.multi_turn, self.tokenizer, self.eos_ids,
                                            self.rollout.max_new_tokens)
         t0 = time.perf_counter()
-        episodes = self._episodes.run(self.engine, rows, params)
+        episodes = self._episodes.run(self.engine, rows, params, max_prompt_length)
         if getattr(self.engine, "colocated", False):
             self.engine.sleep()
         ids = [e.response_ids for e in episodes]

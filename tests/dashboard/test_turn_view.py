@@ -1,0 +1,58 @@
+"""The trajectory browser shows a stored multi-turn episode turn by turn, in Streamlit's AppTest,
+on a real multi-turn run (tiny EOS-prone model, scripted tool calls through the real sandbox)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import tiny_overrides
+from tests.mt_envs import make_eos_model
+
+
+@pytest.fixture(scope="module")
+def mt_run(tmp_path_factory, ray_local):
+    from flows.train import train
+
+    model = make_eos_model(tmp_path_factory.mktemp("eos-model"))
+    root = tmp_path_factory.mktemp("mt-store")
+    over = tiny_overrides(model, root, **{
+        "data.dataset": "basic_arithmetic_tool", "rollout.max_new_tokens": 96,
+        "rollout.multi_turn.enable": True, "rollout.multi_turn.environment": "tests.mt_envs:scripted_calls",
+        "rollout.multi_turn.max_assistant_turns": 4, "rollout.multi_turn.max_tokens_per_turn": 24,
+        "trainer.total_iterations": 1, "trainer.test_freq": 0, "trainer.log_samples": 0})
+    summary = train("grpo_tool_calculator", over)
+    return root, Path(summary["run_dir"]).name
+
+
+def _page():
+    from dashboards.trajectories_page import trajectories_page
+
+    trajectories_page()
+
+
+def test_turn_view_shows_tool_results_and_errors(mt_run, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    root, run = mt_run
+    rows = pq.read_table(root / run / "iterations" / "000001" / "rollout.parquet").to_pylist()
+    done = [r for r in rows if r["finish_reason"] == "stop"]
+    assert done, [r["finish_reason"] for r in rows]
+    monkeypatch.setenv("TRAJFLOW_STORE", str(root))
+    at = AppTest.from_function(_page, default_timeout=120)
+    at.query_params["run"] = run
+    at.run()
+    assert not at.exception, at.exception
+    captions = [c.value for c in at.caption]
+    # the script: calculator, then an unknown tool, then done
+    assert captions.count("3 turns · finish stop · 2 tool calls · 1 tool errors") == len(done)
+    calc = [e for e in at.expander if e.label == "tool call calculator"]
+    assert len(calc) == sum(1 for r in rows for c in r["tool_calls"] if c["name"] == "calculator")
+    assert calc[0].code[0].value == '{"expression": "1234 * 5678"}'
+    assert calc[0].code[1].value == "7006652"
+    bad = [e for e in at.expander if e.label == "tool call search · error"]
+    assert bad and bad[0].error[0].value.startswith("unknown tool: 'search'")
+    roles = [m.markdown[0].value for m in at.chat_message][:5]
+    assert roles[:2] == ["**assistant** · turn 1", "**tool** · turn 1"]
