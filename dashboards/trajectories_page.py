@@ -92,7 +92,9 @@ def _card(row: dict, root: str | None = None, run: str | None = None) -> None:
             _turn_view(root, run, row)
 
 
-def _group_card(group: dict) -> None:
+def _group_card(group: dict, root: str | None = None, run: str | None = None) -> None:
+    """A group: its prompt once and its responses side by side; a multi-turn response turn by turn
+    (:func:`_turn_view`, as in the response cards), a single-turn one as its text."""
     rows = group["rows"]
     with st.container(border=True, key=f"group_{group['iteration']}_{group['group_id']}"):
         st.markdown(f"**{group['group_id']}** · iteration {group['iteration']} · `{group['data_source']}` · "
@@ -107,6 +109,10 @@ def _group_card(group: dict) -> None:
                     st.caption(f"{row['sample_id'].rsplit('-', 1)[-1]} · score **{_fmt(row['score'])}** · "
                                f"adv {_fmt(row['advantage_mean'])} · {row['finish_reason']} · "
                                f"{row['response_length']} tok")
+                    if root is not None and row.get("num_turns") is not None:
+                        with st.container(key=f"gturns_{row['sample_id']}"):
+                            _turn_view(root, run, row)
+                        continue
                     with st.container(key=f"gresponse_{row['sample_id']}"):
                         st.code(row["response_text"] or "", language=None, wrap_lines=True)
 
@@ -156,7 +162,7 @@ def trajectories_page() -> None:
         st.caption(f"{len(groups)} group{'' if len(groups) == 1 else 's'}"
                    + (f" (first {limit})" if len(groups) >= limit else "") + where)
         for group in groups:
-            _group_card(group)
+            _group_card(group, cfg.store_root, run)
         return
     rows = _find(cfg.store_root, run, flt, limit)
     st.caption(f"{len(rows)} row{'' if len(rows) == 1 else 's'}" + (f" (first {limit})" if len(rows) >= limit else "")

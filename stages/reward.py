@@ -23,9 +23,10 @@ import torch
 from stages.kl import apply_kl_penalty_to_rewards
 from stages.scorers import SCORERS, load_custom_function, select_scorer
 from trajflow.batch import decode_nested, json_column, lengths, list_column, pad_ragged, to_ragged, trainable_mask
+from trajflow.errors import DataError
 
-__all__ = ["RewardResult", "compute_scores", "final_scores", "last_trainable_index", "overlong_penalty",
-           "reward_table", "score_rows"]
+__all__ = ["RewardResult", "check_env_rewards", "compute_scores", "final_scores", "last_trainable_index",
+           "overlong_penalty", "reward_table", "rollout_env_rewards", "score_rows"]
 
 # --------------------------------------------------------------------------------------------- batch scoring
 
@@ -94,6 +95,65 @@ def _to_score(value: Any) -> float:
     raise TypeError(f"scorer returned a score of type {type(value).__name__} ({value!r:.80}); expected a number")
 
 
+def _takes_env_reward(fn: Callable[..., Any]) -> bool:
+    names, var_kw = _accepted_kwargs(fn)
+    return var_kw or "env_reward" in names
+
+
+def _require_env_rewards(uses_env: Sequence[bool], env_rewards: Sequence[float | None] | None,
+                         row_prompt_ids: Sequence[str] | None, key: str) -> None:
+    """Raise :class:`DataError` for the first row scored by ``env`` that has no environment reward."""
+    for i, uses in enumerate(uses_env):
+        if not uses or (env_rewards is not None and env_rewards[i] is not None):
+            continue
+        pid = f" (prompt_id {row_prompt_ids[i]!r})" if row_prompt_ids is not None else ""
+        if env_rewards is None:
+            raise DataError(f"{key}: row {i}{pid} is single-turn, so it has no env_reward; the env scorer scores "
+                            f"multi-turn episodes (rollout.multi_turn.enable=true) with their environment's reward")
+        raise DataError(f"{key}: row {i}{pid} has env_reward null: its environment's step returned no reward; "
+                        f"expected a number in StepResult(reward=...) by the end of every episode, also one cut "
+                        f"by a budget (the last reward given counts)")
+
+
+def check_env_rewards(data_sources: Sequence[str], env_rewards: Sequence[float | None] | None,
+                      row_prompt_ids: Sequence[str] | None, reward_cfg: Mapping[str, Any]) -> None:
+    """Refuse a batch in which a row scored by the ``env`` scorer has no environment reward.
+
+    The driver calls this before sending rows to the scoring tasks, so that the error is one line
+    (the tasks check the same). Rows whose scorer is not ``env`` are not looked at; a data source
+    without any scorer is left to :func:`compute_scores` to report.
+
+    Args:
+        data_sources: ``(rows,)`` the rows' ``data_source``.
+        env_rewards: ``(rows,)`` the rollout's ``env_reward`` (None where null), or None when the
+            rollout has no such column (single-turn).
+        row_prompt_ids: ``(rows,)`` prompt ids (the ``prompt_id`` column), named in the error; or None.
+        reward_cfg: the ``reward`` section as the scorers receive it.
+
+    Raises:
+        DataError: names the key that chose ``env`` (``reward.scorer`` or ``reward.default_scorer``),
+            the row and its prompt id, and what was expected.
+    """
+    if reward_cfg.get("custom_function"):
+        return
+    scorer, default = reward_cfg.get("scorer"), reward_cfg.get("default_scorer")
+    if "env" not in (scorer, default):
+        return
+    uses = []
+    for ds in data_sources:
+        try:
+            uses.append(select_scorer(ds, default, scorer) == "env")
+        except ValueError:
+            uses.append(False)
+    _require_env_rewards(uses, env_rewards, row_prompt_ids, "reward.scorer=env" if scorer == "env"
+                         else "reward.default_scorer=env")
+
+
+def rollout_env_rewards(table: pa.Table) -> list[float | None] | None:
+    """A rollout table's ``env_reward`` column as a list (None where null), or None without the column."""
+    return table.column("env_reward").to_pylist() if "env_reward" in table.column_names else None
+
+
 def compute_scores(
     data_sources: Sequence[str],
     solutions: Sequence[str],
@@ -104,6 +164,8 @@ def compute_scores(
     default_scorer: str | None = None,
     scorer_kwargs: Mapping[str, Any] | None = None,
     scorer: str | None = None,
+    env_rewards: Sequence[float | None] | None = None,
+    row_prompt_ids: Sequence[str] | None = None,
 ) -> RewardResult:
     """Score a batch of responses, one scorer call per row.
 
@@ -112,7 +174,9 @@ def compute_scores(
     signature accepts (all of them if it takes ``**kwargs``), e.g. ``{"format_bonus": 0.1}`` reaches
     only ``reasoning_gym``. A scorer that raises, or returns a non-number (or a dict without
     ``"score"``), gives that row score 0.0 and an ``"error"`` extra, and is counted in ``num_errors``;
-    nothing propagates. NaN/None scores pass through as NaN, unchanged.
+    nothing propagates. NaN/None scores pass through as NaN, unchanged. With ``env_rewards`` (multi-turn
+    rows), a scorer that accepts an ``env_reward`` keyword (the ``env`` scorer, or a custom function
+    that declares it) gets its row's value.
 
     Args:
         data_sources, solutions, ground_truths, extra_infos: ``batch`` entries each, aligned by row.
@@ -120,18 +184,27 @@ def compute_scores(
         default_scorer: scorer name for data sources :func:`select_scorer` does not map.
         scorer_kwargs: keyword options for scorers.
         scorer: scorer name for every row, whatever its data source (``reward.scorer``).
+        env_rewards: ``batch`` environment rewards (the rollout's ``env_reward``; None where the
+            episode has none), or None for single-turn rows.
+        row_prompt_ids: ``batch`` prompt ids (the ``prompt_id`` column), named in errors; or None.
 
     Returns:
         :class:`RewardResult` with ``scores`` ``(batch,)`` float32.
 
     Raises:
-        ValueError: the four sequences differ in length; a data source has no scorer and no default
+        ValueError: the input sequences differ in length; a data source has no scorer and no default
             (raised before any row is scored, naming the row); a ``scorer_kwargs`` key that no
             registered scorer (nor ``custom_function``) accepts.
+        DataError: a row scored by ``env`` has no environment reward (:func:`check_env_rewards`),
+            raised before any row is scored.
     """
     n = len(solutions)
     lengths = {"data_sources": len(data_sources), "solutions": n, "ground_truths": len(ground_truths),
                "extra_infos": len(extra_infos)}
+    if env_rewards is not None:
+        lengths["env_rewards"] = len(env_rewards)
+    if row_prompt_ids is not None:
+        lengths["row_prompt_ids"] = len(row_prompt_ids)
     if len(set(lengths.values())) != 1:
         raise ValueError(f"compute_scores: inputs must have the same length, got {lengths}")
     kwargs = dict(scorer_kwargs or {})
@@ -162,6 +235,9 @@ def compute_scores(
             except ValueError as e:
                 raise ValueError(f"compute_scores: row {i}: {e}") from e
         fns_rows.append(fn_by_source[ds])
+    env_fn = SCORERS.get("env")
+    _require_env_rewards([fn is env_fn for fn in fns_rows], env_rewards, row_prompt_ids,
+                         "reward.scorer=env" if scorer == "env" else "reward.default_scorer=env")
 
     scores = np.zeros(n, dtype=np.float32)
     extras: list[dict] = []
@@ -169,7 +245,10 @@ def compute_scores(
     for i in range(n):
         fn = fns_rows[i]
         try:
-            out = fn(data_sources[i], solutions[i], ground_truths[i], extra_infos[i], **_kwargs_for(fn, kwargs))
+            fn_kwargs = _kwargs_for(fn, kwargs)
+            if env_rewards is not None and _takes_env_reward(fn):
+                fn_kwargs["env_reward"] = env_rewards[i]
+            out = fn(data_sources[i], solutions[i], ground_truths[i], extra_infos[i], **fn_kwargs)
             if isinstance(out, Mapping):
                 if "score" not in out:
                     raise TypeError(f"scorer returned a dict without a 'score' key (keys: {sorted(map(str, out))})")
@@ -283,18 +362,21 @@ def final_scores(rule_scores: np.ndarray, rm_scores: np.ndarray | None, response
 
 
 def score_rows(data_sources: list[str], solutions: list[str], ground_truths: list[str],
-               extra_infos: list[dict | str | None], reward_cfg: dict) -> Any:
+               extra_infos: list[dict | str | None], reward_cfg: dict,
+               env_rewards: list[float | None] | None = None, row_prompt_ids: list[str] | None = None) -> Any:
     """Score responses with the configured scorers (runs on a Ray worker); returns ``RewardResult``.
 
     ``extra_infos`` are the rollout table's ``extra_info`` values: dicts (a struct column) or the
-    JSON text of runs stored before it was one.
+    JSON text of runs stored before it was one. ``env_rewards`` and ``row_prompt_ids`` are as in
+    :func:`compute_scores` (multi-turn rows; None for single-turn).
     """
     custom = load_custom_function(reward_cfg["custom_function"]) if reward_cfg.get("custom_function") else None
     infos = [None if x is None or x == "" else decode_nested(x) for x in extra_infos]
     return compute_scores(data_sources, solutions, ground_truths, infos, custom_function=custom,
                           default_scorer=reward_cfg.get("default_scorer"), scorer=reward_cfg.get("scorer"),
                           scorer_kwargs={"format_bonus": reward_cfg.get("format_bonus", 0.1),
-                                         "strict_format": reward_cfg.get("strict_format", True)})
+                                         "strict_format": reward_cfg.get("strict_format", True)},
+                          env_rewards=env_rewards, row_prompt_ids=row_prompt_ids)
 
 
 def last_trainable_index(mask: torch.Tensor) -> torch.Tensor:

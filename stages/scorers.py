@@ -14,6 +14,9 @@ Built-in scorers live in the :data:`SCORERS` registry under their config names:
     only a stated final answer (``Answer:``, GSM8K's ``####``, ``\\boxed{}``) is scored.
 ``exact_match``
     normalised string equality, 1.0 or 0.0.
+``env``
+    a multi-turn episode's own reward (the rollout's ``env_reward``: what the environment's ``step``
+    returned), not the text at all.
 
 :func:`select_scorer` maps a row's ``data_source`` to a scorer name; :func:`load_custom_function`
 loads a user scorer from ``path/to/file.py:name``. Plain functions over strings (no Ray, no Prefect).
@@ -322,6 +325,38 @@ def exact_match_scorer(
     target = extracted if extracted is not None else (solution_str or "")
     score = 1.0 if _normalise(target) == _normalise(ground_truth) else 0.0
     return {"score": score, "acc": score, "format_ok": has_answer_line(solution_str), "extracted": extracted}
+
+
+@SCORERS.register("env")
+def env_scorer(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict | None = None,
+    *,
+    env_reward: float | None = None,
+) -> float:
+    """The environment's outcome reward of a multi-turn episode, as the score (``reward.scorer=env``).
+
+    The reward stage passes each row's ``env_reward`` (the last non-null ``StepResult.reward`` of
+    the episode) as the ``env_reward`` keyword; the text, ground truth and data source are not
+    read. As in verl's agent loop, where a reward the interaction returns becomes the sample's
+    score, the environment decides.
+
+    Args:
+        data_source, solution_str, ground_truth, extra_info: unused (verl's scorer signature).
+        env_reward: the row's ``env_reward``.
+
+    Returns:
+        ``float(env_reward)``.
+
+    Raises:
+        ValueError: ``env_reward`` is None (the stage refuses such rows before scoring, naming them;
+            this guards direct calls).
+    """
+    if env_reward is None:
+        raise ValueError("env scorer: the row has no env_reward (the environment's step returned no reward)")
+    return float(env_reward)
 
 
 def select_scorer(data_source: str, default: str | None = None, override: str | None = None) -> str:

@@ -2,14 +2,15 @@
 
 The random tiny model cannot write tool calls, so :class:`ScriptedCalls` makes them itself: whatever
 the assistant says, turn 1 runs ``calculator`` on ``1234 * 5678`` and turn 2 calls an unknown tool,
-both in the real sandbox; turn 3 ends the episode.
+both in the real sandbox; turn 3 ends the episode. :class:`RewardedTurns` returns known rewards,
+:class:`Unrewarded` none.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from trajflow.envs.registry import EnvContext, StepResult, ToolEnvironment
+from trajflow.envs.registry import EnvContext, Environment, StepResult, ToolEnvironment
 from trajflow.envs.sandbox import ToolCall
 from trajflow.envs.tools import BUILTIN_TOOLS
 
@@ -33,6 +34,46 @@ class ScriptedCalls(ToolEnvironment):
 
 def scripted_calls(ctx: EnvContext) -> ScriptedCalls:
     return ScriptedCalls(ctx)
+
+
+class RewardedTurns(Environment):
+    """Rewards every assistant message: the k-th (1-based) gets ``0.5 * k + 0.01 * len(content)``; the
+    second ends the episode. ``env_reward`` is the last one given, so a test can compute it by hand from
+    the stored ``messages``."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def step(self, message: dict) -> StepResult:
+        self.turn += 1
+        reward = 0.5 * self.turn + 0.01 * len(message["content"])
+        if self.turn >= 2:
+            return StepResult(done=True, reward=reward)
+        return StepResult(observations=[{"role": "user", "content": "go on"}], reward=reward)
+
+
+def rewarded_turns(ctx: EnvContext) -> RewardedTurns:
+    return RewardedTurns()
+
+
+def rewarded_turns_expected(row: dict) -> float:
+    """:class:`RewardedTurns`'s reward of a stored rollout row, from its messages: the last assistant
+    message that the environment answered (all of them when the episode stopped; the last one was
+    cut by a budget otherwise)."""
+    said = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+    answered = said if row["finish_reason"] == "stop" else said[:-1]
+    return 0.5 * len(answered) + 0.01 * len(answered[-1])
+
+
+class Unrewarded(Environment):
+    """Ends every episode after one message without a reward (``env_reward`` null)."""
+
+    def step(self, message: dict) -> StepResult:
+        return StepResult(done=True)
+
+
+def unrewarded(ctx: EnvContext) -> Unrewarded:
+    return Unrewarded()
 
 
 def make_eos_model(out: Path, eos_logit_scale: float = 1.7) -> Path:

@@ -185,8 +185,8 @@ class RewardConfig:
                                         "signature (data_source, solution_str, ground_truth, extra_info)")
     trust_changed_custom_function: bool = _f(False, "resume/replay even when reward.custom_function's file "
                                              "differs from the one the run recorded")
-    scorer: Optional[str] = _f(None, "scorer for every row, overriding the choice by data_source",
-                               choices_from="scorer")
+    scorer: Optional[str] = _f(None, "scorer for every row, overriding the choice by data_source ('env': "
+                               "a multi-turn episode's env_reward)", choices_from="scorer")
     default_scorer: Optional[str] = _f(None, "scorer for data sources with no built-in mapping")
     format_bonus: float = _f(0.1, "reasoning-gym scorer: bonus for an 'Answer:' line", ge=0.0)
     strict_format: bool = _f(True, "math_verify scorer (math and GSM8K sets): score only a stated final answer "
@@ -602,6 +602,11 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: reward.overlong_buffer.len={ob.len} must be <= rollout.max_new_tokens="
                           f"{cfg.rollout.max_new_tokens}")
     mt = cfg.rollout.multi_turn
+    for key in ("scorer", "default_scorer"):
+        if cfg.reward[key] == "env" and not mt.enable and not cfg.reward.custom_function:
+            raise ConfigError(f"{source}: reward.{key}='env' scores with the environment's reward (env_reward), which "
+                              f"only multi-turn episodes have: set rollout.multi_turn.enable=true, or choose a text "
+                              f"scorer")
     if mt.enable:
         from trajflow.envs.registry import ENVIRONMENTS, environment_factory, load_builtin_environments
 

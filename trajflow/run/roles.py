@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from stages.reward import score_rows
+from stages.reward import check_env_rewards, rollout_env_rewards, score_rows
 from stages.rollout import Generation, SamplingParams, baseline_columns
 from trajflow.batch import decode_nested
 from trajflow.faults import fault_point
@@ -79,14 +79,23 @@ def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
 
     Returns:
         ``(rule_scores (rows,) float32, extras, num_errors, rm_scores (rows,) float32 or None)``.
+
+    Raises:
+        DataError: a row scored by the ``env`` scorer has no ``env_reward`` (checked here, before any
+            task starts, so the error stays one line).
     """
     cols = [table.column(c).to_pylist() for c in ("data_source", text_column, "ground_truth", "extra_info")]
     rows = len(cols[1])
+    reward_cfg = ctx.reward_settings()
+    # The environment rewarded the episode's own response, not ReMax's greedy one.
+    env = rollout_env_rewards(table) if text_column == "response_text" else None
+    pids = [str(p) for p in table.column("prompt_id").to_pylist()]
+    check_env_rewards(cols[0], env, pids, reward_cfg)
     k = max(1, min(ctx.cfg.reward.num_workers, rows))
     bounds = np.linspace(0, rows, k + 1).astype(int)
     remote_score = ray.remote(num_cpus=0)(score_rows)
-    reward_cfg = ctx.reward_settings()
-    futures = [remote_score.remote(*[c[a:b] for c in cols], reward_cfg) for a, b in zip(bounds[:-1], bounds[1:])]
+    futures = [remote_score.remote(*[c[a:b] for c in cols], reward_cfg, None if env is None else env[a:b], pids[a:b])
+               for a, b in zip(bounds[:-1], bounds[1:])]
     rm_future = None
     if ctx.reward_model is not None:
         messages = [decode_nested(p) for p in table.column("prompt").to_pylist()]

@@ -18,7 +18,7 @@ def run_validation(ctx: RunContext, step: int) -> dict[str, float]:
 
     Samples ``rollout.val_n`` responses per prompt (the first ``data.val_max_prompts``, 0 = all) at
     ``rollout.val_temperature`` with a seed derived from ``step``, and scores them with the reward
-    scorers.
+    scorers (multi-turn: with the episodes' ``env_reward`` for the ``env`` scorer).
 
     Args:
         ctx: a context with ``cfg``, ``actor`` (a live policy worker) and ``datasets``.
@@ -46,8 +46,10 @@ def run_validation(ctx: RunContext, step: int) -> dict[str, float]:
         prompt_ids = wait(ctx, ctx.actor.tokenize_prompts.remote([p.messages for p in prompts], cfg.data.max_prompt_length))
         gen = wait(ctx, ctx.actor.generate_sequences.remote(prompt_ids, params, False))
     rows = [p for p in prompts for _ in range(n)]
+    env = [e.env_reward for e in gen.episodes] if cfg.rollout.multi_turn.enable else None
     result = score_rows([p.data_source for p in rows], gen.response_text, [str(p.ground_truth) for p in rows],
-                        [json.dumps(p.extra_info, default=str) for p in rows], ctx.reward_settings())
+                        [json.dumps(p.extra_info, default=str) for p in rows], ctx.reward_settings(),
+                        env_rewards=env, row_prompt_ids=[str(p.prompt_id) for p in rows])
     metrics = validation_metrics([p.data_source for p in rows], result.scores, result.extras, gen.response_ids, n)
     metrics["timing_s/testing"] = time.perf_counter() - t0
     _log_generations(ctx, step, rows, gen.response_text, result.scores)
