@@ -194,8 +194,6 @@ def test_full_weight_checkpoint_is_refused_by_a_lora_worker(tiny_model_dir, tmp_
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.lora_rank=8", "actor.strategy=deepspeed", "actor.zero_stage=3"],
-     "model.lora_rank=8 with actor.zero_stage=3 is not supported"),
     (["model.target_modules=[]"], "model.target_modules=[] must be 'all-linear' or a non-empty list"),
     (["model.target_modules=attention"], "model.target_modules='attention' must be 'all-linear'"),
 ])

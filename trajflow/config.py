@@ -766,9 +766,6 @@ def _check_lora(cfg: DictConfig, source: str) -> None:
     if not (targets == "all-linear" or (names and all(isinstance(t, str) and t for t in names))):
         raise ConfigError(f"{source}: model.target_modules={_plain(targets)!r} must be 'all-linear' or a non-empty "
                           f"list of module names (e.g. model.target_modules=[q_proj,v_proj])")
-    if cfg.model.lora_rank > 0 and cfg.actor.strategy == "deepspeed" and cfg.actor.zero_stage == 3:
-        raise ConfigError(f"{source}: model.lora_rank={cfg.model.lora_rank} with actor.zero_stage=3 is not supported "
-                          f"(the adapters are megabytes: ZeRO-1/2 shard their optimizer state; use actor.zero_stage=2)")
 
 
 def resolve_recipe(recipe: str | Path | None) -> Path:

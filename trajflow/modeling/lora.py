@@ -18,15 +18,25 @@ What this module adds on top of peft:
 
 With adapters disabled (peft's ``disable_adapter()`` context) the module computes the frozen base
 model, which is the reference policy of the KL terms: no second copy of the weights is needed.
+
+Under DeepSpeed ZeRO-3 every parameter, frozen base and adapter alike, is partitioned across the
+ranks (each holds a flat slice; the module's own tensors are empty placeholders). Forwards gather
+what they need through ZeRO-3's module hooks; the functions here that read weights directly
+(:func:`adapter_state`, :func:`merged_state_dict`, :func:`save_final`) gather them with
+``deepspeed.zero.GatheredParameters`` first, a few tensors at a time, and are then collectives:
+every rank must call them, in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from trajflow.modeling.forward import zero3_partitioned
 
 #: peft's adapter name: one adapter per model.
 ADAPTER = "default"
@@ -73,11 +83,31 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def _gathered(params: list[torch.nn.Parameter]):
+    """Context in which the ZeRO-3 partitioned ``params`` hold their full values on every rank (read
+    only: changes are discarded on exit); a no-op for plain parameters. A collective under ZeRO-3."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' entries of ``model.state_dict()`` (names with the adapter name, ``.lora_A.default.``),
+    as detached CPU copies, gathered first under ZeRO-3 (a collective there)."""
+    with _gathered(trainable_parameters(model)):
+        return {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items() if ".lora_" in k}
+
+
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's tensors, peft's names (``...q_proj.lora_A.weight``), detached CPU copies."""
+    """The adapter's tensors, peft's names (``...q_proj.lora_A.weight``), detached CPU copies.
+
+    Under ZeRO-3 the adapters are gathered first (megabytes): every rank must call it.
+    """
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().contiguous().clone() for k, v in get_peft_model_state_dict(model).items()}
+    return get_peft_model_state_dict(model, state_dict=_adapter_tensors(model))
 
 
 def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -103,16 +133,31 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The merged weights ``W + (alpha / r) B A`` under the base model's parameter names, the live
     module left as it is (adapters unmerged): what ``merge_and_unload().state_dict()`` would give,
-    computed with the same addition peft's merge does. Tensors in the model's dtype and device."""
+    computed with the same addition peft's merge does. Tensors in the model's dtype and device.
+
+    Under ZeRO-3 (a collective: every rank must call it) each tensor is gathered on its own, one
+    LoRA layer's adapters at a time, and returned as a CPU copy, so no rank ever holds more than
+    one full layer beyond the result.
+    """
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    deltas = {f"{name}.weight": mod.get_delta_weight(ADAPTER)
-              for name, mod in base.named_modules() if isinstance(mod, LoraLayer)}
+    sharded = zero3_partitioned(model)
+    deltas = {}
+    for name, mod in base.named_modules():
+        if isinstance(mod, LoraLayer):
+            with _gathered([p for n, p in mod.named_parameters() if ".lora_" in f".{n}"]):
+                delta = mod.get_delta_weight(ADAPTER)
+                deltas[f"{name}.weight"] = delta.cpu().clone() if sharded else delta
     out = {}
-    for k, v in base.state_dict().items():
+    for k, v in base.state_dict(keep_vars=True).items():
         if ".lora_" in k:
             continue
+        if sharded:
+            with _gathered([v]):
+                v = v.detach().cpu().clone()
+        else:
+            v = v.detach()
         name = k.replace(".base_layer.", ".")
         out[name] = v + deltas[name] if name in deltas else v
     return out
@@ -123,16 +168,32 @@ def reference_mode(model: torch.nn.Module):
     return model.disable_adapter()
 
 
-def save_final(model: torch.nn.Module, tokenizer: Any, directory: str | Path) -> None:
+def save_final(model: torch.nn.Module, tokenizer: Any, directory: str | Path, write: bool = True) -> None:
     """``directory``: the merged model as a plain Hugging Face directory (safetensors, loadable by
     ``AutoModelForCausalLM``), and ``directory/adapter/`` in peft's format (``adapter_config.json``,
     ``adapter_model.safetensors``; ``PeftModel.from_pretrained(base, directory/adapter)``).
 
-    The merge runs on a copy: the live module keeps training with its adapters unmerged.
+    The merge runs on a copy: the live module keeps training with its adapters unmerged. Under
+    ZeRO-3 it is a collective (the weights are gathered tensor by tensor, :func:`merged_state_dict`):
+    every rank calls it and only the one with ``write`` writes.
+
+    Args:
+        write: whether this process writes the files (data-parallel ranks: rank 0 only).
     """
     d = Path(directory)
-    model.save_pretrained(str(d / ADAPTER_DIR), safe_serialization=True)
-    merged = copy.deepcopy(model).merge_and_unload()
-    merged.save_pretrained(str(d), safe_serialization=True)
-    tokenizer.save_pretrained(str(d))
-    del merged
+    if not zero3_partitioned(model):
+        if not write:
+            return
+        model.save_pretrained(str(d / ADAPTER_DIR), safe_serialization=True)
+        merged = copy.deepcopy(model).merge_and_unload()
+        merged.save_pretrained(str(d), safe_serialization=True)
+        tokenizer.save_pretrained(str(d))
+        del merged
+        return
+    # The live module's tensors are empty placeholders: write gathered copies under their names.
+    adapter = _adapter_tensors(model)
+    merged = merged_state_dict(model)
+    if write:
+        model.save_pretrained(str(d / ADAPTER_DIR), safe_serialization=True, state_dict=adapter)
+        model.get_base_model().save_pretrained(str(d), state_dict=merged, safe_serialization=True)
+        tokenizer.save_pretrained(str(d))

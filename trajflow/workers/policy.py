@@ -597,13 +597,17 @@ class PolicyWorker(Worker):
 
         Under DeepSpeed rank 0 writes the consolidated weights (ZeRO-3 gathers them layer by layer).
         Under LoRA: the merged model, plus the adapter in peft's format in ``adapter/``
-        (:func:`trajflow.modeling.lora.save_final`).
+        (:func:`trajflow.modeling.lora.save_final`; rank 0 writes, and under ZeRO-3 every rank
+        takes part in gathering the weights).
         """
         if self.backend is not None and self.backend.distributed:
-            state = self.backend.full_state_dict()
-            if state is not None:
-                self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
-                self.tokenizer.save_pretrained(directory)
+            if self.lora:
+                lora.save_final(self.model, self.tokenizer, directory, write=self.backend.rank == 0)
+            else:
+                state = self.backend.full_state_dict()
+                if state is not None:
+                    self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+                    self.tokenizer.save_pretrained(directory)
             import torch.distributed as dist
 
             dist.barrier()
