@@ -33,7 +33,8 @@ def _page():
     trajectories_page()
 
 
-def test_turn_view_shows_tool_results_and_errors(mt_run, monkeypatch):
+def _open(mt_run, monkeypatch):
+    """The run's first iteration rows, those that stopped, and the trajectories page opened on the run."""
     from streamlit.testing.v1 import AppTest
 
     root, run = mt_run
@@ -44,6 +45,11 @@ def test_turn_view_shows_tool_results_and_errors(mt_run, monkeypatch):
     at = AppTest.from_function(_page, default_timeout=120)
     at.query_params["run"] = run
     at.run()
+    return rows, done, at
+
+
+def test_turn_view_shows_tool_results_and_errors(mt_run, monkeypatch):
+    rows, done, at = _open(mt_run, monkeypatch)
     assert not at.exception, at.exception
     captions = [c.value for c in at.caption]
     # the script: calculator, then an unknown tool, then done
@@ -59,16 +65,7 @@ def test_turn_view_shows_tool_results_and_errors(mt_run, monkeypatch):
 
 
 def test_group_view_shows_multi_turn_rows_turn_by_turn(mt_run, monkeypatch):
-    from streamlit.testing.v1 import AppTest
-
-    root, run = mt_run
-    rows = pq.read_table(root / run / "iterations" / "000001" / "rollout.parquet").to_pylist()
-    done = [r for r in rows if r["finish_reason"] == "stop"]
-    assert done, [r["finish_reason"] for r in rows]
-    monkeypatch.setenv("TRAJFLOW_STORE", str(root))
-    at = AppTest.from_function(_page, default_timeout=120)
-    at.query_params["run"] = run
-    at.run()
+    rows, done, at = _open(mt_run, monkeypatch)
     at.radio(key="traj_view").set_value("groups").run()
     assert not at.exception, at.exception
     captions = [c.value for c in at.caption]
