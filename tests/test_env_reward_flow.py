@@ -5,6 +5,7 @@ and leaves the rollout stored."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from tests.conftest import tiny_overrides
 from tests.mt_envs import make_eos_model, rewarded_turns_expected
 
 TRAJFLOW = str(Path(sys.executable).parent / "trajflow")
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +66,11 @@ def test_env_reward_is_the_score_and_replay_recomputes_it(eos_model, tmp_path):
 def test_cli_refuses_an_episode_without_env_reward_and_keeps_the_rollout(eos_model, tmp_path):
     root = tmp_path / "runs"
     over = _overrides(eos_model, root, "tests.mt_envs:unrewarded", **{"trainer.test_freq": 0})
+    # The environment lives in tests/, which only the repository root on the path makes importable.
+    env = {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + os.environ["PYTHONPATH"]
+                                                    if os.environ.get("PYTHONPATH") else "")}
     p = subprocess.run([TRAJFLOW, "train", "--config", "grpo_tool_calculator", "--run-id", "norew", *over],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
