@@ -165,3 +165,30 @@ def test_evaluate_releases_its_policy_ranks_and_placement_groups(killed_run):
         time.sleep(0.5)
     assert live_policy_actors() - actors_before == set()
     assert live_placement_groups() - groups_before == set()
+
+
+def test_evaluate_command_reports_majority_and_best_of_n(killed_run):
+    """``trajflow evaluate`` with rollout.val_n=3 at temperature 1: the printed lines are the stored
+    result, and the metrics keep the order any n samples must have (best@n >= maj@n, best@n >= mean@n)."""
+    from typer.testing import CliRunner
+
+    from trajflow.cli import app
+
+    run_id = killed_run["summary"]["run_id"]
+    res = CliRunner().invoke(app, ["evaluate", run_id, "--checkpoint", "0", "--store", str(killed_run["root"]),
+                                   "rollout.val_n=3", "rollout.val_temperature=1.0"])
+    assert res.exit_code == 0, res.output
+    printed = dict(line.rsplit(": ", 1) for line in res.output.splitlines() if line.startswith("val-"))
+    path = res.output.strip().splitlines()[-1].rsplit(": ", 1)[1]
+    stored = json.loads(Path(path).read_text())
+    assert stored["checkpoint"] == 0 and stored["policy_version"] == 0
+    src = "reasoning_gym/basic_arithmetic"
+    keys = [f"val-core/{src}/acc/mean@3", f"val-core/{src}/acc/maj@3/mean", f"val-core/{src}/acc/best@3/mean"]
+    for k in keys:
+        assert float(printed[k]) == pytest.approx(stored["metrics"][k], abs=5e-5), k
+    mean, maj, best = (stored["metrics"][k] for k in keys)
+    assert best >= maj and best >= mean
+
+    missing = CliRunner().invoke(app, ["evaluate", "no-such-run", "--store", str(killed_run["root"])])
+    assert missing.exit_code == 2
+    assert "no-such-run" in missing.output

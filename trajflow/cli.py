@@ -196,6 +196,31 @@ def replay(run_id: str = typer.Argument(..., help="the run whose stored iteratio
 
 
 @app.command()
+def evaluate(run_id: str = typer.Argument(..., help="the run whose checkpoint is validated"),
+             overrides: Optional[List[str]] = typer.Argument(None, help="config overrides for the evaluation, e.g. "
+                                                             "rollout.val_n=4 rollout.val_temperature=1.0"),
+             checkpoint: Optional[int] = typer.Option(None, "--checkpoint", help="checkpoint iteration "
+                                                      "(default: the newest; 0 = the initial model)"),
+             store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
+             verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP)) -> None:
+    """Validate a run's checkpoint on its held-out prompts (verl's val_only), logged to MLflow as a
+    child of the run; with rollout.val_n > 1 also maj@n and best@n."""
+
+    def go():
+        _console(verbose)
+        from flows.evaluate import evaluate_flow
+
+        return evaluate_flow(run_id=run_id, checkpoint=checkpoint, store_root=_store_root(store),
+                             overrides=list(overrides or []))
+
+    result = _run(go)
+    for k, v in sorted(result["metrics"].items()):
+        if k.startswith("val-"):
+            typer.echo(f"{k}: {v:.4f}")
+    typer.echo(f"evaluation of {result['run_id']} checkpoint {result['checkpoint']}: {result['path']}")
+
+
+@app.command()
 def audit(run_id: str = typer.Argument(..., help="the run"),
           where: Optional[str] = typer.Option(None, "--where",
                                               help="SQL filter, e.g. \"iteration >= 2 AND score > 0\""),

@@ -60,23 +60,58 @@ def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list
                        n: int) -> dict[str, float]:
     """verl's validation metrics of ``n`` responses per held-out prompt.
 
+    Rows come prompt by prompt: rows ``k*n .. k*n+n-1`` are the ``n`` responses to prompt ``k``.
+
     Args:
         data_sources: per row.
         scores: ``(rows,)`` the scorers' scores.
         extras: per-row scorer extras; a row's accuracy is its ``acc`` extra where the scorer reports
-            one, else its score.
+            one, else its score; its final answer (for the vote) is its ``extracted`` extra.
         response_ids: per-row response token ids.
         n: responses per prompt (the ``@n`` of the names).
 
     Returns:
-        ``val-core/<source>/acc/mean@<n>``, ``val-aux/<source>/reward/mean@<n>`` and ``val-aux/response_length/mean``.
+        ``val-core/<source>/acc/mean@<n>`` (accuracy averaged over all rows),
+        ``val-aux/<source>/reward/mean@<n>`` and ``val-aux/response_length/mean`` (tokens); with ``n > 1``
+        also ``val-core/<source>/acc/maj@<n>/mean`` (majority voting, Wang et al. 2023 "Self-Consistency",
+        Sec. 2: per prompt the most frequent stated answer wins, ties to the one stated first, and the
+        prompt scores that answer's accuracy; 0 when no response states one) and
+        ``val-core/<source>/acc/best@<n>/mean`` (pass@n: the best of the ``n`` accuracies), both averaged
+        over prompts.
+
+    Raises:
+        ValueError: the number of rows is not a multiple of ``n``.
     """
     metrics: dict[str, float] = {}
+    if len(scores) % n:
+        raise ValueError(f"validation_metrics: {len(scores)} rows is not a multiple of rollout.val_n={n}")
     sources = np.array(data_sources)
     acc = np.array([float(e.get("acc", s)) if isinstance(e, dict) else float(s) for e, s in zip(extras, scores)])
     for src in sorted(set(sources)):
         sel = sources == src
         metrics[f"val-core/{src}/acc/mean@{n}"] = float(np.nanmean(acc[sel]))
         metrics[f"val-aux/{src}/reward/mean@{n}"] = float(np.nanmean(scores[sel]))
+    if n > 1:
+        groups = [range(k, k + n) for k in range(0, len(scores), n)]
+        for src in sorted(set(sources)):
+            mine = [g for g in groups if sources[g[0]] == src]
+            maj = [_majority_accuracy([extras[i] for i in g], acc[list(g)]) for g in mine]
+            metrics[f"val-core/{src}/acc/maj@{n}/mean"] = float(np.mean(maj))
+            metrics[f"val-core/{src}/acc/best@{n}/mean"] = float(np.mean([np.nanmax(acc[list(g)]) for g in mine]))
     metrics["val-aux/response_length/mean"] = float(np.mean([len(r) for r in response_ids]))
     return metrics
+
+
+def _majority_accuracy(extras: list, acc: np.ndarray) -> float:
+    """The accuracy of one prompt's majority answer: the most frequent ``extracted`` answer (stripped),
+    ties to the one stated first; responses with no stated answer do not vote."""
+    votes: dict[str, list[float]] = {}
+    for e, a in zip(extras, acc):
+        answer = e.get("extracted") if isinstance(e, dict) else None
+        if answer is None or not str(answer).strip():
+            continue
+        votes.setdefault(str(answer).strip(), []).append(float(a))
+    if not votes:
+        return 0.0
+    winner = max(votes.values(), key=len)  # max keeps the first of equal counts: insertion order
+    return winner[0]

@@ -1,0 +1,52 @@
+"""mean@n, maj@n and best@n of validation, against values worked out by hand."""
+
+import numpy as np
+import pytest
+
+from trajflow.metrics import validation_metrics
+
+SRC = "reasoning_gym/basic_arithmetic"
+
+
+def _row(extracted, acc):
+    return {"extracted": extracted, "acc": acc}
+
+
+def test_majority_best_and_mean_of_four_samples_per_prompt():
+    # prompt 1: "12" x2 (right), "13" x1, none x1 -> vote "12" -> 1; best 1; accs 1,1,0,0
+    # prompt 2: "7" x1 (right), "8" x2 (wrong), "9" -> vote "8" -> 0; best 1; accs 1,0,0,0
+    # prompt 3: "5" (wrong) then "4" (right), one each, two without an answer -> tie, first stated wins -> 0
+    # prompt 4: no answer at all -> vote 0; best 0
+    extras = [_row("12", 1.0), _row("13", 0.0), _row(None, 0.0), _row(" 12 ", 1.0),
+              _row("7", 1.0), _row("8", 0.0), _row("8", 0.0), _row("9", 0.0),
+              _row("5", 0.0), _row(None, 0.0), _row("4", 1.0), _row("", 0.0),
+              _row(None, 0.0), _row(None, 0.0), _row(None, 0.0), _row(None, 0.0)]
+    acc = np.array([e["acc"] for e in extras])
+    scores = acc + 0.1
+    m = validation_metrics([SRC] * 16, scores, extras, [[1, 2]] * 16, n=4)
+    assert m[f"val-core/{SRC}/acc/mean@4"] == pytest.approx(4 / 16)
+    assert m[f"val-core/{SRC}/acc/maj@4/mean"] == pytest.approx(1 / 4)
+    assert m[f"val-core/{SRC}/acc/best@4/mean"] == pytest.approx(3 / 4)
+    assert m[f"val-aux/{SRC}/reward/mean@4"] == pytest.approx(4 / 16 + 0.1)
+    assert m["val-aux/response_length/mean"] == 2.0
+
+
+def test_one_sample_has_no_vote_and_sources_are_kept_apart():
+    extras = [_row("1", 1.0), _row("2", 0.0)]
+    m = validation_metrics(["a", "b"], np.array([1.0, 0.0]), extras, [[1], [1, 2, 3]], n=1)
+    assert m == {"val-core/a/acc/mean@1": 1.0, "val-aux/a/reward/mean@1": 1.0,
+                 "val-core/b/acc/mean@1": 0.0, "val-aux/b/reward/mean@1": 0.0,
+                 "val-aux/response_length/mean": 2.0}
+
+
+def test_two_sources_vote_per_prompt():
+    extras = [_row("3", 1.0), _row("3", 1.0), _row("x", 0.0), _row("y", 1.0)]
+    m = validation_metrics(["a", "a", "b", "b"], np.ones(4), extras, [[1]] * 4, n=2)
+    assert m["val-core/a/acc/maj@2/mean"] == 1.0
+    assert m["val-core/b/acc/maj@2/mean"] == 0.0  # tie "x"/"y": "x" was stated first
+    assert m["val-core/b/acc/best@2/mean"] == 1.0
+
+
+def test_rows_not_a_multiple_of_n_name_the_key():
+    with pytest.raises(ValueError, match="rollout.val_n=4"):
+        validation_metrics([SRC] * 6, np.zeros(6), [{}] * 6, [[1]] * 6, n=4)
