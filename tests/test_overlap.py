@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 POOLS = "{train: {num_cpus_per_worker: 1}, gen: {num_cpus_per_worker: 1}}"
 SPLIT = {"resources.placement": "split", "resources.pools": POOLS, "actor.pool": "train", "rollout.pool": "gen",
-         "trainer.num_threads": 1}
+         "trainer.num_threads": 1, "rollout.dtype": "float32", "actor.mixed_precision.param_dtype": "float32"}
 
 
 def _ov(**extra) -> list[str]:
@@ -36,7 +36,7 @@ def _ov(**extra) -> list[str]:
 
 
 def test_max_staleness_defaults_to_zero_and_leaves_rollout_is_alone():
-    cfg = load_config(None, [])
+    cfg = load_config(None, ["rollout.dtype=float32"])  # a bf16 sampler would turn the correction on
     assert cfg.trainer.max_staleness == 0 and cfg.algorithm.rollout_is is None
 
 

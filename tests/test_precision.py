@@ -226,6 +226,16 @@ def test_auto_resolves_per_this_machine_and_is_recorded():
     assert pinned.trainer.precision_auto is None
 
 
+def test_a_low_precision_sampler_turns_the_rollout_correction_on_unless_the_user_chose():
+    fp32 = ["actor.mixed_precision.param_dtype=float32"]
+    assert load_config(None, fp32 + ["rollout.dtype=float32"]).algorithm.rollout_is is None
+    assert load_config(None, fp32 + ["rollout.dtype=bfloat16"]).algorithm.rollout_is == "token"
+    chosen = load_config(None, fp32 + ["rollout.dtype=bfloat16", "algorithm.rollout_is=sequence"])
+    assert chosen.algorithm.rollout_is == "sequence"
+    off = load_config(None, fp32 + ["rollout.dtype=bfloat16", "algorithm.rollout_is=disable"])
+    assert off.algorithm.rollout_is == "disable"
+
+
 def test_a_run_prints_records_and_logs_its_precision(tiny_model_dir, ray_local, tmp_path, capsys):
     import json
 

@@ -234,8 +234,9 @@ class AlgorithmConfig:
                                       "'length') from the policy loss (DAPO's overlong filtering)")
     rollout_is: Optional[str] = _f(None, "rollout importance-sampling correction: weight the policy loss by "
                                    "min(pi_old / pi_rollout, threshold) per 'token' or per 'sequence'; null = off, "
-                                   "except with trainer.max_staleness > 0, where null means 'token' and 'disable' turns "
-                                   "it off", choices=["token", "sequence", "disable"])
+                                   "except with trainer.max_staleness > 0 or a sampler with its own low-precision "
+                                   "copy (rollout.dtype bfloat16/float16), where null means 'token' and 'disable' "
+                                   "turns it off", choices=["token", "sequence", "disable"])
     rollout_is_threshold: float = _f(2.0, "truncation bound C of the rollout importance weights", gt=0.0)
 
 
@@ -839,8 +840,9 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
     if cfg.actor.ppo_mini_batch_size is None:  # verl's default: the whole batch in one optimizer step
         cfg.actor.ppo_mini_batch_size = cfg.data.train_batch_size
     resolve_auto_precision(cfg)
-    if cfg.trainer.max_staleness and cfg.algorithm.rollout_is is None:
-        # Stale rows come from an older policy: correct by default ('disable' is an explicit no).
+    if cfg.algorithm.rollout_is is None and (cfg.trainer.max_staleness or cfg.rollout.dtype != "float32"):
+        # Stale rows come from an older policy, a bf16/fp16 sampler from rounded weights: both sample
+        # from a distribution other than the trainer's, so correct by default ('disable' is an explicit no).
         cfg.algorithm.rollout_is = "token"
     validate(cfg, "config")
     OmegaConf.set_readonly(cfg, True)
