@@ -128,7 +128,8 @@ def test_config_rules_for_the_new_keys():
     with pytest.raises(ConfigError, match="filter_groups.enable=true needs rollout.n >= 2"):
         load_config(None, ["algorithm.filter_groups.enable=true", "rollout.n=1"])
     with pytest.raises(ConfigError, match="overlong_buffer.len=64 must be <= rollout.max_new_tokens=32"):
-        load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=64"])
+        load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=64",
+                           "rollout.max_new_tokens=32"])
     with pytest.raises(ConfigError, match="algorithm.rollout_is='seq' is not allowed"):
         load_config(None, ["algorithm.rollout_is=seq"])
     with pytest.raises(ConfigError, match="algorithm.filter_groups.metric"):

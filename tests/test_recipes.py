@@ -225,7 +225,7 @@ def test_reinforce_pp(env):
 
 @pytest.fixture(scope="module")
 def dapo_run(env):
-    return run(env, "dapo")
+    return run(env, "dapo", **{"reward.overlong_buffer.enable": True})  # tiny_overrides turns it off
 
 
 def test_dapo(env, dapo_run):
@@ -268,7 +268,7 @@ def test_dapo_resume_replays_the_extra_prompt_draws(env, dapo_run):
     # a crash after iteration 2's stages, before its checkpoint
     shutil.rmtree(d / "checkpoints" / "000002")
     over = {"trainer.test_freq": 0, "trainer.log_samples": 0, "reward.custom_function": env.scorer,
-            "trainer.resume": "auto", "trainer.run_id": d.name}
+            "trainer.resume": "auto", "trainer.run_id": d.name, "reward.overlong_buffer.enable": True}
     train("dapo", tiny_overrides(env.model, env.root / "runs", **over))
     after = json.loads((d / "checkpoints" / "000002" / "trainer_state.json").read_text())["sampler"]
     assert (it2 / "rollout.parquet").read_bytes() == rollout_bytes  # reused, not regenerated
