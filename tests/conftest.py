@@ -13,6 +13,10 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The default recipe's precision is 'auto' (bf16 on AMX/AVX512-BF16 CPUs): pin it to float32 so every
+# test, subprocess CLI runs included, computes the same on every machine. Tests of 'auto' unset it.
+os.environ["TRAJFLOW_AUTO_PRECISION"] = "float32"
+
 
 def make_tiny_model(out: Path, seed: int = 0) -> Path:
     """A 2-layer Llama with SmolLM2's tokenizer and random weights (~1.7M parameters)."""

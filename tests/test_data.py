@@ -40,7 +40,7 @@ def test_default_dataset_settings(default_data):
                               "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False,
                               "format_style": "simple", "whitespace": "single"}
     assert len(default_data.train) == 2000
-    assert len(default_data.validation) == 64
+    assert len(default_data.validation) == 256
 
 
 def test_default_dataset_prompts(default_data):
@@ -66,7 +66,7 @@ def test_default_dataset_prompts(default_data):
 def test_held_out_problems_are_disjoint_and_distinct(default_data):
     val_q = [r.messages[-1]["content"] for r in default_data.validation]
     train_q = {r.messages[-1]["content"] for r in default_data.train}
-    assert len(set(val_q)) == 64
+    assert len(set(val_q)) == 256
     assert not set(val_q) & train_q
 
 

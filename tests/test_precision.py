@@ -210,7 +210,8 @@ def test_bf16_is_fast_reads_the_cpu_flags(tmp_path):
     assert bf16_is_fast("cpu", tmp_path / "missing")[0] is False
 
 
-def test_auto_resolves_per_this_machine_and_is_recorded():
+def test_auto_resolves_per_this_machine_and_is_recorded(monkeypatch):
+    monkeypatch.delenv("TRAJFLOW_AUTO_PRECISION")  # the suite's pin
     flags = set()
     for line in open("/proc/cpuinfo"):
         if line.startswith("flags"):
@@ -226,6 +227,16 @@ def test_auto_resolves_per_this_machine_and_is_recorded():
     assert pinned.trainer.precision_auto is None
 
 
+def test_the_environment_fixes_what_auto_means(monkeypatch):
+    monkeypatch.setenv("TRAJFLOW_AUTO_PRECISION", "bfloat16")
+    cfg = load_config(None, ["actor.mixed_precision.param_dtype=auto", "rollout.dtype=auto"])
+    assert cfg.actor.mixed_precision.param_dtype == "bfloat16" and cfg.rollout.dtype == "bfloat16"
+    assert "TRAJFLOW_AUTO_PRECISION=bfloat16" in cfg.trainer.precision_auto
+    monkeypatch.setenv("TRAJFLOW_AUTO_PRECISION", "fp32")
+    with pytest.raises(ConfigError, match=r"TRAJFLOW_AUTO_PRECISION='fp32': expected 'float32' or 'bfloat16'"):
+        load_config(None, [])
+
+
 def test_a_low_precision_sampler_turns_the_rollout_correction_on_unless_the_user_chose():
     fp32 = ["actor.mixed_precision.param_dtype=float32"]
     assert load_config(None, fp32 + ["rollout.dtype=float32"]).algorithm.rollout_is is None
@@ -236,7 +247,7 @@ def test_a_low_precision_sampler_turns_the_rollout_correction_on_unless_the_user
     assert off.algorithm.rollout_is == "disable"
 
 
-def test_a_run_prints_records_and_logs_its_precision(tiny_model_dir, ray_local, tmp_path, capsys):
+def test_a_run_prints_records_and_logs_its_precision(tiny_model_dir, ray_local, tmp_path, capsys, monkeypatch):
     import json
 
     from mlflow.tracking import MlflowClient
@@ -244,6 +255,7 @@ def test_a_run_prints_records_and_logs_its_precision(tiny_model_dir, ray_local, 
     from flows.train import train
     from tests.conftest import tiny_overrides
 
+    monkeypatch.delenv("TRAJFLOW_AUTO_PRECISION")  # the suite's pin: this test is about the hardware's answer
     fast, why = bf16_is_fast("cpu")
     expected = "bfloat16" if fast else "float32"
     summary = train(None, tiny_overrides(tiny_model_dir, tmp_path, **{

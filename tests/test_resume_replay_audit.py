@@ -131,7 +131,8 @@ class Lab:
                 "rollout.max_new_tokens": 8, "actor.ppo_mini_batch_size": 2, "actor.ppo_micro_batch_size": 2,
                 "actor.lr": 1e-3, "trainer.total_iterations": 3, "trainer.save_freq": 1, "trainer.test_freq": 0,
                 "trainer.max_checkpoints": 0, "trainer.log_samples": 0, "trainer.progress": False,
-                "gates.enabled": False, "trainer.seed": 7}
+                "gates.enabled": False, "trainer.seed": 7,
+                "reward.overlong_buffer.enable": False}  # the default recipe's 16-token buffer exceeds the 8-token cap
         if shared_ray and self.ray_address:
             base["resources.ray_address"] = self.ray_address
         base.update(extra)

@@ -730,9 +730,22 @@ def _check_precision(cfg: DictConfig, source: str) -> None:
                           f"choose float32 (or bfloat16 for both)")
 
 
+#: Environment variable that fixes what ``auto`` resolves to, whatever the hardware (``float32`` or
+#: ``bfloat16``): the same numerics on a mixed fleet, and the test suite's pin.
+AUTO_PRECISION_ENV = "TRAJFLOW_AUTO_PRECISION"
+
+
 def _auto_choice(device: str) -> tuple[str, str]:
+    import os
+
     from trajflow.modeling.precision import bf16_is_fast
 
+    forced = os.environ.get(AUTO_PRECISION_ENV)
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ConfigError(f"${AUTO_PRECISION_ENV}={forced!r}: expected 'float32' or 'bfloat16' (or unset it to "
+                              f"choose by hardware)")
+        return forced, f"${AUTO_PRECISION_ENV}={forced}"
     fast, why = bf16_is_fast(device)
     return ("bfloat16" if fast else "float32"), why
 
@@ -740,13 +753,17 @@ def _auto_choice(device: str) -> tuple[str, str]:
 def resolve_auto_precision(cfg: DictConfig) -> str | None:
     """Replace every ``auto`` dtype (``<section>.mixed_precision.param_dtype``, ``rollout.dtype``) by
     ``bfloat16`` where bf16 is fast on ``trainer.device`` and ``float32`` elsewhere
-    (:func:`trajflow.modeling.precision.bf16_is_fast`), decided on this machine, once, at start.
+    (:func:`trajflow.modeling.precision.bf16_is_fast`), decided on this machine, once, at start;
+    ``$TRAJFLOW_AUTO_PRECISION`` (``float32``/``bfloat16``) overrides the hardware's answer.
 
     The stored config then holds the concrete dtypes, so a resumed run keeps them on any machine.
 
     Returns:
         The decision as one line (also stored in ``trainer.precision_auto``), or ``None`` when no
         key was ``auto``.
+
+    Raises:
+        ConfigError: ``$TRAJFLOW_AUTO_PRECISION`` holds something other than the two dtypes.
     """
     keys = [f"{k}.mixed_precision.param_dtype" for k in PRECISION_SECTIONS] + ["rollout.dtype"]
     auto = [k for k in keys if OmegaConf.select(cfg, k) == "auto"]
