@@ -50,3 +50,11 @@ def test_two_sources_vote_per_prompt():
 def test_rows_not_a_multiple_of_n_name_the_key():
     with pytest.raises(ValueError, match="rollout.val_n=4"):
         validation_metrics([SRC] * 6, np.zeros(6), [{}] * 6, [[1]] * 6, n=4)
+
+
+def test_no_vote_for_a_scorer_that_states_no_answer():
+    """An environment's reward (the env scorer) extracts no answer: maj@n is left out, best@n stays."""
+    extras = [{"acc": 1.0}, {"acc": 0.0}, {"acc": 0.0}, {"acc": 0.0}]
+    m = validation_metrics(["env"] * 4, np.array([1.0, 0.0, 0.0, 0.0]), extras, [[1]] * 4, n=2)
+    assert "val-core/env/acc/maj@2/mean" not in m
+    assert m["val-core/env/acc/best@2/mean"] == 0.5 and m["val-core/env/acc/mean@2"] == 0.25

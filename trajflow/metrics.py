@@ -75,7 +75,8 @@ def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list
         ``val-aux/<source>/reward/mean@<n>`` and ``val-aux/response_length/mean`` (tokens); with ``n > 1``
         also ``val-core/<source>/acc/maj@<n>/mean`` (majority voting, Wang et al. 2023 "Self-Consistency",
         Sec. 2: per prompt the most frequent stated answer wins, ties to the one stated first, and the
-        prompt scores that answer's accuracy; 0 when no response states one) and
+        prompt scores that answer's accuracy; 0 when no response states one; absent for a source whose
+        scorer reports no ``extracted`` answer, e.g. a multi-turn ``env_reward``) and
         ``val-core/<source>/acc/best@<n>/mean`` (pass@n: the best of the ``n`` accuracies), both averaged
         over prompts.
 
@@ -95,8 +96,9 @@ def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list
         groups = [range(k, k + n) for k in range(0, len(scores), n)]
         for src in sorted(set(sources)):
             mine = [g for g in groups if sources[g[0]] == src]
-            maj = [_majority_accuracy([extras[i] for i in g], acc[list(g)]) for g in mine]
-            metrics[f"val-core/{src}/acc/maj@{n}/mean"] = float(np.mean(maj))
+            if any(isinstance(extras[i], dict) and "extracted" in extras[i] for g in mine for i in g):
+                maj = [_majority_accuracy([extras[i] for i in g], acc[list(g)]) for g in mine]
+                metrics[f"val-core/{src}/acc/maj@{n}/mean"] = float(np.mean(maj))
             metrics[f"val-core/{src}/acc/best@{n}/mean"] = float(np.mean([np.nanmax(acc[list(g)]) for g in mine]))
     metrics["val-aux/response_length/mean"] = float(np.mean([len(r) for r in response_ids]))
     return metrics
