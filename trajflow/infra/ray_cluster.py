@@ -38,6 +38,8 @@ def start_ray(cfg: DictConfig) -> bool:
     from trajflow.infra import logs
     from trajflow.infra.allocator import worker_env_vars
 
+    logs.adopt_library_loggers()  # Ray's own console handler, added at import, would print ray.init's warnings
+
     # Without -v, worker stdout/stderr stays in the Ray session's logs instead of the console.
     kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING,
                                   log_to_driver=logs.ray_log_to_driver())
