@@ -48,11 +48,12 @@ def test_bad_allocator_and_token_budget_are_config_errors(tmp_path):
     text.write_text("hello")
     with pytest.raises(ConfigError, match=r"not a shared library"):
         load_config(None, [f"resources.allocator={text}"])
-    # A token budget below one row (prompt cap + response cap = 512 + 32 in the default recipe).
+    # A token budget below one row (prompt cap + response cap = 512 + 32).
+    cap = ["rollout.max_new_tokens=32", "actor.use_dynamic_bsz=true"]
     with pytest.raises(ConfigError, match=r"actor.ppo_max_token_len_per_gpu=100 must be >= "
                                           r"data.max_prompt_length \+ rollout.max_new_tokens = 544"):
-        load_config(None, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=100"])
-    assert load_config(None, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=544"]).actor.use_dynamic_bsz
+        load_config(None, cap + ["actor.ppo_max_token_len_per_gpu=100"])
+    assert load_config(None, cap + ["actor.ppo_max_token_len_per_gpu=544"]).actor.use_dynamic_bsz
 
 
 PROBE = """

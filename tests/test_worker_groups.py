@@ -197,7 +197,7 @@ def test_pool_larger_than_cluster_fails_at_once(ray_local):
     (["resources.pools={p: {gpus: 1}}", "actor.pool=p"], "unknown key 'resources.pools.p.gpus'"),
     (["resources.pools={p: {device: gpu}}", "actor.pool=p"],
      "resources.pools.p.device='gpu' needs trainer.device='cuda'"),
-    (["actor.strategy=deepspeed", "actor.world_size=64"], "fewer than actor.world_size=64"),
+    (["actor.strategy=deepspeed", "actor.world_size=128"], "fewer than actor.world_size=128"),  # 8 prompts x 8 = 64 rows
 ])
 def test_resource_config_errors_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as e:
