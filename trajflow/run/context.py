@@ -37,6 +37,9 @@ class IterationState:
         behaviour_version: ``trainer.max_staleness`` > 0: the policy version the rollout must be
             generated with (fixed when the rollout is submitted, while the trainer moves on); None:
             the trainer's current version (synchronous).
+        behaviour_weights: the ``ObjectRef`` of that version's weights (a snapshot taken when the
+            rollout was submitted), which the rollout loads into the rollout workers before it
+            generates; None when they will hold that version already.
     """
 
     iteration: int
@@ -50,6 +53,7 @@ class IterationState:
     gate_score_mean: float | None = None
     critic_update: dict[str, float] | None = None
     behaviour_version: int | None = None
+    behaviour_weights: Any = None
 
 
 @dataclass(slots=True)

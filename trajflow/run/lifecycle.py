@@ -13,7 +13,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import ray
 from omegaconf import DictConfig
@@ -657,6 +657,23 @@ def sync_rollout_weights(ctx: RunContext, iteration: int) -> int:
     if iteration in ctx.iterations:
         ctx.iterations[iteration].timing["timing_s/weight_sync"] = float(out["timing_s/weight_sync"])
     return int(out["policy_version"])
+
+
+def snapshot_rollout_weights(ctx: RunContext, iteration: int) -> tuple[int, Any]:
+    """Copy the policy's current weights into the Ray object store for a rollout submitted now but
+    started later, once the rollouts ahead of it on the rollout workers are done
+    (``trainer.max_staleness`` > 0; :func:`trajflow.run.roles.load_rollout_weights` loads it). The copy's seconds (what
+    the trainer waits) go to ``iteration``'s ``timing_s/weight_sync``.
+
+    Returns:
+        ``(policy_version, ref)``: the version copied and the ``ObjectRef`` of its weights (None when
+        no rank returned any).
+    """
+    out = ray.get(ctx.actor.snapshot_weights.remote())
+    if iteration in ctx.iterations:
+        ctx.iterations[iteration].timing["timing_s/weight_sync"] = float(out["timing_s/weight_sync"])
+    refs = out["weights"]
+    return int(out["policy_version"]), (refs[0] if refs else None)
 
 
 def _memory_metrics(ctx: RunContext) -> dict[str, float]:

@@ -6,6 +6,8 @@ Every wait is bounded by the running stage's deadline (:func:`trajflow.run.recov
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyarrow as pa
 import ray
@@ -52,6 +54,18 @@ def generate_on_rollout_workers(ctx: RunContext, prompts: list, params: Sampling
         raise RuntimeError(f"rollout.engine={cfg.rollout.engine!r} returned no log-probs: trainer.max_staleness > 0 "
                            f"needs the behaviour policy's log-probs from the engine")
     return prompt_ids, gen
+
+
+def load_rollout_weights(ctx: RunContext, weights, version: int) -> float:
+    """Load a weight snapshot (:func:`trajflow.run.lifecycle.snapshot_rollout_weights`) into every
+    rollout worker, tagged with its policy ``version``; no other rollout may be in flight on them.
+
+    Returns:
+        The seconds it took.
+    """
+    t0 = time.perf_counter()
+    wait(ctx, ctx.rollout.update_weights.remote(weights, int(version)))
+    return time.perf_counter() - t0
 
 
 def generate_episodes(ctx: RunContext, prompts: list, params: SamplingParams, iteration: int | None = None):

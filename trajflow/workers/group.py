@@ -194,6 +194,13 @@ def free_address() -> tuple[str, int]:
     return ip, port
 
 
+def _shipped(value: Any) -> Any:
+    """``value`` in the object store: itself when it is an ``ObjectRef`` already (``ray.put`` refuses one)."""
+    import ray
+
+    return value if isinstance(value, ray.ObjectRef) else ray.put(value)
+
+
 class _Method:
     def __init__(self, group: "WorkerGroup", name: str) -> None:
         self.group, self.name = group, name
@@ -286,9 +293,9 @@ class WorkerGroup:
                 call = {k: (_take(v, idx) if k in names else v) for k, v in values.items()}
                 refs.append(getattr(handle, method).remote(**call))
             return _remote_combine().remote("split", parts, pads, n, *refs)
-        # broadcast / gather: ship the arguments once, not once per rank
-        args_refs = [ray.put(a) for a in args]
-        kw_refs = {k: ray.put(v) for k, v in kwargs.items()}
+        # broadcast / gather: ship the arguments once, not once per rank (an ObjectRef is shipped already)
+        args_refs = [_shipped(a) for a in args]
+        kw_refs = {k: _shipped(v) for k, v in kwargs.items()}
         refs = [getattr(h, method).remote(*args_refs, **kw_refs) for h in self.handles]
         return _remote_combine().remote(mode, None, None, 0, *refs)
 

@@ -178,22 +178,44 @@ class PolicyWorker(Worker):
             self.engine.update_adapter(lora.adapter_state(self.model), self.model.peft_config[lora.ADAPTER],
                                        self.policy_version)
             return
-        if self.lora:
-            # Rollout workers load plain Hugging Face weights: the merged ones (base + B A scale).
-            if getattr(self.engine, "rank0_push", False):
-                self.engine.update_weights(lora.merged_state_dict(self.model), version=self.policy_version)
-            else:
-                self.engine.update_weights(lora.merged_state_dict(self.model))
-            return
         if getattr(self.engine, "rank0_push", False):
-            # Separate rollout workers: rank 0 sends one full copy (gathered layer by layer under ZeRO-3),
-            # tagged with its policy version (recorded by every row the engines generate).
-            state = self.backend.full_state_dict()
+            # Separate rollout workers: rank 0 sends one full copy, tagged with its policy version
+            # (recorded by every row the engines generate).
+            state = self._rollout_state()
             if state is not None:
                 self.engine.update_weights(state, version=self.policy_version)
             return
+        if self.lora:  # an engine per rank loads plain Hugging Face weights: the merged ones
+            self.engine.update_weights(lora.merged_state_dict(self.model))
+            return
         with self.backend.gathered():  # an engine per rank (vLLM on this rank's GPU) needs the full weights
             self.engine.update_weights({k: v.detach() for k, v in self.model.state_dict().items()})
+
+    def _rollout_state(self) -> dict | None:
+        """The weights separate rollout workers load: the merged ones with LoRA (base + B A scale),
+        else the full state (gathered layer by layer under ZeRO-3); None on ranks other than 0."""
+        if self.lora:
+            state = lora.merged_state_dict(self.model)
+            return state if getattr(self.backend, "rank", 0) == 0 else None
+        return self.backend.full_state_dict()
+
+    @dispatch("broadcast")
+    def snapshot_weights(self) -> dict:
+        """Put a copy of the current weights in the Ray object store for the rollout workers to load
+        later (``trainer.max_staleness`` >= 2: a rollout still in flight on them must finish on the
+        weights it started with, while the trainer moves on).
+
+        Returns:
+            ``{"policy_version": int, "weights": [ObjectRef of {name: CPU tensor}] (empty on ranks other
+            than 0), "timing_s/weight_sync": seconds the copy took}``. The reference is wrapped in a list
+            so that Ray hands it over as a reference, not as the weights themselves.
+        """
+        import ray
+
+        t0 = time.perf_counter()
+        state = self._rollout_state()
+        refs = [] if state is None else [ray.put({k: v.detach().cpu() for k, v in state.items()})]
+        return {"policy_version": self.policy_version, "weights": refs, "timing_s/weight_sync": time.perf_counter() - t0}
 
     @dispatch("broadcast")
     def push_weights(self) -> dict:
