@@ -1,16 +1,19 @@
-"""Synchronous vs one-step off-policy (``trainer.max_staleness=1``) iterations, rollout and actor on
-separate pools of one CPU each: iteration throughput ratio and a timeline of when each worker was busy.
+"""Synchronous vs off-policy (``trainer.max_staleness=1``, and more with ``--staleness``) iterations,
+rollout and actor on separate pools of one CPU each: iteration throughput ratios and a timeline of
+when each worker was busy.
 
 Runs the ``train`` flow (real Prefect, Ray, Parquet store, MLflow on SQLite) twice with the same
 recipe, seed and split placement (``resources.placement=split``, pool ``train`` for the actor,
-pool ``gen`` for separate rollout workers), once with ``trainer.max_staleness=0`` and once with 1,
+pool ``gen`` for separate rollout workers), once with ``trainer.max_staleness=0`` and once with each
+value of ``--staleness`` (default 1),
 and prints per mode the seconds per iteration after ``--warmup`` iterations (update end to update end), the
 iterations per minute, the ratio, and the median seconds of generation and update. The busy
 intervals come from the run store: a rollout ends when its ``rollout.parquet`` is written
 (``written_at`` in the manifest) and lasted ``timing_s/gen``; an update ends when its
 ``update.json`` is written and lasted ``timing_s/update_actor`` (both from MLflow).
 
-    python benchmarks/overlap.py [--iterations 6] [--warmup 1] [--tiny [DIR]] [--png overlap_timeline.png] [key=value ...]
+    python benchmarks/overlap.py [--iterations 6] [--warmup 1] [--staleness 1 2] [--tiny [DIR]]
+                                 [--png overlap_timeline.png] [key=value ...]
 
 ``--tiny`` uses a tiny random model (seconds, for checking the script; the ratio is then mostly
 overhead). The overlap can at best hide the shorter of generation and update: with generation g
@@ -110,12 +113,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="iterations left out of the steady-state numbers")
     ap.add_argument("--tiny", nargs="?", const="make", default=None,
                     help="a tiny random model (a folder, or made in the scratch folder when given bare)")
+    ap.add_argument("--staleness", type=int, nargs="+", default=[1], help="the max_staleness values run after the sync one")
     ap.add_argument("--png", type=Path, default=Path("overlap_timeline.png"))
     ap.add_argument("--keep", action="store_true", help="keep the run directories (removed at exit otherwise)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if not 1 <= args.warmup < args.iterations:
         ap.error("need 1 <= --warmup < --iterations")
+    if any(k < 1 for k in args.staleness):
+        ap.error("--staleness values must be >= 1 (0, the sync run, always runs)")
     root = scratch_dir("trajflow-overlap-", args.keep)
     if args.tiny == "make":
         from tests.conftest import make_tiny_model
@@ -127,17 +133,19 @@ def main() -> None:
     # keeps Prefect's temporary server alive for the next flow of this process.
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
     load = os.getloadavg()
-    results = [run_mode(0, args, root), run_mode(1, args, root)]
+    results = [run_mode(k, args, root) for k in [0, *args.staleness]]
     load_after = os.getloadavg()
-    print(f"\n=== sync vs trainer.max_staleness=1, {args.iterations} iterations, rollout and actor on one CPU each ===")
+    modes = ", ".join(f"trainer.max_staleness={k}" for k in args.staleness)
+    print(f"\n=== sync vs {modes}, {args.iterations} iterations, rollout and actor on one CPU each ===")
     for r in results:
         print(f"max_staleness={r['staleness']}: {r['s_per_it']:.2f} s/iteration (iterations {args.warmup + 1}.."
               f"{args.iterations}), "
               f"{60 / r['s_per_it']:.2f} iterations/min; median gen {r['gen_s']:.2f} s, update {r['update_s']:.2f} s; "
               f"whole run {r['wall_s']:.0f} s")
-    ratio = results[0]["s_per_it"] / results[1]["s_per_it"]
     bound = (results[0]["gen_s"] + results[0]["update_s"]) / max(results[0]["gen_s"], results[0]["update_s"])
-    print(f"iteration throughput ratio (staleness 1 / sync): {ratio:.2f}x  (ideal for these stage times: {bound:.2f}x)")
+    for r in results[1:]:
+        print(f"iteration throughput ratio (staleness {r['staleness']} / sync): {results[0]['s_per_it'] / r['s_per_it']:.2f}x"
+              f"  (ideal for these stage times: {bound:.2f}x)")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load)}; after: "
           f"{' '.join(f'{x:.2f}' for x in load_after)}; CPUs: {os.cpu_count()}")
     plot(results, args.png)

@@ -102,12 +102,21 @@ def stage_task(stage: Stage, *, inputs: Callable | None = None, on_reuse: Callab
 
 def _rewind_data_cursor(ctx: RunContext, iteration: int) -> None:
     """Every attempt of a rollout (first, retry, reuse) starts from the data cursor as it was when the
-    iteration began, so dynamic sampling draws the same extra prompt batches whichever attempt ran."""
-    ctx.sampler.load_state_dict(ctx.iteration(iteration).sampler_before_rollout)
+    iteration began, so dynamic sampling draws the same extra prompt batches whichever attempt ran.
+    Not an overlapped rollout (no dynamic sampling there): it runs in a thread while the driver
+    draws the prompts of later iterations, whose draws a rewind would undo."""
+    state = ctx.iteration(iteration)
+    if state.behaviour_version is None:
+        ctx.sampler.load_state_dict(state.sampler_before_rollout)
 
 
 def _reuse_rollout(ctx: RunContext, iteration: int) -> None:
-    """A stored rollout is reused: move the data cursor past the extra batches its dynamic sampling drew."""
+    """A stored rollout is reused: move the data cursor past the extra batches its dynamic sampling drew.
+    An overlapped one still loads the weights it was given, which the rollouts after it expect."""
+    state = ctx.iteration(iteration)
+    if state.behaviour_weights is not None:
+        roles.load_rollout_weights(ctx, state.behaviour_weights, state.behaviour_version)
+        state.behaviour_weights = None
     _rewind_data_cursor(ctx, iteration)
     record = ctx.store.read_iteration_json(iteration, "dynamic_sampling.json")
     if record:
@@ -138,7 +147,11 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
         policy_version = gen.policy_version
     elif state.behaviour_version is not None:  # overlapped (trainer.max_staleness > 0): beside the update
         params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
+        if state.behaviour_weights is not None:  # the rollouts ahead of this one are done: its weights now
+            state.timing["timing_s/weight_load"] = roles.load_rollout_weights(ctx, state.behaviour_weights,
+                                                                              state.behaviour_version)
         prompt_ids, gen = roles.generate_on_rollout_workers(ctx, state.prompts, params, iteration)
+        state.behaviour_weights = None  # generated: the snapshot may go (a retry before this reloads it)
         table = rollout_table(iteration, state.prompts, prompt_ids, gen, cfg.rollout.n,
                               extra_info_type=ctx.datasets.extra_info_type)
         state.timing["timing_s/gen"] = gen.timing["timing_s/gen"]

@@ -334,8 +334,9 @@ class TrainerConfig:
     precision_auto: Optional[str] = _f(None, "recorded, not an input: how the 'auto' dtypes were resolved when the "
                                        "run started (set by trajflow)")
     max_staleness: int = _f(0, "policy versions a rollout may lag behind the trainer: 0 = synchronous (rollout, "
-                            "then update); 1 = iteration k+1's rollout runs on the rollout workers (rollout.pool) "
-                            "while iteration k updates (docs/overlap.md)", ge=0)
+                            "then update); N >= 1 = the rollouts of iterations k+1..k+N are queued on the rollout "
+                            "workers (rollout.pool) while iteration k updates, each generated N policy versions "
+                            "behind the update that uses it (docs/overlap.md)", ge=0)
     stage_timeouts: dict = _f({}, "per-stage limits in seconds overriding stage_timeout_s, e.g. "
                               "{update_actor: 1800}; stages: " + ", ".join(STAGE_NAMES))
 
@@ -675,9 +676,6 @@ def _check_staleness(cfg: DictConfig, source: str) -> None:
         raise ConfigError(f"{source}: trainer.max_staleness={k!r} must be a non-negative integer")
     if k == 0:
         return
-    if k > 1:
-        raise ConfigError(f"{source}: trainer.max_staleness={k} is not supported yet: use 0 (synchronous) or 1 "
-                          f"(one-step off-policy)")
     if cfg.rollout.pool is None:
         raise ConfigError(f"{source}: trainer.max_staleness={k} needs a separate rollout worker group whose weights "
                           f"can be synced while the policy trains: set rollout.pool to a pool of resources.pools "
