@@ -164,38 +164,53 @@ def test_one_step_off_policy_schedule(overlap_runs):
     assert "rollout_is: token" in (run / "config.yaml").read_text()
 
 
-def test_crash_with_a_rollout_in_flight_resumes_to_the_uninterrupted_run(overlap_runs):
+def _resumed_like_ref(runs: dict, iterations: int) -> Path:
+    """Check that ``k``'s two sessions were SIGKILLed, its last one finished, and every stored
+    rollout, reward and advantage file and the final weights equal ``ref``'s; returns the store."""
     import signal
 
     for name in ("k1", "k2"):
-        step = overlap_runs[name]
+        step = runs[name]
         assert step.rc == -signal.SIGKILL, f"{name} exited {step.rc}:\n{step.stderr[-3000:]}"
-    assert overlap_runs["k1_checkpoints"] == ["000001"]
-    ok(overlap_runs["k3"])
-    store = overlap_runs["store"]
-    for it in (1, 2, 3, 4):
+    ok(runs["k3"])
+    store = runs["store"]
+    for it in range(1, iterations + 1):
         for f in STAGE_FILES:
             assert sha(store / "k" / "iterations" / f"{it:06d}" / f) == \
                 sha(store / "ref" / "iterations" / f"{it:06d}" / f), f"iteration {it} {f} differs"
     assert_same_weights(store / "k" / "final" / "model.safetensors", store / "ref" / "final" / "model.safetensors")
+    return store
+
+
+def test_crash_with_a_rollout_in_flight_resumes_to_the_uninterrupted_run(overlap_runs):
+    assert overlap_runs["k1_checkpoints"] == ["000001"]
+    store = _resumed_like_ref(overlap_runs, 4)
     # The resumed session reused the rollout stored before checkpoint 1 instead of regenerating it.
     assert _written_at(store / "k", 2) == overlap_runs["k1_rollout2_written"]
     assert "resuming run k from checkpoint 000001" in overlap_runs["k2"].stdout
     assert "resuming run k from checkpoint 000002" in overlap_runs["k3"].stdout
 
 
-def test_replay_of_an_off_policy_iteration_reproduces_it(overlap_runs):
-    ok(overlap_runs["ref"])
-    ok(overlap_runs["replay"])
-    store = overlap_runs["store"]
-    parent, child = store / "ref", store / "ref-it3"
+def _replayed_update(runs: dict, child_id: str, it: int) -> tuple[Path, Path, dict]:
+    """Check that a replay from the reward stage rewrote iteration ``it``'s stage files byte for byte and
+    its update's metrics (``actor/*``, ``rollout_corr/*``, ``policy_version``) exactly; returns the
+    parent and child run folders and the parent's ``update.json``."""
+    ok(runs["ref"])
+    ok(runs["replay"])
+    parent, child = runs["store"] / "ref", runs["store"] / child_id
+    d = f"{it:06d}"
     for f in STAGE_FILES:
-        assert sha(child / "iterations" / "000003" / f) == sha(parent / "iterations" / "000003" / f)
-    pm = json.loads((parent / "iterations" / "000003" / "update.json").read_text())
-    cm = json.loads((child / "iterations" / "000003" / "update.json").read_text())
+        assert sha(child / "iterations" / d / f) == sha(parent / "iterations" / d / f)
+    pm = json.loads((parent / "iterations" / d / "update.json").read_text())
+    cm = json.loads((child / "iterations" / d / "update.json").read_text())
     compared = [k for k in pm if k.startswith(("actor/", "rollout_corr/")) or k == "policy_version"]
     assert "rollout_corr/staleness_max" in compared
     assert {k: cm[k] for k in compared} == {k: pm[k] for k in compared}
+    return parent, child, pm
+
+
+def test_replay_of_an_off_policy_iteration_reproduces_it(overlap_runs):
+    parent, child, _ = _replayed_update(overlap_runs, "ref-it3", 3)
     assert_same_weights(child / "checkpoints" / "000003" / "actor" / "model.safetensors",
                         parent / "checkpoints" / "000003" / "actor" / "model.safetensors")
 
@@ -254,19 +269,8 @@ def test_two_step_off_policy_schedule(overlap2_runs):
 
 
 def test_crash_with_two_rollouts_in_flight_resumes_to_the_uninterrupted_run(overlap2_runs):
-    import signal
-
-    for name in ("k1", "k2"):
-        step = overlap2_runs[name]
-        assert step.rc == -signal.SIGKILL, f"{name} exited {step.rc}:\n{step.stderr[-3000:]}"
     assert overlap2_runs["k1_checkpoints"] == ["000003"]
-    ok(overlap2_runs["k3"])
-    store = overlap2_runs["store"]
-    for it in range(1, 8):
-        for f in STAGE_FILES:
-            assert sha(store / "k" / "iterations" / f"{it:06d}" / f) == \
-                sha(store / "ref" / "iterations" / f"{it:06d}" / f), f"iteration {it} {f} differs"
-    assert_same_weights(store / "k" / "final" / "model.safetensors", store / "ref" / "final" / "model.safetensors")
+    store = _resumed_like_ref(overlap2_runs, 7)
     # The resumed sessions reused the rollouts stored before checkpoint 3 instead of regenerating them.
     assert {it: _written_at(store / "k", it) for it in (4, 5)} == overlap2_runs["k1_written"]
     for name in ("k2", "k3"):
@@ -274,18 +278,9 @@ def test_crash_with_two_rollouts_in_flight_resumes_to_the_uninterrupted_run(over
 
 
 def test_replay_of_a_two_step_stale_iteration_reproduces_it(overlap2_runs):
-    ok(overlap2_runs["ref"])
-    ok(overlap2_runs["replay"])
-    store = overlap2_runs["store"]
-    parent, child = store / "ref", store / "ref-it4"
-    for f in STAGE_FILES:
-        assert sha(child / "iterations" / "000004" / f) == sha(parent / "iterations" / "000004" / f)
-    pm = json.loads((parent / "iterations" / "000004" / "update.json").read_text())
-    cm = json.loads((child / "iterations" / "000004" / "update.json").read_text())
-    compared = [k for k in pm if k.startswith(("actor/", "rollout_corr/")) or k == "policy_version"]
+    # ``ref`` keeps no checkpoint 4 to compare weights with: the update's metrics above stand for them.
+    _, _, pm = _replayed_update(overlap2_runs, "ref-it4", 4)
     assert pm["rollout_corr/staleness_max"] == 2
-    # The same losses, clip fractions and IS weights; ``ref`` keeps no checkpoint 4 to compare weights with.
-    assert {k: cm[k] for k in compared} == {k: pm[k] for k in compared}
 
 
 def test_a_failed_gate_stops_before_the_update_and_lets_the_rollout_in_flight_finish(tiny_model_dir, ray_local,
