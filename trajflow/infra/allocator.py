@@ -8,6 +8,7 @@ tcmalloc, with the measurements: docs/scaling.md ("Memory allocator").
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -97,3 +98,42 @@ def loaded_allocator(pid: int | None = None) -> str | None:
         return None
     paths = (line.split()[-1] for line in text.splitlines() if line.split())
     return next((p for p in paths if _is_allocator(p)), None)
+
+
+def _symbol(name: str):
+    """The C function ``name`` among the libraries loaded into this process, or None."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (AttributeError, OSError):
+        return None
+
+
+def release_free_memory() -> str | None:
+    """Hand the pages the allocator holds free back to the operating system; returns which call did it.
+
+    Both allocators keep freed memory for reuse: tcmalloc in its page heap, glibc in the holes of its
+    heaps (it only returns the top of a heap, so a long-lived block above the holes pins them). A
+    model worker frees gigabytes between its phases (an update's activations and gradients, a
+    rollout's KV cache) that it would keep resident, and counted in its RSS, while the next phase
+    allocates in other places. The pages stay mapped and come back, zero-filled, on their next use.
+
+    Calls tcmalloc's ``MallocExtension_ReleaseFreeMemory`` when tcmalloc is loaded, else glibc's
+    ``malloc_trim(0)``; another allocator (jemalloc, mimalloc) is left alone.
+
+    Returns:
+        ``"tcmalloc"``, ``"glibc"`` or None (nothing was released: an unknown allocator).
+    """
+    tc = _symbol("MallocExtension_ReleaseFreeMemory")
+    if tc is not None:
+        tc.restype = None
+        tc()
+        return "tcmalloc"
+    if _symbol("mallctl") is not None or _symbol("mi_version") is not None:
+        return None  # jemalloc/mimalloc serve malloc: glibc's trim would not reach their heaps
+    trim = _symbol("malloc_trim")
+    if trim is None:  # not glibc (musl)
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return "glibc"
+

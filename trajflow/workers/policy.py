@@ -23,6 +23,7 @@ from stages.rollout import Generation, SamplingParams
 from stages.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.hf import HFRolloutEngine
+from trajflow.infra.allocator import release_free_memory
 from trajflow.modeling import lora
 from trajflow.modeling.backends import LocalBackend, adamw
 from trajflow.modeling.forward import compute_log_probs
@@ -277,6 +278,7 @@ class PolicyWorker(Worker):
                 timing["timing_s/old_log_prob"] = time.perf_counter() - t1
             else:
                 old_logprobs = out.logprobs
+        release_free_memory()  # the KV caches and logits of the rollout: the update allocates elsewhere
         return Generation(response_ids=out.response_ids, response_text=text, finish_reason=out.finish_reason,
                           old_logprobs=old_logprobs, policy_version=self.policy_version, timing=timing)
 
@@ -302,6 +304,7 @@ class PolicyWorker(Worker):
         if getattr(self.engine, "colocated", False):
             self.engine.sleep()
         ids = [e.response_ids for e in episodes]
+        release_free_memory()
         return EpisodeGeneration(episodes=episodes, response_ids=ids,
                                  response_text=self.tokenizer.batch_decode(ids, skip_special_tokens=True),
                                  policy_version=self.policy_version, timing={"timing_s/gen": time.perf_counter() - t0})
@@ -426,6 +429,7 @@ class PolicyWorker(Worker):
             metrics.update(self._rollout_is_metrics(is_rows, settings.rollout_is, float(settings.rollout_is_threshold)))
         if not settings.defer_weight_sync:
             self._push_weights()
+        release_free_memory()  # activations and gradients are freed: keep neither resident until the next update
         metrics["timing_s/update_actor"] = time.perf_counter() - t0
         metrics["policy_version"] = self.policy_version
         return metrics
