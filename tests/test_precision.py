@@ -274,3 +274,34 @@ def test_a_run_prints_records_and_logs_its_precision(tiny_model_dir, ray_local, 
     assert mlrun.data.params["rollout.dtype"] == "bfloat16"
     assert why in mlrun.data.params["trainer.precision_auto"]
     assert mlrun.data.metrics["rollout_corr/max_abs_diff"] > 0  # a bf16 sampler differs from the fp32 trainer
+
+
+def test_bf16_rollout_copy_holds_no_weights_during_the_update_and_samples_as_before(tiny_model_dir):
+    w = _worker(tiny_model_dir, rollout_dtype="bfloat16")
+    eng = w.engine
+    tied = w.model.get_output_embeddings().weight is w.model.get_input_embeddings().weight
+    assert (eng.model.get_output_embeddings().weight is eng.model.get_input_embeddings().weight) == tied
+    seen = []
+    forward = w.backend.forward
+
+    def recording_forward(*args, **kwargs):
+        seen.append(sum(p.numel() for p in eng.model.parameters()))
+        return forward(*args, **kwargs)
+
+    w.backend.forward = recording_forward
+    _, _, batch = _rollout_and_batch(w)
+    w.update_actor(batch)
+    assert seen and all(n == 0 for n in seen)  # every micro-batch of the update ran without the copy
+    trained = dict(w.model.named_parameters())
+    for name, p in eng.model.named_parameters():
+        assert torch.equal(p, trained[name].detach().to(torch.bfloat16)), name
+
+    # Released and rebuilt without an update in between: the same weights, so the same samples.
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7)
+    prompts = w.tokenize_prompts([[{"role": "user", "content": "Calculate 2 + 9."}]], 256)
+    kept = w.generate_sequences(prompts, params)
+    eng.release()
+    assert sum(p.numel() for p in eng.model.parameters()) == 0
+    rebuilt = w.generate_sequences(prompts, params)
+    assert rebuilt.response_ids == kept.response_ids
+    assert np.array_equal(np.concatenate(rebuilt.old_logprobs), np.concatenate(kept.old_logprobs))

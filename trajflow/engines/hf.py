@@ -41,7 +41,10 @@ class HFRolloutEngine:
     engine samples from its own copy of the module in that dtype (a bf16 copy halves the bytes each
     decode step reads, and runs bf16 matmuls), refreshed from the trained module by :meth:`sync`
     after every update. Its log-probs then differ slightly from the trainer's; the update logs the
-    difference (``rollout_corr/*``) and ``algorithm.rollout_is`` corrects for it.
+    difference (``rollout_corr/*``) and ``algorithm.rollout_is`` corrects for it. The policy worker
+    frees the copy's weights (:meth:`release`) while it updates, the phase that also holds the
+    gradients, the activations and autocast's bf16 casts of the weights; the cast :meth:`sync` does
+    after every update allocates them anew.
 
     Args:
         model: the policy module.
@@ -59,10 +62,12 @@ class HFRolloutEngine:
         self.source = model
         self.model = model
         target = DTYPES[dtype] if dtype is not None else None
+        self._released = False
         if target is not None and any(p.is_floating_point() and p.dtype != target for p in model.parameters()):
-            self.model = copy.deepcopy(model).to(target).eval()
-            for p in self.model.parameters():
-                p.requires_grad_(False)
+            self.model = _empty_copy(model, target)
+            self._dtype = target
+            self._released = True
+            self.sync()
         self.pad_id = pad_id
         self.eos_ids = list(eos_ids)
         self.micro_batch_size = micro_batch_size
@@ -78,14 +83,32 @@ class HFRolloutEngine:
     @torch.no_grad()
     def sync(self) -> None:
         """Copy the trained module's current weights into the engine's copy, cast to its dtype
-        (a no-op when the engine shares the module). Parameters and buffers are matched by name."""
+        (a no-op when the engine shares the module). Parameters and buffers are matched by name;
+        a released copy (:meth:`release`) gets new storage."""
         if not self.own_copy:
             return
         src = dict(self.source.named_parameters())
         src.update(dict(self.source.named_buffers()))
-        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
-            if name in src:
+        for name, t in _tensors(self.model):
+            if name not in src:
+                continue
+            if self._released and t.is_floating_point():
+                t.data = src[name].detach().to(self._dtype, copy=True)
+            else:
                 t.copy_(src[name])
+        self._released = False
+
+    def release(self) -> None:
+        """Free the storage of the engine's own copy of the weights (a no-op when it shares the
+        module) until the next :meth:`sync`, which casts them from the trained module again (as does
+        :meth:`generate` if no sync came: the trained module then still holds the weights the
+        copy had, as long as every change to it is followed by a sync, as the policy worker does)."""
+        if not self.own_copy or self._released:
+            return
+        for _, t in _tensors(self.model):
+            if t.is_floating_point():
+                t.data = t.data.new_empty(0)
+        self._released = True
 
     def update_weights(self, named_tensors=None) -> None:
         """Load new weights ``{name: tensor}`` into the module (a separate rollout worker's copy).
@@ -210,6 +233,8 @@ class HFRolloutEngine:
         """
         if int(params.max_new_tokens) < 1:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if self._released:  # an update released the copy and stopped before its sync
+            self.sync()
         n = int(params.n)
         prompts = [list(p) for p in prompt_ids]
         order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
@@ -248,6 +273,28 @@ class HFRolloutEngine:
             self.model.train(was_training)
         return GenerationOutput(response_ids=responses, finish_reason=finish,  # type: ignore[arg-type]
                                 logprobs=None if params.greedy else logprobs)  # type: ignore[arg-type]
+
+
+def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every parameter and buffer, each shared tensor once (tied embeddings)."""
+    return list(model.named_parameters()) + list(model.named_buffers())
+
+
+def _empty_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A frozen, eval-mode copy of ``model`` whose floating-point parameters and buffers are empty
+    tensors of ``dtype`` (shared ones stay shared), for :meth:`HFRolloutEngine.sync` to fill.
+
+    ``copy.deepcopy(model).to(dtype)`` would first copy every weight in the module's own dtype: a
+    second full-precision model, held until the cast.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point() and id(t) not in memo:
+            empty = t.detach().new_empty(0, dtype=dtype)
+            memo[id(t)] = torch.nn.Parameter(empty, requires_grad=False) if isinstance(t, torch.nn.Parameter) \
+                else empty
+    out = copy.deepcopy(model, memo)
+    return out.eval()
 
 
 def generated_token_count(out: GenerationOutput) -> int:

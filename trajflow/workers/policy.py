@@ -391,6 +391,10 @@ class PolicyWorker(Worker):
         """
         t0 = time.perf_counter()
         rows, settings = batch.rows, batch.settings
+        if isinstance(self.engine, HFRolloutEngine) and not settings.defer_weight_sync:
+            # A rollout copy in another dtype is cast again after the update (_push_weights): not
+            # held next to the gradients and activations.
+            self.engine.release()
         sums: dict[str, list[float]] = {}
         n_rows = len(rows.response_ids)
         mini_rows = int(settings.mini_batch_rows or n_rows)
