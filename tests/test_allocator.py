@@ -125,3 +125,15 @@ def test_release_free_memory_returns_freed_heap_pages_to_the_system():
     assert seen["which"] == "glibc"
     assert seen["freed"] > 100 * 2**20, seen  # most of the 125 MiB left resident by free()
 
+
+def test_configure_environment_caps_malloc_arenas(monkeypatch):
+    from trajflow.infra.allocator import limit_malloc_arenas
+    from trajflow.infra.env import configure_environment
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    configure_environment()
+    assert os.environ["MALLOC_ARENA_MAX"] == "2"  # inherited by the processes started from here
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    configure_environment()
+    assert os.environ["MALLOC_ARENA_MAX"] == "4"  # a user's choice wins
+    assert limit_malloc_arenas(2) is True  # glibc accepts it in a running process

@@ -137,3 +137,29 @@ def release_free_memory() -> str | None:
     trim(0)
     return "glibc"
 
+
+#: glibc's ``mallopt`` parameter number of ``M_ARENA_MAX`` (malloc.h).
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(count: int) -> bool:
+    """Cap glibc malloc's arenas in this process at ``count`` (``mallopt(M_ARENA_MAX, count)``).
+
+    glibc gives threads that contend for the heap arenas of their own, up to 8 per core, and each
+    keeps the memory it freed for its own threads: a process whose threads allocate in turn
+    (Prefect's task threads, Ray's and MLflow's background threads) holds several heaps' worth of
+    free pages. ``MALLOC_ARENA_MAX`` does the same for a process started with it; this is for one
+    that is already running (arenas created before the call stay).
+
+    Returns:
+        Whether glibc accepted it (False under another allocator, or where glibc is absent).
+    """
+    if _symbol("MallocExtension_ReleaseFreeMemory") is not None or _symbol("mallctl") is not None \
+            or _symbol("mi_version") is not None:
+        return False
+    mallopt = _symbol("mallopt")
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_ARENA_MAX, int(count)))
