@@ -19,6 +19,7 @@ import torch
 
 from trajflow.config import ActorConfig
 from trajflow.modeling.forward import forward_micro_batch
+from trajflow.modeling.lean_mlp import lean_mlp
 from trajflow.modeling.packing import PackedBatch, balanced_partition
 from trajflow.modeling.precision import autocast
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
@@ -75,9 +76,11 @@ class LocalBackend:
     def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False,
                 entropy_grad: bool = False):
         """Training forward of one micro-batch (:func:`~trajflow.modeling.forward.forward_micro_batch`)
-        in the compute dtype; returns float32 ``(b, T)`` log-probs (and entropy)."""
+        in the compute dtype, gated MLPs through :func:`~trajflow.modeling.lean_mlp.lean_mlp`; returns
+        float32 ``(b, T)`` log-probs (and entropy)."""
         device = next(self.model.parameters()).device
-        with autocast(self.param_dtype, device):
+        # The gated MLPs keep half of what autograd would save for their backward (lean_mlp).
+        with autocast(self.param_dtype, device), lean_mlp(self.model):
             return forward_micro_batch(self.model, packed, temperature, compute_entropy, entropy_grad=entropy_grad)
 
     def micro_batches(self, mini: Sequence[int], split: Callable[[list[int]], list[list[int]]],
