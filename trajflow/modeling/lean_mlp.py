@@ -3,8 +3,8 @@
 Llama-style decoders (SmolLM2, Qwen, Mistral, OLMo 2) compute ``down(silu(gate(x)) * up(x))``.
 Autograd saves, per layer and token, ``gate(x)`` (for the SiLU), ``silu(gate(x))`` and ``up(x)``
 (for the product) and the product itself (for ``down``): four tensors of the intermediate width,
-1536 floats for SmolLM2, 44 % of what an update's forward saves (measured: 876 of 1,930 MiB on the
-default recipe's 1,192-token micro-batch in fp32). :class:`SwiGLUDown` saves ``gate(x)`` and
+1536 floats for SmolLM2, 44 % of what an update's forward saves (measured: 842 of 1,922 MiB on the
+default recipe's 1,192-token micro-batch in fp32; 1,501 MiB with this function). :class:`SwiGLUDown` saves ``gate(x)`` and
 ``up(x)`` only and recomputes the product in the backward (two elementwise passes), with the
 same formulas and kernels autograd runs (``aten.silu_backward``, the matmuls of ``linear``).
 
