@@ -71,11 +71,11 @@ def test_training_forward_with_lean_mlp_gives_the_same_gradients_and_saves_less(
     assert all("forward" not in m.__dict__ for m in lean_mlp_modules(model))  # swapped back
 
 
-def test_lean_mlp_is_off_without_grad_or_in_eval(tiny_model_dir):
+def test_lean_mlp_is_off_without_grad_and_under_activation_checkpointing(tiny_model_dir):
     model = load_causal_lm(str(tiny_model_dir), "float32", "cpu", "sdpa")
-    model.eval()
-    with lean_mlp(model) as n:
-        assert n == 0
     model.train()
     with torch.no_grad(), lean_mlp(model) as n:
+        assert n == 0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with lean_mlp(model) as n:
         assert n == 0

@@ -90,11 +90,11 @@ def lean_mlp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 @contextlib.contextmanager
 def lean_mlp(model: torch.nn.Module) -> Iterator[int]:
     """Run the gated MLPs of ``model`` through :class:`SwiGLUDown` inside this block when a backward
-    can follow (grad mode on, ``model.training``); yields how many MLPs were swapped (0: none, the
-    model's own code runs). The swap is an instance attribute, removed on exit."""
+    can follow (grad mode on); yields how many MLPs were swapped (0: none, the model's own code
+    runs). The swap is an instance attribute, removed on exit."""
     # Activation checkpointing recomputes each layer outside this block, and its recomputation must
     # save what the first forward saved.
-    on = torch.is_grad_enabled() and model.training and not getattr(model, "is_gradient_checkpointing", False)
+    on = torch.is_grad_enabled() and not getattr(model, "is_gradient_checkpointing", False)
     mlps = lean_mlp_modules(model) if on else []
     for m in mlps:
         m.forward = _lean_forward(m)
