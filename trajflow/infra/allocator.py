@@ -108,6 +108,11 @@ def _symbol(name: str):
         return None
 
 
+def _other_malloc_loaded() -> bool:
+    """Whether jemalloc or mimalloc (their own entry points found) serves malloc in this process."""
+    return _symbol("mallctl") is not None or _symbol("mi_version") is not None
+
+
 def release_free_memory() -> str | None:
     """Hand the pages the allocator holds free back to the operating system; returns which call did it.
 
@@ -128,7 +133,7 @@ def release_free_memory() -> str | None:
         tc.restype = None
         tc()
         return "tcmalloc"
-    if _symbol("mallctl") is not None or _symbol("mi_version") is not None:
+    if _other_malloc_loaded():
         return None  # jemalloc/mimalloc serve malloc: glibc's trim would not reach their heaps
     trim = _symbol("malloc_trim")
     if trim is None:  # not glibc (musl)
@@ -154,8 +159,7 @@ def limit_malloc_arenas(count: int) -> bool:
     Returns:
         Whether glibc accepted it (False under another allocator, or where glibc is absent).
     """
-    if _symbol("MallocExtension_ReleaseFreeMemory") is not None or _symbol("mallctl") is not None \
-            or _symbol("mi_version") is not None:
+    if _symbol("MallocExtension_ReleaseFreeMemory") is not None or _other_malloc_loaded():
         return False
     mallopt = _symbol("mallopt")
     if mallopt is None:
