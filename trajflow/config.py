@@ -141,7 +141,9 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
     top_k: int = _f(0, "top-k sampling (0 = off)", ge=0)
     max_new_tokens: int = _f(32, "response length cap in tokens", ge=1)
-    micro_batch_size: int = _f(32, "sequences generated per forward batch", ge=1)
+    micro_batch_size: int = _f(32, "decode slots: most sequences per generation step (HF engine)", ge=1)
+    continuous_batching: bool = _f(True, "HF engine: start the next prompts in the slots of rows that ended "
+                                   "(off: each group of micro_batch_size rows decodes until its longest ends)")
     log_prob_micro_batch_size: int = _f(16, "sequences per forward when computing log-probs", ge=1)
     val_temperature: float = _f(0.0, "validation sampling temperature (0 = greedy)", ge=0.0)
     val_n: int = _f(1, "validation samples per prompt", ge=1)

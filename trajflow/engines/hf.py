@@ -10,6 +10,7 @@ import torch
 
 from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish, sample_tokens
 from trajflow.engines.base import GenerationOutput
+from trajflow.engines.batching import decode_continuous
 from trajflow.modeling.forward import PromptLayout, encode_prompts, layout_prompts, prefix_fits_window
 from trajflow.modeling.support import fast_path_unsupported, final_logits, note_fallback
 
@@ -24,11 +25,13 @@ class HFRolloutEngine:
     the prefix once, each prompt's remainder once) and the KV cache is copied to each prompt's ``n``
     rows, so no prompt token is computed twice. Responses are returned in prompt-major order.
 
-    Decoding is trajflow's own loop (:meth:`_decode`), not ``generate``: a row that emits EOS leaves
-    the batch at once (its KV cache rows are dropped), so the remaining steps run on the rows still
-    writing instead of padding the finished ones up to the longest; tokens are drawn by
-    :func:`stages.rollout.sample_tokens` with one uniform per row from a generator seeded per call,
-    and their log-probs come from the same logits. Under ZeRO-3 (``synced_gpus``) every rank must run
+    Decoding is trajflow's own loop (:func:`trajflow.engines.batching.decode_continuous`), not
+    ``generate``: a row that emits EOS leaves the batch at once (its KV cache rows are dropped), and
+    with ``continuous_batching`` the freed slots are refilled with the next prompts (prefilled, their
+    cache joined to the running batch), so every step runs up to ``micro_batch_size`` rows until the
+    last prompts drain; tokens are drawn by :func:`stages.rollout.sample_tokens` with one pre-drawn
+    uniform per row and token from a generator seeded per group of ``micro_batch_size // n``
+    prompts (the same samples whatever the schedule), and their log-probs come from the same logits. Under ZeRO-3 (``synced_gpus``) every rank must run
     the same number of forwards, so ``generate(synced_gpus=True)`` is used instead; a model the fast
     paths are not verified for (:func:`trajflow.modeling.support.fast_path_unsupported`) decodes with
     plain ``generate`` on left-padded prompts, with one log line saying so.
@@ -50,13 +53,16 @@ class HFRolloutEngine:
         model: the policy module.
         pad_id: pad token id (left padding of prompts).
         eos_ids: ids that end a response.
-        micro_batch_size: rows per ``generate`` call.
+        micro_batch_size: decode slots: most rows per decoding step (``rollout.micro_batch_size``).
         device: torch device of the model.
         dtype: ``rollout.dtype`` (``None`` or the module's own dtype: share the module).
+        continuous_batching: refill finished rows' slots with the next prompts
+            (``rollout.continuous_batching``); off, each group of ``micro_batch_size // n`` prompts
+            decodes alone until its longest response ends.
     """
 
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], micro_batch_size: int = 32,
-                 device: str = "cpu", dtype: str | None = None) -> None:
+                 device: str = "cpu", dtype: str | None = None, continuous_batching: bool = True) -> None:
         from trajflow.modeling.precision import DTYPES
 
         self.source = model
@@ -71,6 +77,7 @@ class HFRolloutEngine:
         self.pad_id = pad_id
         self.eos_ids = list(eos_ids)
         self.micro_batch_size = micro_batch_size
+        self.continuous_batching = continuous_batching
         self.device = device
         # Data-parallel ranks with sharded parameters (ZeRO-3) must run every decoding step together.
         self.synced_gpus = False
@@ -139,64 +146,9 @@ class HFRolloutEngine:
         return cache
 
     @torch.no_grad()
-    def _decode(self, layout: PromptLayout, n: int, params: SamplingParams,
-                rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sample up to ``params.max_new_tokens`` tokens for ``n`` rows per prompt of ``layout``.
-
-        The prompts are encoded once (their last column's hidden state gives the first token's
-        logits) and the cache repeated ``n`` times. Each step feeds one token per live row with
-        position = its count of real tokens so far, the same positions ``generate`` and the
-        teacher-forced forward use. Rows that emit an EOS id are removed from the batch and the cache.
-
-        Returns:
-            ``tokens`` ``(k * n, T)`` int64, right-padded with the pad id after a row's EOS, and
-            their log-probs ``(k * n, T)`` float32 under ``softmax(logits / temperature)`` (``None``
-            for greedy decoding; argmax, ties to the lowest id as in ``generate``).
-        """
-        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
-        T = int(params.max_new_tokens)
-        hidden, cache = encode_prompts(decoder, layout)
-        # What the causal-LM head adds after the output embedding (Gemma's final soft-cap).
-        logits = final_logits(self.model.config, head(hidden[:, -1])).repeat_interleave(n, dim=0)
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-        rows = logits.shape[0]
-        tokens = torch.full((rows, T), self.pad_id, dtype=torch.long)
-        logprobs = None if params.greedy else torch.zeros(rows, T, dtype=torch.float32)
-        live = torch.arange(rows)  # output row of each batch row
-        attn = layout.attention_mask.repeat_interleave(n, dim=0)
-        pos = layout.position_ids[:, -1:].repeat_interleave(n, dim=0)
-        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=logits.device)
-        for t in range(T):
-            if params.greedy:
-                tok = logits.argmax(dim=-1)
-            else:
-                # A draw for every output row every step, read by the live ones: a row's samples do
-                # not depend on when the other rows finished.
-                u = torch.rand(rows, generator=rng, dtype=torch.float64)[live]
-                tok, lp = sample_tokens(logits, params.temperature, u, params.top_p, params.top_k)
-                logprobs[live, t] = lp.cpu()
-            tokens[live, t] = tok.cpu()
-            if t == T - 1:
-                break
-            going = ~torch.isin(tok, eos)
-            if not bool(going.all()):
-                keep = going.nonzero().squeeze(1)
-                if keep.numel() == 0:
-                    break
-                live, tok, attn, pos = live[keep.cpu()], tok[keep], attn[keep], pos[keep]
-                cache.batch_select_indices(keep)
-            attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
-            pos = pos + 1
-            out = decoder(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
-            cache = out.cache
-            logits = final_logits(self.model.config, head(out.last_hidden_state[:, -1]))
-        return tokens, logprobs
-
-    @torch.no_grad()
     def _generate_synced(self, layout: PromptLayout, n: int, params: SamplingParams,
                          seed: int, synced: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`_decode`'s result from ``generate(synced_gpus=True)``, for ZeRO-3 ranks in lockstep;
+        """The decode loop's result (:func:`trajflow.engines.batching.decode_continuous`) from ``generate(synced_gpus=True)``, for ZeRO-3 ranks in lockstep;
         ``synced=False``: plain ``generate`` with no cache handed in (``layout`` left-padded, no
         common prefix), for models the fast paths are not verified for."""
         width = layout.input_ids.shape[1]
@@ -249,30 +201,40 @@ class HFRolloutEngine:
             note_fallback(self.model, "decoding", unsupported)
         longest = max((len(p) for p in prompts), default=0) + int(params.max_new_tokens)
         share_prefix = unsupported is None and prefix_fits_window(self.model.config, longest)
+        groups = [order[start:start + per_call] for start in range(0, len(order), per_call)]
+        # One RNG stream per group of prompts, seeded in a fixed order: same seed, same samples.
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=gen)) for _ in groups]
+        steps: list[int] = []
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(order), per_call):
-                pidx = order[start:start + per_call]
-                idx = [i * n + s for i in pidx for s in range(n)]  # output rows, prompt-major
-                layout = layout_prompts([prompts[i] for i in pidx], self.pad_id, self.device, share_prefix)
-                # One RNG stream per call, advanced in a fixed batch order: same seed, same samples.
-                seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-                if self.synced_gpus or unsupported is not None:
+            if self.synced_gpus or unsupported is not None:
+                for pidx, seed in zip(groups, seeds):
+                    idx = [i * n + s for i in pidx for s in range(n)]  # output rows, prompt-major
+                    layout = layout_prompts([prompts[i] for i in pidx], self.pad_id, self.device, share_prefix)
                     resp, step_lp = self._generate_synced(layout, n, params, seed, synced=self.synced_gpus)
-                else:
-                    resp, step_lp = self._decode(layout, n, params, torch.Generator(device="cpu").manual_seed(seed))
-                lengths, reasons = response_lengths_and_finish(resp, self.eos_ids)
-                for j, i in enumerate(idx):
-                    length = int(lengths[j])
-                    responses[i] = resp[j, :length].tolist()
-                    finish[i] = reasons[j]
-                    if step_lp is not None:
-                        logprobs[i] = step_lp[j, :length].tolist()
+                    self._collect(resp, step_lp, idx, responses, finish, logprobs)
+            else:
+                resp, step_lp = decode_continuous(self.model, prompts, groups, seeds, params, self.micro_batch_size,
+                                                  self.pad_id, self.eos_ids, self.device, share_prefix,
+                                                  join=self.continuous_batching, on_step=steps.append)
+                self._collect(resp, step_lp, range(total), responses, finish, logprobs)
         finally:
             self.model.train(was_training)
+        stats = {"decode_steps": len(steps), "decode_rows_mean": float(np.mean(steps)) if steps else 0.0}
         return GenerationOutput(response_ids=responses, finish_reason=finish,  # type: ignore[arg-type]
-                                logprobs=None if params.greedy else logprobs)  # type: ignore[arg-type]
+                                logprobs=None if params.greedy else logprobs, stats=stats)  # type: ignore[arg-type]
+
+    def _collect(self, resp: torch.Tensor, step_lp: torch.Tensor | None, idx, responses: list, finish: list,
+                 logprobs: list) -> None:
+        """Cut each row of ``resp`` ``(rows, T)`` after its first EOS into the output lists at ``idx``."""
+        lengths, reasons = response_lengths_and_finish(resp, self.eos_ids)
+        for j, i in enumerate(idx):
+            length = int(lengths[j])
+            responses[i] = resp[j, :length].tolist()
+            finish[i] = reasons[j]
+            if step_lp is not None:
+                logprobs[i] = step_lp[j, :length].tolist()
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

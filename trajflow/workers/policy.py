@@ -123,7 +123,8 @@ class PolicyWorker(Worker):
                                             lora_rank=int(model_cfg.lora_rank))
         else:
             self.engine = HFRolloutEngine(self.model, self.pad_id, self.eos_ids, rollout.micro_batch_size, device,
-                                          dtype=str(getattr(rollout, "dtype", "float32")))
+                                          dtype=str(getattr(rollout, "dtype", "float32")),
+                                          continuous_batching=bool(getattr(rollout, "continuous_batching", True)))
         self.policy_version = 0
         self.optimizer_steps = 0
         self.nonfinite_in_a_row = 0  # consecutive skipped optimizer steps, across updates

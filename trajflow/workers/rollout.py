@@ -65,7 +65,7 @@ class RolloutWorker(Worker):
             eos = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None),
                                 model_cfg.prompt_format)
             self.engine = HFRolloutEngine(self.model, int(self.tokenizer.pad_token_id), eos, rollout.micro_batch_size,
-                                          device)
+                                          device, continuous_batching=bool(getattr(rollout, "continuous_batching", True)))
 
     @dispatch("split", split_args=("prompt_ids",))
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:

@@ -1,0 +1,201 @@
+"""Continuous batching for the Hugging Face engine's decode loop.
+
+A decode step costs about the same whether it runs 8 rows or 32 (on a CPU it is bound by reading the
+weights and by small-M matmuls), so the loop keeps its decode slots full: when rows end, the next
+prompts are prefilled and their KV caches joined to the running batch, instead of the whole batch
+draining to its longest response before the next prompts start (what vLLM and SGLang's schedulers
+do with paged KV blocks; here the dense ``DynamicCache`` is padded on the left and concatenated).
+
+Samples do not depend on the schedule: every output row reads its own pre-drawn uniform for each of
+its tokens, from the stream of the fixed group of prompts it belongs to, so the same seed gives the
+same tokens whether a row started at the first decode step or joined later (up to float rounding
+of a batch's matmuls, which also differs between batch sizes without any joining).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+
+from stages.rollout import SamplingParams, sample_tokens
+from trajflow.modeling.forward import layout_prompts, encode_prompts
+from trajflow.modeling.support import final_logits
+
+
+def mergeable(cache) -> bool:
+    """Whether ``cache`` is a transformers cache whose every layer is a plain ``DynamicLayer``
+    (keys and values ``(rows, heads, seq, head_dim)`` holding every position). Sliding-window,
+    quantized, static or recurrent layers keep something else and cannot be joined by padding."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None
+                                and layer.keys.dim() == 4 for layer in layers)
+
+
+def join_caches(a, b, width_a: int, width_b: int) -> None:
+    """Append ``b``'s rows to ``a`` in place, left-padding the shorter one's positions with zeros
+    so both end at the same column (the attention mask marks the padding; its keys are never attended).
+
+    Args:
+        a, b: mergeable caches (:func:`mergeable`), ``width_a`` and ``width_b`` positions long.
+    """
+    width = max(width_a, width_b)
+    for la, lb in zip(a.layers, b.layers):
+        la.keys = torch.cat([_left_pad(la.keys, width - width_a), _left_pad(lb.keys, width - width_b)], dim=0)
+        la.values = torch.cat([_left_pad(la.values, width - width_a), _left_pad(lb.values, width - width_b)], dim=0)
+
+
+def drop_leading_positions(cache, k: int) -> None:
+    """Remove the first ``k`` positions of every layer of a mergeable cache (columns that are padding
+    for every row still in the batch)."""
+    for layer in cache.layers:
+        layer.keys = layer.keys[:, :, k:]
+        layer.values = layer.values[:, :, k:]
+
+
+def _left_pad(t: torch.Tensor, k: int) -> torch.Tensor:
+    if k == 0:
+        return t
+    return torch.cat([t.new_zeros(t.shape[0], t.shape[1], k, t.shape[3]), t], dim=2)
+
+
+def _left_pad_mask(m: torch.Tensor, width: int) -> torch.Tensor:
+    k = width - m.shape[1]
+    return m if k == 0 else torch.cat([m.new_zeros(m.shape[0], k), m], dim=1)
+
+
+@torch.no_grad()
+def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
+                      seeds: Sequence[int], params: SamplingParams, slots: int, pad_id: int,
+                      eos_ids: Sequence[int], device, share_prefix: bool, join: bool = True,
+                      on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample ``params.n`` responses for every prompt with at most ``slots`` rows per decode step.
+
+    Prompts are admitted in the order of ``groups`` (lists of prompt indices, concatenated): as many
+    as fit the free slots (``n`` rows each; a prompt is admitted into an empty batch even if ``n >
+    slots``) are laid out together around their common prefix (:func:`layout_prompts`), encoded once
+    and their cache repeated ``n`` times (:func:`encode_prompts`), then joined to the running batch
+    (:func:`join_caches`). Each step feeds one token per live row at position = its count of real
+    tokens; a row leaves at EOS or at ``params.max_new_tokens`` tokens, and columns that became padding
+    for every remaining row are dropped. With ``join=False`` (or a cache that is not
+    :func:`mergeable`) prompts are only admitted into an empty batch: each group then decodes alone
+    until its last row ends, the loop without continuous batching.
+
+    Sampling (:func:`stages.rollout.sample_tokens`): group ``g``'s rows draw ``torch.rand(T, rows)``
+    (float64) from a generator seeded with ``seeds[g]``, and row ``r``'s ``t``-th token reads entry
+    ``[t, r]``, the same values a per-group loop drawing one ``(rows,)`` vector per step reads.
+
+    Args:
+        model: a transformers causal LM in eval mode (``get_decoder()``, ``get_output_embeddings()``).
+        prompts: token ids, each non-empty.
+        groups: a partition of ``range(len(prompts))``: the admission order and the RNG streams.
+        seeds: one seed per group.
+        slots: most rows per decode step (``rollout.micro_batch_size``).
+        on_step: called with the number of rows of every decode forward (statistics).
+
+    Returns:
+        ``tokens`` ``(len(prompts) * n, T)`` int64, row ``i * n + s`` the ``s``-th sample of prompt
+        ``i``, right-padded with ``pad_id`` after its EOS, and ``logprobs`` of the same shape, float32,
+        under ``softmax(logits / temperature)`` (``None`` for greedy decoding: argmax, ties to the lowest id).
+    """
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    n, T = int(params.n), int(params.max_new_tokens)
+    total = len(prompts) * n
+    tokens = torch.full((total, T), pad_id, dtype=torch.long)
+    logprobs = None if params.greedy else torch.zeros(total, T, dtype=torch.float32)
+    group_of = {i: g for g, members in enumerate(groups) for i in members}
+    column = {i: c for members in groups for c, i in enumerate(members)}  # a prompt's place in its group
+    draws: dict[int, torch.Tensor] = {}     # group -> (T, rows) uniforms, until its last prompt is admitted
+    unadmitted = {g: len(members) for g, members in enumerate(groups)}
+    pending = deque(i for members in groups for i in members)
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+
+    rows = torch.zeros(0, dtype=torch.long)                 # output row of each batch row
+    step = torch.zeros(0, dtype=torch.long)                 # tokens each batch row has written
+    u_rows = None if params.greedy else torch.zeros(0, T, dtype=torch.float64)  # each batch row's draws
+    logits = attn = pos = cache = None
+    can_join = join
+    while pending or rows.numel():
+        live = rows.numel()
+        admit: list[int] = []
+        while pending:
+            first_into_empty = live == 0 and not admit
+            if not first_into_empty and not ((can_join or live == 0) and live + (len(admit) + 1) * n <= slots):
+                break
+            admit.append(pending.popleft())
+        if admit:
+            layout = layout_prompts([prompts[i] for i in admit], pad_id, device, share_prefix)
+            hidden, new_cache = encode_prompts(decoder, layout)
+            new_logits = final_logits(model.config, head(hidden[:, -1])).repeat_interleave(n, dim=0)
+            if n > 1:
+                new_cache.batch_repeat_interleave(n)
+            new_rows = torch.tensor([i * n + s for i in admit for s in range(n)], dtype=torch.long)
+            new_attn = layout.attention_mask.repeat_interleave(n, dim=0)
+            new_pos = layout.position_ids[:, -1:].repeat_interleave(n, dim=0)
+            new_u = None
+            if not params.greedy:
+                new_u = torch.cat([_group_draws(draws, group_of[i], groups, seeds, n, T)
+                                   [:, column[i] * n:(column[i] + 1) * n].T for i in admit])
+            for i in admit:
+                g = group_of[i]
+                unadmitted[g] -= 1
+                if unadmitted[g] == 0:
+                    draws.pop(g, None)
+            if live == 0:
+                cache, logits, attn, pos, rows, u_rows = new_cache, new_logits, new_attn, new_pos, new_rows, new_u
+                step = torch.zeros(len(new_rows), dtype=torch.long)
+                can_join = join and mergeable(cache)
+            else:
+                width = max(attn.shape[1], new_attn.shape[1])
+                join_caches(cache, new_cache, attn.shape[1], new_attn.shape[1])
+                attn = torch.cat([_left_pad_mask(attn, width), _left_pad_mask(new_attn, width)])
+                logits, pos = torch.cat([logits, new_logits]), torch.cat([pos, new_pos])
+                rows = torch.cat([rows, new_rows])
+                u_rows = None if params.greedy else torch.cat([u_rows, new_u])
+                step = torch.cat([step, torch.zeros(len(new_rows), dtype=torch.long)])
+
+        if params.greedy:
+            tok = logits.argmax(dim=-1)
+        else:
+            u = u_rows[torch.arange(len(rows)), step]
+            tok, lp = sample_tokens(logits, params.temperature, u, params.top_p, params.top_k)
+            logprobs[rows, step] = lp.cpu()
+        tokens[rows, step] = tok.cpu()
+
+        going = (~torch.isin(tok, eos)).cpu() & (step < T - 1)
+        if not bool(going.all()):
+            keep = going.nonzero().squeeze(1)
+            rows, step = rows[keep], step[keep]
+            u_rows = None if params.greedy else u_rows[keep]
+            if rows.numel() == 0:
+                cache = logits = attn = pos = None
+                continue
+            keep = keep.to(tok.device)
+            tok, attn, pos = tok[keep], attn[keep], pos[keep]
+            cache.batch_select_indices(keep)
+            if can_join:
+                # Columns that were padding for every row still here (left padding of rows that
+                # joined a longer batch, or the prefix of rows that left): no query needs them.
+                first = int(attn.any(dim=0).nonzero()[0])
+                if first > 0:
+                    attn = attn[:, first:]
+                    drop_leading_positions(cache, first)
+        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+        pos, step = pos + 1, step + 1
+        if on_step is not None:
+            on_step(int(rows.numel()))
+        out = decoder(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+        cache = out.cache
+        logits = final_logits(model.config, head(out.last_hidden_state[:, -1]))
+    return tokens, logprobs
+
+
+def _group_draws(draws: dict, g: int, groups, seeds, n: int, T: int) -> torch.Tensor:
+    """Group ``g``'s ``(T, len(groups[g]) * n)`` uniforms, drawn on first use."""
+    if g not in draws:
+        gen = torch.Generator(device="cpu").manual_seed(int(seeds[g]))
+        draws[g] = torch.rand(T, len(groups[g]) * n, generator=gen, dtype=torch.float64)
+    return draws[g]
