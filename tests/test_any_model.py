@@ -7,7 +7,7 @@ expectations are transformers' own: a plain forward of each ``[prompt | response
 (log-probs at temperature 0.7, gradients of their sum) and ``model.generate`` on each prompt alone
 (greedy tokens). Paths: the tree-packed forward, the cached-prompt forward, token-budget
 micro-batches (``compute_log_probs`` and the update's packing) and the HF engine's decode loop (its
-shared-prompt prefill, greedy tokens and sampled tokens' log-probs).
+shared-prompt prefill, continuous batching over 4 slots, greedy tokens and sampled tokens' log-probs).
 
 ``python tests/test_any_model.py`` prints the matrix.
 """
@@ -180,9 +180,14 @@ def measure(arch: str, path: str) -> dict:
         result.update(logprob=diff, grad=_grad_rel(grads, ref_grads))
     else:
         max_new = 10
-        engine = HFRolloutEngine(model, pad_id=PAD, eos_ids=[EOS], micro_batch_size=16)
+        # 4 decode slots for 8 rows, and prompt 0 (the shortest, admitted first) ends at its first
+        # greedy token: the third prompt then joins the batch while the second's rows still write
+        # (continuous batching; architectures with sliding-window caches start it when the batch is empty).
+        alone = [_greedy_alone(model, p, max_new) for p in prompts]
+        eos = sorted({EOS, alone[0][0]})
+        want = [next((w[:i + 1] for i, t in enumerate(w) if t in eos), w) for w in alone]
+        engine = HFRolloutEngine(model, pad_id=PAD, eos_ids=eos, micro_batch_size=4)
         greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=max_new, seed=0))
-        want = [_greedy_alone(model, p, max_new) for p in prompts]
         result["greedy"] = all(greedy.response_ids[2 * i + s] == w for i, w in enumerate(want) for s in range(2))
         sampled = engine.generate(prompts, SamplingParams(n=2, temperature=TEMP, max_new_tokens=max_new, seed=3))
         srows = [p for p in prompts for _ in range(2)]
