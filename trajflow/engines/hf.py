@@ -8,11 +8,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish, sample_tokens
+from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish
 from trajflow.engines.base import GenerationOutput
 from trajflow.engines.batching import decode_continuous
 from trajflow.modeling.forward import PromptLayout, encode_prompts, layout_prompts, prefix_fits_window
-from trajflow.modeling.support import fast_path_unsupported, final_logits, note_fallback
+from trajflow.modeling.support import fast_path_unsupported, note_fallback
 
 
 class HFRolloutEngine:
