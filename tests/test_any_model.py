@@ -23,6 +23,7 @@ import transformers as tf
 from stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.modeling.lean_mlp import lean_mlp
+from trajflow.modeling.lean_norm import lean_norm
 from trajflow.modeling.forward import compute_log_probs, forward_micro_batch, uses_tree_packing
 from trajflow.modeling.packing import micro_batch_plan, pack
 
@@ -146,7 +147,7 @@ def _forward(model, rows, responses, tree_max: int, max_tokens: int | None = Non
     for sl in micro_batch_plan(rows, responses, len(rows), max_tokens):
         packed = pack(rows[sl], responses[sl], PAD)
         assert uses_tree_packing(model, packed, True, tree_max) == (tree_max > 0)
-        with lean_mlp(model):  # as the policy update runs it (LocalBackend.forward)
+        with lean_mlp(model), lean_norm(model):  # as the policy update runs it (LocalBackend.forward)
             logp, _ = forward_micro_batch(model, packed, TEMP, tree_max_tokens=tree_max)
         (logp * packed.response_mask).sum().backward()
         out.extend(logp[j, :len(r)].detach() for j, r in enumerate(responses[sl]))

@@ -20,6 +20,7 @@ import torch
 from trajflow.config import ActorConfig
 from trajflow.modeling.forward import forward_micro_batch
 from trajflow.modeling.lean_mlp import lean_mlp
+from trajflow.modeling.lean_norm import lean_norm
 from trajflow.modeling.packing import PackedBatch, balanced_partition
 from trajflow.modeling.precision import autocast
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
@@ -76,11 +77,13 @@ class LocalBackend:
     def forward(self, packed: PackedBatch, temperature: float, compute_entropy: bool = False,
                 entropy_grad: bool = False):
         """Training forward of one micro-batch (:func:`~trajflow.modeling.forward.forward_micro_batch`)
-        in the compute dtype, gated MLPs through :func:`~trajflow.modeling.lean_mlp.lean_mlp`; returns
-        float32 ``(b, T)`` log-probs (and entropy)."""
+        in the compute dtype, gated MLPs through :func:`~trajflow.modeling.lean_mlp.lean_mlp` and RMSNorms
+        through :func:`~trajflow.modeling.lean_norm.lean_norm`; returns float32 ``(b, T)`` log-probs
+        (and entropy)."""
         device = next(self.model.parameters()).device
-        # The gated MLPs keep half of what autograd would save for their backward (lean_mlp).
-        with autocast(self.param_dtype, device), lean_mlp(self.model):
+        # The gated MLPs keep half of what autograd would save for their backward (lean_mlp), the
+        # norms their input alone (lean_norm).
+        with autocast(self.param_dtype, device), lean_mlp(self.model), lean_norm(self.model):
             return forward_micro_batch(self.model, packed, temperature, compute_entropy, entropy_grad=entropy_grad)
 
     def micro_batches(self, mini: Sequence[int], split: Callable[[list[int]], list[list[int]]],
