@@ -67,3 +67,24 @@ def test_bad_input_is_named():
         token_logprobs_entropy(torch.zeros(2, 3), torch.tensor([0, 1]), 0.0)
     with pytest.raises(ValueError, match=r"logits \(n, vocab\) and labels \(n,\)"):
         token_logprobs_entropy(torch.zeros(2, 3), torch.tensor([0]))
+
+
+def test_bf16_logits_are_kept_instead_of_the_float32_softmax():
+    # log [1, 2, 4] is exact in bf16 up to its rounding; the gradient of log p_y is 1[k = y] - p_k
+    # with p = softmax of the bf16 values, whichever of the two is saved.
+    x16 = torch.log(torch.tensor([[1.0, 2.0, 4.0], [1.0, 2.0, 4.0]])).to(torch.bfloat16).requires_grad_()
+    x32 = x16.detach().float().requires_grad_()
+    labels = torch.tensor([2, 0])
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lp16, h16 = token_logprobs_entropy(x16, labels, 0.5)
+    assert [t.dtype for t in saved if t.is_floating_point()] == [torch.bfloat16]  # the logits, not p
+    lp32, h32 = token_logprobs_entropy(x32, labels, 0.5)
+    assert torch.equal(lp16, lp32) and torch.equal(h16, h32)
+    lp16.sum().backward()
+    lp32.sum().backward()
+    assert x16.grad.dtype == torch.bfloat16
+    assert torch.equal(x16.grad, x32.grad.to(torch.bfloat16))  # the softmax recomputed bit for bit
+    p = torch.softmax(x32.detach() / 0.5, dim=-1)
+    want = (-p + torch.nn.functional.one_hot(labels, 3)) / 0.5
+    assert torch.allclose(x32.grad, want, atol=1e-6)
