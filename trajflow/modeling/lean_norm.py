@@ -40,22 +40,27 @@ class RMSNormFn(torch.autograd.Function):
     the hidden axis; Zhang & Sennrich 2019, eq. 4 differentiated):
     ``dL/dw = sum over rows of g * x_hat`` and ``dL/dx = r (g_hat - x_hat mean(g_hat x_hat))``.
 
-    ``apply(x, weight, eps)``: ``x`` ``(..., d)`` any float dtype; ``weight`` ``(d,)``. Returns
-    ``(..., d)`` in the promoted dtype of ``weight`` and ``x`` (what the module's own product
-    gives). The input's gradient comes back in ``x``'s dtype, the weight's in the weight's.
+    ``apply(x, weight, eps, out_dtype=None)``: ``x`` ``(..., d)`` any float dtype; ``weight`` ``(d,)``.
+    Returns ``(..., d)`` in the promoted dtype of ``weight`` and ``x`` (what the module's own product
+    gives), or cast to ``out_dtype``. The input's gradient comes back in ``x``'s dtype, the weight's
+    in the weight's.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None):
         xf = _up(x)
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         out = weight * (xf * r).to(x.dtype)
+        ctx.out_dtype = out.dtype
+        if out_dtype is not None:
+            out = out.to(out_dtype)
         ctx.save_for_backward(x, weight, r)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, r = ctx.saved_tensors
+        grad_out = grad_out.to(ctx.out_dtype)
         xf = _up(x)
         x_hat = xf * r
         # The forward rounded x_hat to x's dtype before the product: the weight sees that value.
@@ -63,12 +68,21 @@ class RMSNormFn(torch.autograd.Function):
         # As autograd: the product's gradient is rounded to x_hat's dtype, then cast up to float32.
         g_hat = _up((grad_out * weight).to(x.dtype))
         grad_x = r * (g_hat - x_hat * (g_hat * x_hat).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_w, None
+        return grad_x.to(x.dtype), grad_w, None, None
 
 
-def _lean_forward(norm: torch.nn.Module):
+#: Norms whose output only feeds linear layers (the attention's q/k/v, the MLP's gate/up, the LM head).
+LINEAR_INPUT_NORMS = frozenset({"input_layernorm", "post_attention_layernorm", "norm"})
+
+
+def _lean_forward(norm: torch.nn.Module, feeds_linears: bool):
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        return RMSNormFn.apply(hidden_states, norm.weight, float(norm.variance_epsilon))
+        device = hidden_states.device.type
+        # Under autocast every linear casts its input to the compute dtype, each a copy of its own
+        # that its backward keeps (q, k and v: three of the same norm output). Casting once here
+        # gives the linears the same values and one saved tensor.
+        out_dtype = torch.get_autocast_dtype(device) if feeds_linears and torch.is_autocast_enabled(device) else None
+        return RMSNormFn.apply(hidden_states, norm.weight, float(norm.variance_epsilon), out_dtype)
     return forward
 
 
@@ -97,8 +111,9 @@ def lean_norm(model: torch.nn.Module) -> Iterator[int]:
     # save what the first forward saved.
     on = torch.is_grad_enabled() and not getattr(model, "is_gradient_checkpointing", False)
     norms = lean_norm_modules(model) if on else []
+    names = {id(m): name.rsplit(".", 1)[-1] for name, m in model.named_modules()}
     for m in norms:
-        m.forward = _lean_forward(m)
+        m.forward = _lean_forward(m, names.get(id(m)) in LINEAR_INPUT_NORMS)
     try:
         yield len(norms)
     finally:
