@@ -137,3 +137,27 @@ def test_configure_environment_caps_malloc_arenas(monkeypatch):
     configure_environment()
     assert os.environ["MALLOC_ARENA_MAX"] == "4"  # a user's choice wins
     assert limit_malloc_arenas(2) is True  # glibc accepts it in a running process
+
+
+@pytest.mark.parametrize("overrides,want", [
+    ([], False),  # GRPO, nothing else resident: the update would only fault its pages in again
+    (["algorithm.adv_estimator=gae"], True),  # a critic updates while the actor idles
+    (["actor.kl_loss_coef=0.01"], True),  # a reference worker
+    (["resources.release_memory=always"], True),
+    (["algorithm.adv_estimator=gae", "resources.release_memory=never"], False),
+])
+def test_release_memory_auto_releases_only_where_other_model_workers_hold_memory(tmp_path, overrides, want):
+    from trajflow.config import load_config
+    from trajflow.run.context import RunContext
+    from trajflow.store import RunStore
+
+    cfg = load_config(None, overrides)
+    assert RunContext(cfg=cfg, store=RunStore(tmp_path, "r"), model_path="m").release_memory() is want
+
+
+def test_release_memory_names_its_choices():
+    from trajflow.config import load_config
+    from trajflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"resources.release_memory.*auto.*always.*never"):
+        load_config(None, ["resources.release_memory=sometimes"])

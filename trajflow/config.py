@@ -358,6 +358,10 @@ class ResourcesConfig:
     allocator: str = _f("auto", "memory allocator preloaded into the Ray workers: auto (tcmalloc if the system "
                         "has it, else the system's), system, or the path of a shared library "
                         "(see trajflow/infra/allocator.py)")
+    release_memory: str = _f("auto", "whether the policy worker hands its freed heap back to the OS after each "
+                             "rollout and update: always, never, or auto (when other model workers, a critic, "
+                             "reference, reward model or rollout pool, hold memory in the phases between)",
+                             choices=["auto", "always", "never"])
 
 
 @dataclass

@@ -195,6 +195,21 @@ class RunContext:
     def needs_reward_model(self) -> bool:
         return bool(self.cfg.reward.reward_model.enable)
 
+    def release_memory(self) -> bool:
+        """Whether the policy worker returns its freed heap to the OS between phases
+        (``resources.release_memory``; ``auto``: when another model worker holds memory meanwhile).
+
+        Releasing does not lower the policy worker's own peak (an update allocates the same pages
+        again, zero-filled: ~0.5 s of a 4 s bf16 update on 2 CPU cores); it lowers what the worker
+        holds while a critic, a reference, a reward model or rollout workers run, which is when their
+        peaks fall. With none of them the default GRPO recipe keeps its pages.
+        """
+        setting = str(self.cfg.resources.get("release_memory", "auto"))
+        if setting != "auto":
+            return setting == "always"
+        return bool(self.needs_critic() or self.needs_reference_worker() or self.needs_reward_model()
+                    or self.cfg.rollout.pool is not None)
+
 
 _CONTEXTS: dict[str, RunContext] = {}
 

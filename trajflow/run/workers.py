@@ -65,6 +65,7 @@ def finish_policy_worker(ctx: RunContext) -> None:
     cfg = ctx.cfg
     if cfg.actor.strategy == "deepspeed":
         ctx.actor.init_distributed()
+    ctx.actor.execute("set_release_memory", ctx.release_memory())
     if cfg.rollout.pool is not None:
         if ctx.rollout is None:
             from trajflow.workers.group import WorkerGroup

@@ -128,6 +128,17 @@ class PolicyWorker(Worker):
         self.policy_version = 0
         self.optimizer_steps = 0
         self.nonfinite_in_a_row = 0  # consecutive skipped optimizer steps, across updates
+        self.release_memory = True  # resources.release_memory, resolved by the driver (set_release_memory)
+
+    @dispatch("broadcast")
+    def set_release_memory(self, on: bool) -> None:
+        """Whether to hand freed heap back to the OS after each rollout and update
+        (:meth:`trajflow.run.context.RunContext.release_memory` says when it pays)."""
+        self.release_memory = bool(on)
+
+    def _release(self) -> None:
+        if self.release_memory:
+            release_free_memory()
 
     # ------------------------------------------------------------------ distributed
     @dispatch("rank0")
@@ -279,7 +290,7 @@ class PolicyWorker(Worker):
                 timing["timing_s/old_log_prob"] = time.perf_counter() - t1
             else:
                 old_logprobs = out.logprobs
-        release_free_memory()  # the KV caches and logits of the rollout: the update allocates elsewhere
+        self._release()  # the KV caches and logits of the rollout: the update allocates elsewhere
         return Generation(response_ids=out.response_ids, response_text=text, finish_reason=out.finish_reason,
                           old_logprobs=old_logprobs, policy_version=self.policy_version, timing=timing)
 
@@ -305,7 +316,7 @@ class PolicyWorker(Worker):
         if getattr(self.engine, "colocated", False):
             self.engine.sleep()
         ids = [e.response_ids for e in episodes]
-        release_free_memory()
+        self._release()
         return EpisodeGeneration(episodes=episodes, response_ids=ids,
                                  response_text=self.tokenizer.batch_decode(ids, skip_special_tokens=True),
                                  policy_version=self.policy_version, timing={"timing_s/gen": time.perf_counter() - t0})
@@ -434,7 +445,7 @@ class PolicyWorker(Worker):
             metrics.update(self._rollout_is_metrics(is_rows, settings.rollout_is, float(settings.rollout_is_threshold)))
         if not settings.defer_weight_sync:
             self._push_weights()
-        release_free_memory()  # activations and gradients are freed: keep neither resident until the next update
+        self._release()  # activations and gradients are freed: keep neither resident until the next update
         metrics["timing_s/update_actor"] = time.perf_counter() - t0
         metrics["policy_version"] = self.policy_version
         return metrics
