@@ -3,8 +3,8 @@
 Measures, in one process and one run (so that the fractions are not skewed by load changes between
 runs):
 
-1. **Matmul ceiling**: float32 ``torch.mm`` of two ``n x n`` matrices (default n = 2048), torch threads
-   = all CPUs, best of R runs: ``2 n^3 / seconds`` GFLOP/s.
+1. **Matmul ceilings**: float32 and bf16 ``torch.mm`` of two ``n x n`` matrices (default n = 2048),
+   torch threads = all CPUs, best of R runs: ``2 n^3 / seconds`` GFLOP/s.
 2. **Plain forward token rate** of the default model (SmolLM2-135M-Instruct, fp32, sdpa):
    ``model(input_ids, attention_mask)`` under ``torch.no_grad``, no KV cache, full logits, on random
    token ids of shape batch 8 x 256 and batch 32 x 64, best of R: tokens / second.
@@ -31,7 +31,9 @@ runs):
    seen before it)^2: the causal attention each row needs, not the masked-out scores the dense tree
    mask also computes. Padding, softmax/entropy and the optimizer are not counted (they are not
    model FLOPs).
-   MFU = F / update seconds / matmul ceiling (the higher of a measurement before and after). The
+   MFU = F / update seconds / matmul ceiling of the update's compute dtype
+   (``actor.mixed_precision.param_dtype``, ``auto``: bf16 where bf16 is fast; the higher of a
+   measurement before and after). The
    brief's naive count (6 * all params * every row's prompt + response tokens, i.e. the prompt run
    once per sample and the LM head on prompt tokens too) is printed for reference: it is the work a
    trainer without prompt sharing does, so its "MFU" can exceed 100 %.
@@ -202,9 +204,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, {threads} threads; default recipe, {cfg.data.train_batch_size} prompts x "
           f"{cfg.rollout.n} samples, {args.max_new_tokens} new tokens; best of {args.repeats}")
 
-    header(f"1. float32 matmul {args.matmul_n}^3")
+    header(f"1. float32 and bf16 matmul {args.matmul_n}^3")
     peak, rates = matmul_gflops(args.matmul_n, max(3, args.repeats * 3))
     print(f"runs: {', '.join(f'{r:.1f}' for r in rates)} GFLOP/s; ceiling (best) {peak:.1f} GFLOP/s")
+    peak16, rates16 = matmul_gflops(args.matmul_n, max(3, args.repeats * 3), torch.bfloat16)
+    print(f"bf16: {', '.join(f'{r:.1f}' for r in rates16)} GFLOP/s; ceiling (best) {peak16:.1f} GFLOP/s")
 
     header("2. plain forward token rate (no grad, no cache, full logits)")
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -212,6 +216,12 @@ def main() -> None:
     t = time.perf_counter()
     worker = PolicyWorker(str(path), section("actor"), section("model"), section("rollout"), int(cfg.trainer.seed),
                           "cpu", int(cfg.trainer.num_threads))
+    # What the default recipe's resources.release_memory=auto resolves to (no other model worker).
+    worker.release_memory = False
+    # The update's MFU is judged against the matmul ceiling of its compute dtype (auto: bf16 where fast).
+    upd_dtype = worker.param_dtype
+    upeak = peak16 if upd_dtype == "bfloat16" else peak
+    print(f"update compute dtype {upd_dtype}: matmul ceiling {upeak:.1f} GFLOP/s")
     print(f"policy worker (in-process) ready in {time.perf_counter() - t:.1f} s; torch threads {worker.threads}")
     model = worker.model
     dims = model_dims(model)
@@ -292,22 +302,22 @@ def main() -> None:
               f"micro-batch the common prefix once and each group's rest once; {parts['t_rows']:.0f} if every row ran "
               f"its own prompt); FLOPs body {parts['body'] / 1e12:.3f} + head {parts['head'] / 1e12:.3f} + attention "
               f"{parts['attn'] / 1e12:.3f} = {F / 1e12:.3f} TFLOP (naive 6*N_all*T + attn: {F_naive / 1e12:.3f})")
-        print(f"{label}: update best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {F / t_upd / 1e9 / peak:.1%} "
-              f"of {peak:.1f} (naive count: {F_naive / t_upd / 1e9 / peak:.1%}); peak RSS of this process so far "
+        print(f"{label}: update best {t_upd:.2f} s -> {F / t_upd / 1e9:.1f} GFLOP/s = MFU {F / t_upd / 1e9 / upeak:.1%} "
+              f"of {upeak:.1f} (naive count: {F_naive / t_upd / 1e9 / upeak:.1%}); peak RSS of this process so far "
               f"{results[label][4]:.2f} GiB")
     worker.actor = dataclasses.replace(worker.actor, **recipe)
     recipe_label = settings[0][0]
     t_upd, F, F_naive, parts, _ = results[recipe_label]
     F_fwd = (parts["body"] + parts["head"] + parts["attn"]) / 3
-    print(f"teacher-forced log-prob forward (compute_log_prob): {t_old:.2f} s -> {F_fwd / t_old / 1e9:.1f} GFLOP/s = {F_fwd / t_old / 1e9 / peak:.1%} of matmul")
+    print(f"teacher-forced log-prob forward (compute_log_prob): {t_old:.2f} s -> {F_fwd / t_old / 1e9:.1f} GFLOP/s = {F_fwd / t_old / 1e9 / upeak:.1%} of matmul")
     # The load of a shared machine drifts: measure the ceiling again and keep the higher one (lower MFU).
-    peak2, rates2 = matmul_gflops(args.matmul_n, max(3, args.repeats * 3))
-    print(f"matmul again: {', '.join(f'{r:.1f}' for r in rates2)} GFLOP/s", end="")
-    if peak2 > peak:
-        peak = peak2
-        print(f"; ceiling now {peak:.1f} GFLOP/s", end="")
+    peak2, rates2 = matmul_gflops(args.matmul_n, max(3, args.repeats * 3), getattr(torch, upd_dtype))
+    print(f"{upd_dtype} matmul again: {', '.join(f'{r:.1f}' for r in rates2)} GFLOP/s", end="")
+    if peak2 > upeak:
+        upeak = peak2
+        print(f"; ceiling now {upeak:.1f} GFLOP/s", end="")
     print()
-    mfus = {label: res[1] / res[0] / 1e9 / peak for label, res in results.items()}
+    mfus = {label: res[1] / res[0] / 1e9 / upeak for label, res in results.items()}
     for label, v in mfus.items():
         print(f"update MFU, {label}: {v:.1%}")
     gen_frac = gen_rate / fwd[(32, 64)]
@@ -317,9 +327,7 @@ def main() -> None:
 
     header("5. generation against its physical bound, fp32 and bf16 weights")
     bw, bws = read_bandwidth(max(3, args.repeats * 3))
-    peak16, rates16 = matmul_gflops(args.matmul_n, max(3, args.repeats * 3), torch.bfloat16)
-    print(f"memory read: {', '.join(f'{r:.1f}' for r in bws)} GB/s; best {bw:.1f} GB/s. bf16 matmul: "
-          f"{', '.join(f'{r:.1f}' for r in rates16)} GFLOP/s; ceiling (best) {peak16:.1f} GFLOP/s")
+    print(f"memory read: {', '.join(f'{r:.1f}' for r in bws)} GB/s; best {bw:.1f} GB/s")
     bounds = generation_bounds(worker, prompt_ids, n, args.max_new_tokens, args.repeats, dims, bw,
                                {"float32": peak, "bfloat16": peak16})
 

@@ -1,8 +1,9 @@
 """Mixed precision vs fp32, side by side in one process: the default recipe's policy update, and
 generation tokens/s at batch 32 with a bf16 sampler vs the fp32 module.
 
-One policy worker of the default recipe (fp32 master weights) and one batch: 8 ``basic_arithmetic``
-prompts x 4 samples, up to 32 new tokens at temperature 1, sampled once from the untrained policy.
+One policy worker of the default recipe (fp32 master weights) and one batch: the recipe's
+``basic_arithmetic`` prompts x samples (8 x 8) and response cap (64 new tokens) at temperature 1,
+sampled once from the untrained policy.
 The update (``update_actor``: forward, backward, AdamW step, one micro-batch under the 2048-token
 budget) alternates between fp32 compute and bf16 autocast compute on the same worker, so both see the
 same machine load; generation alternates between the fp32 module itself and the engine's bf16 copy
@@ -53,6 +54,8 @@ def main() -> None:
     model_cfg, actor, rollout = (OmegaConf.to_object(cfg[k]) for k in ("model", "actor", "rollout"))
     threads = set_all_threads()
     worker = PolicyWorker(path, actor, model_cfg, rollout, seed=42, num_threads=threads)
+    # What the default recipe's resources.release_memory=auto resolves to (no other model worker).
+    worker.release_memory = False
     data = load_prompt_dataset(cfg.data.dataset)
     prompts = worker.tokenize_prompts([p.messages for p in data.train[:cfg.data.train_batch_size]],
                                       cfg.data.max_prompt_length)
