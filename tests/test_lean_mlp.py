@@ -6,9 +6,8 @@ import torch
 
 from trajflow.modeling.lean_mlp import SwiGLUDown, lean_mlp, lean_mlp_modules
 from trajflow.modeling.packing import pack
-from trajflow.modeling.forward import forward_micro_batch
-from trajflow.modeling.precision import autocast
 from trajflow.models import load_causal_lm
+from tests.saved_tensors import training_grads
 
 
 def _reference(g, u, w, b):
@@ -31,31 +30,14 @@ def test_swiglu_down_gradients_match_autograd(bias):
     assert torch.allclose(out, ref, atol=1e-12)
 
 
-def _grads(model, packed, dtype, lean):
-    model.zero_grad(set_to_none=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage()) or t, lambda t: t):
-        with autocast(dtype, "cpu"):
-            if lean:
-                with lean_mlp(model) as n:
-                    assert n == model.config.num_hidden_layers
-                    logp, _ = forward_micro_batch(model, packed, 1.0)
-            else:
-                logp, _ = forward_micro_batch(model, packed, 1.0)
-    logp.sum().backward()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    nbytes = sum(s.nbytes() for s in {s.data_ptr(): s for s in saved if s.data_ptr() not in params}.values())
-    return {k: p.grad.clone() for k, p in model.named_parameters()}, logp.detach(), nbytes
-
-
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_training_forward_with_lean_mlp_gives_the_same_gradients_and_saves_less(tiny_model_dir, dtype, tol):
     model = load_causal_lm(str(tiny_model_dir), "float32", "cpu", "sdpa")
     model.train()
     assert len(lean_mlp_modules(model)) == model.config.num_hidden_layers
     packed = pack([[5, 6, 7, 8], [5, 6, 9]], [[10, 11, 12], [13, 14]], 0)
-    ref, logp_ref, saved_ref = _grads(model, packed, dtype, lean=False)
-    got, logp, saved = _grads(model, packed, dtype, lean=True)
+    ref, logp_ref, saved_ref = training_grads(model, packed, dtype)
+    got, logp, saved = training_grads(model, packed, dtype, lean_mlp, model.config.num_hidden_layers)
     assert torch.equal(logp, logp_ref)  # the forward computes the same values
     for k in ref:
         assert got[k].dtype == ref[k].dtype == torch.float32, k
@@ -69,13 +51,3 @@ def test_training_forward_with_lean_mlp_gives_the_same_gradients_and_saves_less(
     itemsize = 4 if dtype == "float32" else 2
     assert saved_ref - saved >= 2 * tokens * d_ff * itemsize * layers * 0.9, (saved_ref, saved)
     assert all("forward" not in m.__dict__ for m in lean_mlp_modules(model))  # swapped back
-
-
-def test_lean_mlp_is_off_without_grad_and_under_activation_checkpointing(tiny_model_dir):
-    model = load_causal_lm(str(tiny_model_dir), "float32", "cpu", "sdpa")
-    model.train()
-    with torch.no_grad(), lean_mlp(model) as n:
-        assert n == 0
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with lean_mlp(model) as n:
-        assert n == 0

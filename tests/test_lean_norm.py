@@ -4,11 +4,11 @@ through the model's own norm, with the normalised copy of each hidden state no l
 import pytest
 import torch
 
+from trajflow.modeling.lean_mlp import lean_mlp
 from trajflow.modeling.lean_norm import RMSNormFn, lean_norm, lean_norm_modules
-from trajflow.modeling.forward import forward_micro_batch
 from trajflow.modeling.packing import pack
-from trajflow.modeling.precision import autocast
 from trajflow.models import load_causal_lm
+from tests.saved_tensors import training_grads
 
 
 def test_rms_norm_gradients_match_finite_differences():
@@ -33,27 +33,13 @@ def test_rms_norm_gradient_of_a_row_by_hand():
     assert torch.allclose(w.grad, torch.tensor([3 * r, 0.0], dtype=torch.float64), atol=1e-12)
 
 
-def _grads(model, packed, dtype, lean):
-    model.zero_grad(set_to_none=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage()) or t, lambda t: t):
-        with autocast(dtype, "cpu"), (lean_norm(model) if lean else torch.enable_grad()) as n:
-            if lean:
-                assert n == 2 * model.config.num_hidden_layers + 1
-            logp, _ = forward_micro_batch(model, packed, 1.0)
-    logp.sum().backward()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    nbytes = sum(s.nbytes() for s in {s.data_ptr(): s for s in saved if s.data_ptr() not in params}.values())
-    return {k: p.grad.clone() for k, p in model.named_parameters()}, logp.detach(), nbytes
-
-
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_training_forward_with_lean_norm_gives_the_same_gradients_and_saves_less(tiny_model_dir, dtype, tol):
     model = load_causal_lm(str(tiny_model_dir), "float32", "cpu", "sdpa")
     model.train()
     packed = pack([[5, 6, 7, 8], [5, 6, 9]], [[10, 11, 12], [13, 14]], 0)
-    ref, logp_ref, saved_ref = _grads(model, packed, dtype, lean=False)
-    got, logp, saved = _grads(model, packed, dtype, lean=True)
+    ref, logp_ref, saved_ref = training_grads(model, packed, dtype)
+    got, logp, saved = training_grads(model, packed, dtype, lean_norm, 2 * model.config.num_hidden_layers + 1)
     assert torch.equal(logp, logp_ref)  # the forward computes the same values
     for k in ref:
         assert got[k].dtype == ref[k].dtype == torch.float32, k
@@ -73,11 +59,12 @@ def test_training_forward_with_lean_norm_gives_the_same_gradients_and_saves_less
     assert all("forward" not in m.__dict__ for m in lean_norm_modules(model))  # swapped back
 
 
-def test_lean_norm_is_off_without_grad_and_under_activation_checkpointing(tiny_model_dir):
+@pytest.mark.parametrize("swap", [lean_norm, lean_mlp])
+def test_lean_layers_are_off_without_grad_and_under_activation_checkpointing(tiny_model_dir, swap):
     model = load_causal_lm(str(tiny_model_dir), "float32", "cpu", "sdpa")
     model.train()
-    with torch.no_grad(), lean_norm(model) as n:
+    with torch.no_grad(), swap(model) as n:
         assert n == 0
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with lean_norm(model) as n:
+    with swap(model) as n:
         assert n == 0
