@@ -85,14 +85,10 @@ class LogProbEntropy(torch.autograd.Function):
         # softmax: keep them and recompute the softmax in the backward, with the same operations.
         ctx.recompute = logits.element_size() < 4 and not entropy_grad
         if ctx.recompute:
-            del p, z
             ctx.save_for_backward(logits, labels)
-        elif ctx.entropy_grad:
-            p.div_(s[:, None])
-            ctx.save_for_backward(p, labels, z, log_s, entropy)
         else:
             p.div_(s[:, None])
-            ctx.save_for_backward(p, labels)
+            ctx.save_for_backward(p, labels, *((z, log_s, entropy) if entropy_grad else ()))
         if entropy is not None and not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -103,9 +99,8 @@ class LogProbEntropy(torch.autograd.Function):
             raise RuntimeError("LogProbEntropy's backward reuses its saved softmax and runs once; "
                                "retain_graph=True backward passes through it are not supported")
         ctx.used = True
-        p, labels = ctx.saved_tensors[:2]
-        if ctx.recompute:
-            p = _softmax(p, ctx.inv_t)
+        saved, labels = ctx.saved_tensors[:2]
+        p = _softmax(saved, ctx.inv_t) if ctx.recompute else saved  # saved: the logits, or the softmax
         g_h = None
         if ctx.entropy_grad and g_entropy is not None:
             _, _, z, log_s, entropy = ctx.saved_tensors
