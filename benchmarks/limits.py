@@ -54,7 +54,12 @@ runs):
    ``max(steps_min x read time, 2 (N_body + d V) tokens / matmul ceiling of that dtype)``, which no
    decode loop can beat either (a sum of per-step maxima is at least the maximum of the sums).
    Printed per precision: tok/s, decode steps taken vs ``steps_min``, both bounds and trajflow's
-   fraction of each.
+   fraction of each. Both use the square-matmul ceiling, which a decode step's matmuls (M = rows <=
+   slots) do not reach on a CPU: the **decode-matmul bound** times the step's own linear layers
+   (every ``nn.Linear`` weight of the decoder and the LM head, ``x @ W.T`` with ``x`` of ``slots``
+   rows in that dtype, best of R) and divides the tokens by ``steps_min`` such steps. It is what a
+   decode loop with torch's kernels could reach if the linear layers were all it ran (attention,
+   norms, sampling and the cache are left out), so trajflow's fraction of it is the loop's overhead.
 
     .venv/bin/python benchmarks/limits.py [--quick] [--repeats R] [--max-new-tokens 64] [--matmul-n 2048]
 """
@@ -335,16 +340,40 @@ def main() -> None:
     verdict(f"training step MFU, {recipe_label} (fraction of matmul GFLOP/s)", mfus[recipe_label], TARGET_MFU,
             fmt="{:.1%}")
     verdict("generation rate at batch 32 / plain forward tok/s (32 x 64)", gen_frac, TARGET_GEN, fmt="{:.1%}")
-    for dtype, (frac_read, _) in bounds.items():
+    for dtype, (frac_read, frac_roof, frac_mm) in bounds.items():
         verdict(f"generation, {dtype} weights: fraction of the weight-read bound", frac_read, TARGET_READ_BOUND,
                 fmt="{:.1%}")
+        print(f"      (of the roofline bound {frac_roof:.1%}, of the decode-matmul bound {frac_mm:.1%})")
+
+
+def decode_matmul_seconds(model, rows: int, dtype, repeats: int) -> float:
+    """Seconds the linear layers of one decode step of ``rows`` rows take: every ``nn.Linear`` weight
+    of the decoder plus the LM head, ``x @ W.T`` with ``x`` of shape ``(rows, in_features)``, weights
+    cast to ``dtype``; the best of ``repeats`` timings of the whole set."""
+    import torch
+
+    head = model.get_output_embeddings()
+    weights = [m.weight.detach().to(dtype) for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
+    weights.append(head.weight.detach().to(dtype))
+    xs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in weights]
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(1 + repeats):  # the first pass warms the kernels up
+            t = time.perf_counter()
+            for x, w in zip(xs, weights):
+                torch.matmul(x, w.T)
+            best = min(best, time.perf_counter() - t)
+    return best
 
 
 def generation_bounds(worker, prompt_ids: list[list[int]], n: int, max_new_tokens: int, repeats: int, dims: dict,
-                      bw: float, peaks: dict[str, float]) -> dict[str, tuple[float, float]]:
-    """Section 5 of the module doc: per dtype, the best fraction of the weight-read bound and of the
-    roofline bound that the HF engine reaches over ``repeats`` sampled batches."""
+                      bw: float, peaks: dict[str, float]) -> dict[str, tuple[float, float, float]]:
+    """Section 5 of the module doc: per dtype, the best fraction of the weight-read bound, of the
+    roofline bound and of the decode-matmul bound that the HF engine reaches over ``repeats`` sampled
+    batches."""
     import math
+
+    import torch
 
     from stages.rollout import SamplingParams
     from trajflow.engines.hf import HFRolloutEngine
@@ -357,7 +386,12 @@ def generation_bounds(worker, prompt_ids: list[list[int]], n: int, max_new_token
         itemsize = 4 if dtype == "float32" else 2
         t_read = itemsize * dims["n_total"] / (bw * 1e9)
         flops_per_token = 2 * (dims["n_body"] + dims["d"] * dims["V"])
-        best = (0.0, 0.0)
+        t_mm = decode_matmul_seconds(worker.model, slots, getattr(torch, dtype), repeats=max(3, repeats * 3))
+        print(f"{dtype}: the linear layers of one decode step of {slots} rows take {t_mm * 1e3:.1f} ms "
+              f"({flops_per_token * slots / t_mm / 1e9:.0f} GFLOP/s, {flops_per_token * slots / t_mm / 1e9 / peak:.0%} "
+              f"of the {peak:.0f} GFLOP/s square-matmul ceiling; {t_read * 1e3:.1f} ms to read the weights once)",
+              flush=True)
+        best = (0.0, 0.0, 0.0)
         for r in range(1 + repeats):
             params = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=2000 + r)
             t = time.perf_counter()
@@ -368,14 +402,15 @@ def generation_bounds(worker, prompt_ids: list[list[int]], n: int, max_new_token
             steps_min = max(max(lens), math.ceil(tokens / slots))
             read_bound = tokens / (steps_min * t_read)
             roof_bound = tokens / max(steps_min * t_read, flops_per_token * tokens / (peak * 1e9))
+            mm_bound = tokens / (steps_min * t_mm)
             rate = tokens / dt
             print(f"{dtype} weights{' (warm-up)' if r == 0 else ''}: {len(lens)} rows in {slots} slots, {tokens} tokens "
                   f"(longest {max(lens)}) in {dt:.2f} s = {rate:.1f} tok/s; decode steps {gen.stats.get('decode_steps')} "
                   f"(fewest possible {steps_min}); weight-read bound {read_bound:.0f} tok/s ({t_read * 1e3:.1f} ms a "
-                  f"step) -> {rate / read_bound:.1%}; roofline bound {roof_bound:.0f} tok/s -> {rate / roof_bound:.1%}",
-                  flush=True)
+                  f"step) -> {rate / read_bound:.1%}; roofline bound {roof_bound:.0f} tok/s -> {rate / roof_bound:.1%}; "
+                  f"decode-matmul bound {mm_bound:.0f} tok/s -> {rate / mm_bound:.1%}", flush=True)
             if r:
-                best = max(best, (rate / read_bound, rate / roof_bound))
+                best = max(best, (rate / read_bound, rate / roof_bound, rate / mm_bound))
         out[dtype] = best
         del engine
     return out
