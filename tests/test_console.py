@@ -10,6 +10,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import typer
+
+import trajflow.cli as cli_module
 
 from tests.conftest import tiny_overrides
 
@@ -111,6 +114,33 @@ def test_from_stage_choices_are_validated():
     assert "--from-stage" in p.stderr and all(f"'{s}'" in p.stderr for s in ("reward", "advantage", "update"))
     assert "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [p.stderr.strip()] and p.stderr.startswith("error: trajflow replay: ")
+
+
+def test_a_missing_choice_option_is_one_line_without_tabs():
+    p = cli("replay", "r1", "--iteration", "1")
+    assert p.returncode == 2, p.stderr
+    assert "--from-stage" in p.stderr and "\t" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "Choose from: reward, advantage, update" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("raised, code", [(typer.Abort(), 130), (KeyboardInterrupt(), 130)])
+def test_main_maps_an_abort_to_exit_130(monkeypatch, raised, code):
+    def app(**_):
+        raise raised
+    monkeypatch.setattr(cli_module, "app", app)
+    with pytest.raises(SystemExit) as e:
+        cli_module.main()
+    assert e.value.code == code
+
+
+def test_main_lets_an_unexpected_error_through_as_itself(monkeypatch):
+    # A bug or an environment failure (a full disk) must surface as itself, not be masked by an
+    # error of the handler (an attribute the vendored Click lacks).
+    def app(**_):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(cli_module, "app", app)
+    with pytest.raises(OSError, match="No space left"):
+        cli_module.main()
 
 
 def test_audit_format_choices_are_validated():

@@ -416,10 +416,10 @@ def main() -> None:
         sys.exit(2)
     except ex.UsageError as e:
         where = e.ctx.command_path if e.ctx is not None else "trajflow"
-        message = e.format_message().replace("Value error, ", "").replace("\n", " ")
+        message = " ".join(e.format_message().replace("Value error, ", "").split())  # Click's choice lists: newlines, tabs
         typer.echo(f"error: {where}: {message} (see {where} --help)", err=True)
         sys.exit(2)
-    except ex.Abort:
+    except typer.Abort:  # Click's own Ctrl-C (in a prompt); Typer 0.29's vendored Click has no exceptions.Abort
         sys.exit(130)
     except ex.ClickException as e:
         e.show()
