@@ -53,6 +53,7 @@ from trajflow import checkpoint as ckpt  # noqa: E402
 from trajflow.batch import join_stages  # noqa: E402
 from trajflow.config import load_config  # noqa: E402
 from trajflow.errors import ReplayError, RunExistsError  # noqa: E402
+from trajflow.infra.prefect_server import start_temporary_server  # noqa: E402
 from trajflow.metrics import batch_metrics  # noqa: E402
 from trajflow.run import lifecycle as run  # noqa: E402
 from trajflow.run.context import RunContext  # noqa: E402
@@ -265,6 +266,9 @@ def replay_flow(run_id: str, from_stage: str, iteration: Optional[int] = None, i
                        note=job.plan.note)
         status = "FINISHED"
         return summary
+    except KeyboardInterrupt:
+        status = "KILLED"  # MLflow's status of a run the user stopped
+        raise
     finally:
         run.close_run(ctx, status)
 
@@ -314,5 +318,6 @@ def replay(parent_run_id: str, from_stage: str, iteration: int | None = None, it
         See :func:`prepare`.
     """
     job = prepare(parent_run_id, from_stage, iteration, iterations, overrides, run_id)
+    start_temporary_server()
     return replay_flow(run_id=parent_run_id, from_stage=from_stage, iteration=iteration, iterations=iterations,
                        overrides=list(overrides), new_run_id=job.run_id)

@@ -21,6 +21,7 @@ from flows.reporting import iteration_artifact, quiet_expected_errors, rename_fl
 from trajflow.run import lifecycle as run  # noqa: E402
 from trajflow.run.recovery import stage_timeout as run_stage_timeout  # noqa: E402
 from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402
+from trajflow.infra.prefect_server import start_temporary_server  # noqa: E402
 from trajflow.store import RunStore, run_lock  # noqa: E402
 
 
@@ -64,6 +65,9 @@ def train_flow(config_yaml: str, run_id: str, resume: bool = False) -> dict:
         summary = run.finish_run(ctx)
         status = "FINISHED"
         return summary
+    except KeyboardInterrupt:
+        status = "KILLED"  # MLflow's status of a run the user stopped
+        raise
     finally:
         run.close_run(ctx, status)
 
@@ -179,6 +183,7 @@ def _train_unless_done(cfg, run_id: str, resume: bool) -> dict:
             done = run.finished_summary(cfg, run_id)
             if done is not None:
                 return done
+        start_temporary_server()
         return train_flow(config_yaml=OmegaConf.to_yaml(cfg), run_id=run_id, resume=resume)
 
 

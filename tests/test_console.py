@@ -187,3 +187,44 @@ def test_store_option_and_old_audit_spelling(tmp_path):
     for opt in ("--store", "--store-root"):
         p = cli("audit", "nope", opt, str(tmp_path))
         assert p.returncode == 2 and "nope" in p.stderr and str(tmp_path) in p.stderr, p.stderr
+
+
+def test_ctrl_c_in_a_terminal_stops_the_run_cleanly_and_it_resumes(tmp_path, tiny_model_dir):
+    """Ctrl-C sends SIGINT to the terminal's whole foreground process group: the driver and every
+    child that shares its group. The run must end with exit code 130, without a traceback, leave no
+    process behind, and resume from its last checkpoint."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    overrides = tiny_overrides(tiny_model_dir, tmp_path / "runs", **{
+        "trainer.total_iterations": 200, "trainer.test_freq": 0, "tracking.uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as o, open(err, "w") as e:
+        # Its own session and group stand in for the terminal's foreground group.
+        p = subprocess.Popen(TRAJFLOW + ["train", "--run-id", "int1", *overrides], stdout=o, stderr=e,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "step:2 - " not in out.read_text():
+            assert p.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.5)
+        started = {c.pid: c for c in psutil.Process(p.pid).children(recursive=True)}
+        os.killpg(p.pid, signal.SIGINT)
+        code = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    stderr = err.read_text()
+    assert code == 130, stderr[-3000:]
+    for bad in ("Traceback", "AttributeError", "ConnectError"):
+        assert bad not in stderr, stderr[-3000:]
+    assert "trajflow run int1 interrupted: " in out.read_text(), out.read_text()[-2000:]
+    time.sleep(5)  # Ray's own processes exit on their watchdogs
+    left = [c for c in started.values() if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [" ".join(c.cmdline())[:120] for c in left]
+    r = cli("resume", "int1", "--store", str(tmp_path / "runs"), "trainer.total_iterations=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step:4 - " in r.stdout + r.stderr

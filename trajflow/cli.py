@@ -209,7 +209,9 @@ def evaluate(run_id: str = typer.Argument(..., help="the run whose checkpoint is
     def go():
         _console(verbose)
         from flows.evaluate import evaluate_flow
+        from trajflow.infra.prefect_server import start_temporary_server
 
+        start_temporary_server()
         return evaluate_flow(run_id=run_id, checkpoint=checkpoint, store_root=_store_root(store),
                              overrides=list(overrides or []))
 

@@ -899,6 +899,10 @@ def _record_session_end(ctx: RunContext, status: str) -> None:
                             trained_iterations=list(ctx.state.trained_iterations),
                             skipped_iterations=list(ctx.state.skipped_iterations))
         ctx.store.update_run_meta(sessions=sessions)
-    if status != "FINISHED":
+    if status == "KILLED":
+        ctx.store.update_run_meta(status="interrupted")
+        print(f"trajflow run {ctx.run_id} interrupted: {ctx.store.run_dir} (trajflow resume {ctx.run_id} goes on from "
+              f"its newest checkpoint)", flush=True)
+    elif status != "FINISHED":
         ctx.store.update_run_meta(status="failed")
         print(f"trajflow run {ctx.run_id} stopped ({status.lower()}): {ctx.store.run_dir}", flush=True)
