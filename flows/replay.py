@@ -250,10 +250,12 @@ def replay_flow(run_id: str, from_stage: str, iteration: Optional[int] = None, i
             else:
                 metrics = _data_metrics(ctx, it, rollout, reward, advantage)
             metrics = run.record(ctx, it, metrics)
-            if run.validation_due(ctx, it):
+            # Without the update the worker holds the initial model, not the policy after iteration
+            # ``it``: validating or checkpointing it under that iteration would misreport the replay.
+            if job.plan.run_update and run.validation_due(ctx, it):
                 metrics |= stage.validate(new_id, it)
             run.log_iteration(ctx, it, metrics)
-            if run.checkpoint_due(ctx, it):
+            if job.plan.run_update and run.checkpoint_due(ctx, it):
                 run.save(ctx, it)
             iteration_artifact(ctx, it, metrics)
         if job.plan.run_update:

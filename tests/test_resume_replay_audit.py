@@ -238,7 +238,7 @@ def scenario_reference(lab: Lab) -> dict:
     shutil.copytree(store / "ref", store / "refcut")
     shutil.rmtree(store / "refcut" / "checkpoints" / "000001")
     out["replay_cut"] = lab.cli("ref-replay-cut", "replay", "refcut", "--iteration", "2", "--from-stage", "advantage",
-                                root, "algorithm.adv_estimator=rloo", "--run-id", "refcut-rloo")
+                                root, "algorithm.adv_estimator=rloo", "trainer.test_freq=1", "--run-id", "refcut-rloo")
     return out
 
 
@@ -455,6 +455,13 @@ def _mlflow_tags(store: Path, run_dir: Path) -> dict:
     return MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}").get_run(mlflow_id).data.tags
 
 
+def _mlflow_metric_keys(store: Path, run_id: str) -> set[str]:
+    from mlflow.tracking import MlflowClient
+
+    mlflow_id = json.loads((store / run_id / "run.json").read_text())["mlflow_run_id"]
+    return set(MlflowClient(tracking_uri=f"sqlite:///{store / 'mlflow.db'}").get_run(mlflow_id).data.metrics)
+
+
 def test_replay_with_unchanged_config_reproduces_stored_outputs(scenarios):
     ref = get(scenarios, "ref")
     ok(ref["train"])
@@ -522,6 +529,10 @@ def test_replay_without_the_starting_checkpoint_skips_only_the_update(scenarios)
     meta = json.loads((store / "refcut-rloo" / "run.json").read_text())
     assert meta["status"] == "finished" and meta["start_checkpoint"] == "none (update skipped)"
     assert meta["note"].startswith("policy update skipped: checkpoint 000001 of run 'refcut' is not stored")
+    # The worker holds the initial model: neither validated nor checkpointed as the policy after iteration 2
+    # (test_freq=1 asks for a validation).
+    assert not any(k.startswith("val-") for k in _mlflow_metric_keys(store, "refcut-rloo")), "validated"
+    assert not list((store / "refcut-rloo").glob("checkpoints/0*"))
 
 
 def test_whole_run_replay_retrains_from_checkpoint_on_stored_rollouts(scenarios):
