@@ -230,8 +230,9 @@ def reasoning_gym_scorer(
         format_bonus: added to the score when the response has an ``Answer: ...`` line (>= 0).
 
     Returns:
-        ``{"score": acc + format_bonus * format_ok, "acc": float in [0, 1] (``score_answer``;
-        some datasets give partial credit), "format_ok": bool, "extracted": str | None}``.
+        ``{"score": credit + format_bonus * format_ok, "acc": 1.0 | 0.0, "format_ok": bool,
+        "extracted": str | None}``, where ``credit`` in [0, 1] is ``score_answer``'s (some datasets
+        give partial credit) and ``acc`` is 1.0 only for full credit.
 
     Raises:
         ValueError: ``data_source`` does not name a registered reasoning-gym dataset.
@@ -244,11 +245,13 @@ def reasoning_gym_scorer(
     score_fn = _rg_score_fn(name, json.dumps(config, sort_keys=True))
     extracted = extract_answer(solution_str)
     entry = {"question": info.get("question", ""), "answer": ground_truth, "metadata": info.get("metadata") or {}}
-    acc = float(score_fn(extracted, entry))
+    credit = float(score_fn(extracted, entry))
     format_ok = has_answer_line(solution_str)
     return {
-        "score": acc + (float(format_bonus) if format_ok else 0.0),
-        "acc": acc,
+        "score": credit + (float(format_bonus) if format_ok else 0.0),
+        # Accuracy counts right answers only: the partial credit some datasets give (basic_arithmetic:
+        # len(answer) / len(response) when the answer is a substring, "19" for "1" earns 0.5) stays in the score.
+        "acc": 1.0 if credit >= 1.0 else 0.0,
         "format_ok": format_ok,
         "extracted": extracted,
     }

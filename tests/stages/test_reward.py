@@ -100,6 +100,14 @@ def test_reasoning_gym_wrong_answer_gets_only_the_bonus(rg_entry):
     assert out == {"score": pytest.approx(0.1), "acc": 0.0, "format_ok": True, "extracted": wrong}
 
 
+def test_reasoning_gym_partial_credit_is_in_the_score_not_the_accuracy(rg_entry):
+    ds, gt, extra = _rg_row(rg_entry)
+    wrong = gt + "0"  # contains the answer: reasoning-gym credits len(answer) / len(response)
+    out = SCORERS.get("reasoning_gym")(ds, f"Answer: {wrong}", gt, extra)
+    assert out["acc"] == 0.0 and out["extracted"] == wrong
+    assert out["score"] == pytest.approx(len(gt) / (len(gt) + 1) + 0.1)
+
+
 def test_reasoning_gym_missing_format(rg_entry):
     ds, gt, extra = _rg_row(rg_entry)
     fn = SCORERS.get("reasoning_gym")
