@@ -27,6 +27,7 @@ def assert_one_line_error(rc, err, *needles):
 
 @pytest.mark.parametrize("override, needles", [
     ("actor.lrr=1e-5", ["actor.lrr", "did you mean 'actor.lr'"]),
+    ("rollout=5", ["override 'rollout=5'", "rollout is a config section, not a value", "rollout."]),
     ("trainer.total_iteration=3", ["trainer.total_iteration", "trainer.total_iterations"]),
     ("actor.lr=fast", ["actor.lr", "'fast'", "float"]),
     ("rollout.n=0", ["rollout.n=0", ">= 1"]),
@@ -37,6 +38,15 @@ def assert_one_line_error(rc, err, *needles):
 def test_bad_config(override, needles):
     rc, _, err = run_cli("train", override)
     assert_one_line_error(rc, err, *needles)
+
+
+def test_config_check_finds_what_train_would(tmp_path):
+    missing = str(tmp_path / "no_such_dataset.yaml")
+    rc, out, err = run_cli("config", f"data.dataset={missing}")
+    assert rc == 0 and f"dataset: {missing}" in out, err  # keys and types only
+    rc, out, err = run_cli("config", f"data.dataset={missing}", "--check")
+    assert_one_line_error(rc, err, "no_such_dataset.yaml")
+    assert out == ""
 
 
 def test_missing_recipe():

@@ -356,12 +356,19 @@ def deploy(server: Optional[str] = typer.Option(None, "--server", help="Prefect 
 def show_config(overrides: Optional[List[str]] = typer.Argument(None, help="config overrides, key=value"),
                 config: Optional[str] = typer.Option(None, "--config", "-c",
                                                      help="recipe name or YAML path (default: grpo_default)"),
-                store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP + "; same as store.root=DIR")
+                store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP + "; same as store.root=DIR"),
+                check: bool = typer.Option(False, "--check", help="also check what train checks before it starts: "
+                                           "the dataset, the model, the reward function, the gates and the store")
                 ) -> None:
-    """Print the resolved config of a recipe plus overrides (validates it; starts nothing)."""
+    """Print the resolved config of a recipe plus overrides (its keys, types and values are validated;
+    with --check also its data, model, reward and store, as train checks them; starts nothing)."""
     from trajflow.config import load_config, to_yaml
 
     cfg = _run(load_config, config, _with_store(overrides, store))
+    if check:
+        from trajflow.run.lifecycle import preflight
+
+        _run(preflight, cfg)
     typer.echo(to_yaml(cfg))
 
 

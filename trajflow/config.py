@@ -848,6 +848,14 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
         # resolved against this shell's environment and fail, or differ, elsewhere.
         raise ConfigError(f"override {interp[0]!r}: interpolations (${{...}}) are not accepted in overrides; "
                           f"write the value itself (e.g. let the shell expand $VAR)")
+    for o in overrides:
+        key = o.split("=", 1)[0].strip()
+        f = _field_for(key)
+        if f is not None and dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING
+                                                      else None):
+            some = dataclasses.fields(f.default_factory)[0].name
+            raise ConfigError(f"override {o!r}: {key} is a config section, not a value; set one of its keys "
+                              f"(e.g. {key}.{some}=...; trajflow config lists them)")
     try:
         layers.append(("override", OmegaConf.from_dotlist(list(overrides))))
     except OmegaConfBaseException as e:
