@@ -49,6 +49,17 @@ def test_config_check_finds_what_train_would(tmp_path):
     assert out == ""
 
 
+def test_broken_or_empty_recipe_is_one_line_with_where(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("actor: [1, 2\nrollout: {}\n")  # the flow sequence never closes: caught on line 2
+    rc, _, err = run_cli("config", "-c", str(broken))
+    assert_one_line_error(rc, err, str(broken), "not valid YAML at line 2, column 8")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    rc, _, err = run_cli("config", "-c", str(empty))
+    assert_one_line_error(rc, err, str(empty), "the recipe is empty")
+
+
 def test_missing_recipe():
     rc, _, err = run_cli("train", "--config", "no_such_recipe")
     assert_one_line_error(rc, err, "no_such_recipe", "grpo_default")

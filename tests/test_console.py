@@ -152,6 +152,7 @@ def test_audit_format_choices_are_validated():
 
 @pytest.mark.parametrize("args, needle", [(["train", "--bogus"], "No such option: --bogus"),
                                           (["audit"], "Missing argument"),
+                                          (["train", "--config"], "Option '--config' requires an argument"),
                                           (["replay", "r", "--iteration", "x", "--from-stage", "reward"], "'--iteration'")])
 def test_usage_errors_are_one_line(args, needle):
     p = cli(*args)

@@ -415,3 +415,13 @@ def test_each_expectation_says_what_it_expects_and_how_its_failure_counts():
     assert "expected in [0, 1] (gates.score_min, gates.score_max)" in report.failure_message()
     j = by["score_in_range"].to_json()
     assert (j["status"], j["policy"], j["unexpected_count"], j["sample_ids"]) == ("FAIL", "fail", 1, ["s3"])
+
+
+def test_a_missing_suite_lists_each_place_looked_in_once(monkeypatch):
+    from trajflow.gates.suite import SUITE_DIR, _resolve_suite_path
+
+    monkeypatch.chdir(SUITE_DIR.parents[1])  # the repository root: cwd and the root are one candidate
+    with pytest.raises(ValueError) as e:
+        _resolve_suite_path("no_such_suite.json")
+    looked = str(e.value).split("(looked in ", 1)[1].rstrip(")").split(", ")
+    assert len(looked) == len(set(looked)) == 2, str(e.value)

@@ -408,6 +408,13 @@ def _click_exceptions():
     return exceptions
 
 
+def _command_path(args: list[str]) -> str:
+    """``trajflow <command>`` for a usage error Click raised before it made the command's context
+    (an option missing its value): the first word of ``args`` that is not an option, if a command."""
+    word = next((a for a in args if not a.startswith("-")), None)
+    return f"trajflow {word}" if word in typer.main.get_command(app).commands else "trajflow"
+
+
 def main() -> None:
     """Console-script entry point.
 
@@ -424,7 +431,7 @@ def main() -> None:
         e.show()
         sys.exit(2)
     except ex.UsageError as e:
-        where = e.ctx.command_path if e.ctx is not None else "trajflow"
+        where = e.ctx.command_path if e.ctx is not None else _command_path(sys.argv[1:])
         message = " ".join(e.format_message().replace("Value error, ", "").split())  # Click's choice lists: newlines, tabs
         typer.echo(f"error: {where}: {message} (see {where} --help)", err=True)
         sys.exit(2)

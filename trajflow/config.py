@@ -832,8 +832,14 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
         path = resolve_recipe(recipe)
         try:
             recipe_cfg = OmegaConf.load(path)
-        except Exception as e:  # yaml errors carry line/column info in their message
-            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        except Exception as e:
+            where = getattr(e, "problem_mark", None)  # yaml's MarkedYAMLError: where the parser stopped
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            raise ConfigError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', None) or str(e).splitlines()[0]}") \
+                from None
+        if isinstance(recipe_cfg, DictConfig) and len(recipe_cfg) == 0:
+            raise ConfigError(f"{path}: the recipe is empty; give at least one section (e.g. 'actor: {{lr: 1e-5}}'), "
+                              f"or no --config for the default recipe")
         if not isinstance(recipe_cfg, DictConfig):
             raise ConfigError(f"{path}: a recipe must be a mapping of sections, got {type(recipe_cfg).__name__}")
         if "recipe" not in recipe_cfg:

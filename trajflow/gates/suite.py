@@ -57,7 +57,9 @@ def _resolve_suite_path(suite: str | os.PathLike | None) -> Path:
     if suite is None or str(suite) == "":
         return DEFAULT_SUITE
     p = Path(suite).expanduser()
-    candidates = [p] if p.is_absolute() else [Path.cwd() / p, SUITE_DIR.parents[1] / p, SUITE_DIR / p]
+    # dict.fromkeys: run from the repository root, the first two are one folder
+    candidates = [p] if p.is_absolute() else list(dict.fromkeys([Path.cwd() / p, SUITE_DIR.parents[1] / p,
+                                                                 SUITE_DIR / p]))
     for c in candidates:
         if c.is_file():
             return c.resolve()

@@ -519,7 +519,7 @@ def check_resumable(store: RunStore) -> None:
             if store.root.exists() else []
         shown = ", ".join(runs[-10:]) if runs else "none"
         raise StoreError(f"no run {store.run_id!r} in store root {store.root} (runs there: {shown}); "
-                         f"pass store.root=<dir> to look elsewhere")
+                         f"pass --store DIR (or store.root=DIR) to look elsewhere")
     meta = store.read_run_meta()
     if meta.get("kind") == "replay":
         raise StoreError(f"run {store.run_id!r} is a replay of run {meta.get('parent_run_id')!r}; replays are "
