@@ -3,6 +3,7 @@ options: one ``step:N`` line per step on the console, library logs in ``<run_dir
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -161,7 +162,8 @@ def test_usage_errors_are_one_line(args, needle):
 
 
 # deploy registers Prefect deployments: it reads no run store, so it has no --store.
-@pytest.mark.parametrize("command", ["train", "resume", "replay", "audit", "gate", "config", "compare", "dashboard"])
+@pytest.mark.parametrize("command", ["train", "resume", "replay", "audit", "gate", "config", "compare", "dashboard",
+                                     "runs"])
 def test_every_store_command_takes_store(command):
     p = cli(command, "--help")
     assert p.returncode == 0, p.stderr
@@ -229,3 +231,28 @@ def test_ctrl_c_in_a_terminal_stops_the_run_cleanly_and_it_resumes(tmp_path, tin
     r = cli("resume", "int1", "--store", str(tmp_path / "runs"), "trainer.total_iterations=4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "step:4 - " in r.stdout + r.stderr
+
+
+def test_runs_lists_a_store(quiet_run, tmp_path):
+    import shutil
+
+    run_dir = run_dir_of(quiet_run, "c1")
+    p = cli("runs", "--store", str(run_dir.parent), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    [row] = [r for r in json.loads(p.stdout) if r["run_id"] == "c1"]
+    # tiny_overrides: 2 iterations, a checkpoint after each, validation every 2 (and before training).
+    assert (row["kind"], row["status"], row["iterations"], row["checkpoints"]) == ("train", "finished", 2, [1, 2])
+    assert row["val_iteration"] == 2 and row["val_metric"].startswith("val-core/")
+    stored = json.loads((run_dir / "run.json").read_text())["validation_000002"][row["val_metric"]]
+    assert row["val_value"] == stored
+    # A damaged run.json is one row saying so, not a failed listing.
+    store = tmp_path / "store"
+    shutil.copytree(run_dir, store / "c1")
+    shutil.copytree(run_dir, store / "broken")
+    (store / "broken" / "run.json").write_text("{not json")
+    p = cli("runs", "--store", str(store))
+    assert p.returncode == 0, p.stderr
+    lines = {ln.split()[0]: ln for ln in p.stdout.splitlines()[1:] if ln.strip()}
+    assert "unreadable" in lines["broken"] and "finished" in lines["c1"], p.stdout
+    p = cli("runs", "--store", str(tmp_path / "nowhere"))
+    assert p.returncode == 2 and "is not a folder" in p.stderr and len(p.stderr.strip().splitlines()) == 1

@@ -271,6 +271,38 @@ def audit(run_id: str = typer.Argument(..., help="the run"),
         _print_audit_table(table, output)
 
 
+class RunsFormat(str, Enum):
+    """``runs --format`` choices."""
+
+    table = "table"
+    json = "json"
+
+
+@app.command()
+def runs(store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
+         fmt: RunsFormat = typer.Option(RunsFormat.table, "--format", "-f", case_sensitive=False,
+                                        help="output format")) -> None:
+    """List the runs of a store: kind, recipe, status, iterations, checkpoints, newest validation."""
+    from trajflow.runs import format_runs, list_runs
+
+    rows = _run(list_runs, _store_root(store))
+    if fmt.value == "json":
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    if not rows:
+        typer.echo(f"no runs in {_store_root(store)}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for name in ("run", "kind", "recipe", "status", "iterations", "checkpoints", "validation", "created"):
+        table.add_column(name, no_wrap=name == "run")
+    for cells in format_runs(rows):
+        table.add_row(*cells)
+    Console(width=200).print(table)
+
+
 def _print_audit_table(table, output: Optional[Path]) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -1,0 +1,83 @@
+"""The runs of a store root, one summary row each (``trajflow runs``).
+
+Everything is read from the run folders (``run.json``, ``iterations/``, ``checkpoints/``); nothing
+is imported or executed from them, and a damaged ``run.json`` makes its row say so instead of
+failing the listing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from trajflow.checkpoint import list_checkpoints
+from trajflow.errors import StoreError
+from trajflow.store import RunStore
+
+__all__ = ["list_runs", "format_runs"]
+
+
+def _last_validation(meta: dict) -> tuple[int | None, str | None, float | None]:
+    """(iteration, metric, value) of the newest ``validation_NNNNNN`` entry's first ``val-core/`` metric."""
+    keys = sorted(k for k in meta if k.startswith("validation_") and k[11:].isdigit())
+    for key in reversed(keys):
+        entry = meta[key] if isinstance(meta[key], dict) else {}
+        core = sorted(k for k in entry if k.startswith("val-core/"))
+        if core:
+            return int(key[11:]), core[0], float(entry[core[0]])
+    return None, None, None
+
+
+def list_runs(root: str | Path) -> list[dict[str, Any]]:
+    """One row per run folder under ``root`` (a folder holding ``config.yaml``), oldest first.
+
+    Each row: ``run_id``, ``kind`` (``train`` or ``replay``), ``parent_run_id`` (replays), ``recipe``,
+    ``status`` (``run.json``'s: running, finished, failed, interrupted; ``unreadable`` for a damaged
+    file), ``iterations`` (stored iteration folders), ``checkpoints`` (complete ones, ascending),
+    ``policy_version``, ``created`` (Unix seconds, or None), and the newest validation as
+    ``val_iteration``, ``val_metric`` and ``val_value``.
+
+    Raises:
+        StoreError: ``root`` is not a folder.
+    """
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise StoreError(f"store root {root} is not a folder (pass --store DIR)")
+    rows = []
+    for d in sorted(p for p in root.iterdir() if (p / "config.yaml").is_file()):
+        store = RunStore(root, d.name)
+        try:
+            meta = store.read_run_meta()
+            status = str(meta.get("status", "unknown"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            meta, status = {}, "unreadable"
+        if not isinstance(meta, dict):
+            meta, status = {}, "unreadable"
+        val_it, val_metric, val_value = _last_validation(meta)
+        created = meta.get("created")
+        rows.append({
+            "run_id": d.name, "kind": meta.get("kind", "train"), "parent_run_id": meta.get("parent_run_id"),
+            "recipe": meta.get("recipe"), "status": status, "iterations": len(store.iterations()),
+            "checkpoints": list_checkpoints(store), "policy_version": meta.get("policy_version"),
+            "created": float(created) if isinstance(created, (int, float)) else None,
+            "val_iteration": val_it, "val_metric": val_metric, "val_value": val_value,
+        })
+    rows.sort(key=lambda r: (r["created"] is None, r["created"] or 0.0, r["run_id"]))
+    return rows
+
+
+def format_runs(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """The rows as table cells: run, kind, recipe, status, iterations, checkpoints, last validation, created."""
+    out = []
+    for r in rows:
+        kind = r["kind"] if not r["parent_run_id"] else f"{r['kind']} of {r['parent_run_id']}"
+        ckpts = r["checkpoints"]
+        shown = "-" if not ckpts else (", ".join(str(c) for c in ckpts) if len(ckpts) <= 3
+                                       else f"{len(ckpts)} ({ckpts[0]}..{ckpts[-1]})")
+        val = "-" if r["val_metric"] is None else \
+            f"{r['val_value']:.3f} at {r['val_iteration']} ({r['val_metric'].split('/')[-2]})"
+        created = "-" if r["created"] is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"]))
+        out.append([r["run_id"], kind, str(r["recipe"] or "-"), r["status"], str(r["iterations"]), shown, val, created])
+    return out
