@@ -47,14 +47,16 @@ def list_runs(root: str | Path) -> list[dict[str, Any]]:
         raise StoreError(f"store root {root} is not a folder (pass --store DIR)")
     rows = []
     for d in sorted(p for p in root.iterdir() if (p / "config.yaml").is_file()):
-        store = RunStore(root, d.name)
+        try:
+            store = RunStore(root, d.name)
+        except StoreError:  # a folder name that is no run id (a hidden folder): not a run of this store
+            continue
         try:
             meta = store.read_run_meta()
-            status = str(meta.get("status", "unknown"))
         except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-            meta, status = {}, "unreadable"
-        if not isinstance(meta, dict):
-            meta, status = {}, "unreadable"
+            meta = None
+        status = str(meta.get("status", "unknown")) if isinstance(meta, dict) else "unreadable"
+        meta = meta if isinstance(meta, dict) else {}
         val_it, val_metric, val_value = _last_validation(meta)
         created = meta.get("created")
         rows.append({
