@@ -206,9 +206,11 @@ def test_ctrl_c_in_a_terminal_stops_the_run_cleanly_and_it_resumes(tmp_path, tin
         "trainer.total_iterations": 200, "trainer.test_freq": 0, "tracking.uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with open(out, "w") as o, open(err, "w") as e:
-        # Its own session and group stand in for the terminal's foreground group.
+        # Its own session and group stand in for the terminal's foreground group, and SIGINT is
+        # delivered as in a terminal: a test runner started in the background (`cmd &` in a script)
+        # hands its children SIGINT ignored, and the driver would rightly keep ignoring it.
         p = subprocess.Popen(TRAJFLOW + ["train", "--run-id", "int1", *overrides], stdout=o, stderr=e,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while "step:2 - " not in out.read_text():
