@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trajflow.errors import DashboardError, StoreError
-from trajflow.store import RunStore
+from trajflow.store import RunStore, run_folders
 
 APP = Path(__file__).resolve().with_name("app.py")
 
@@ -38,10 +38,7 @@ TRAJECTORY_COLUMNS = ("sample_id", "iteration", "group_id", "prompt_id", "data_s
 
 def store_runs(store_root: str | Path) -> list[str]:
     """Run ids with a folder (``config.yaml``) under the store root, newest first (by folder mtime)."""
-    root = Path(store_root).expanduser().resolve()
-    if not root.is_dir():
-        return []
-    runs = [p for p in root.iterdir() if p.is_dir() and (p / "config.yaml").exists()]
+    runs = run_folders(Path(store_root).expanduser().resolve())
     return [p.name for p in sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 

@@ -32,7 +32,7 @@ from trajflow.run.validation import run_validation  # noqa: E402
 from trajflow.infra.ray_cluster import start_ray  # noqa: E402
 from trajflow.run.recovery import ensure_workers, stage_guard  # noqa: E402
 from trajflow.run.workers import close  # noqa: E402
-from trajflow.store import RunStore, atomic_write_json  # noqa: E402
+from trajflow.store import RunStore, atomic_write_json, run_folders  # noqa: E402
 
 
 def find_run(store_root: str | Path, run_id: str | None = None, recipe: str | None = None) -> RunStore:
@@ -53,9 +53,7 @@ def find_run(store_root: str | Path, run_id: str | None = None, recipe: str | No
             raise StoreError(f"no run {run_id!r} under {root} (no {store.config_path.name})")
         return store
     candidates = []
-    for d in root.iterdir() if root.is_dir() else ():
-        if not d.is_dir() or d.name.startswith(".") or not (d / "config.yaml").exists():
-            continue
+    for d in run_folders(root):
         store = RunStore(root, d.name)
         meta = store.read_run_meta()
         if recipe is not None and meta.get("recipe") != recipe:

@@ -14,7 +14,7 @@ from typing import Any
 
 from trajflow.checkpoint import list_checkpoints
 from trajflow.errors import StoreError
-from trajflow.store import RunStore
+from trajflow.store import RunStore, run_folders
 
 __all__ = ["list_runs", "format_runs"]
 
@@ -46,11 +46,8 @@ def list_runs(root: str | Path) -> list[dict[str, Any]]:
     if not root.is_dir():
         raise StoreError(f"store root {root} is not a folder (pass --store DIR)")
     rows = []
-    for d in sorted(p for p in root.iterdir() if (p / "config.yaml").is_file()):
-        try:
-            store = RunStore(root, d.name)
-        except StoreError:  # a folder name that is no run id (a hidden folder): not a run of this store
-            continue
+    for d in run_folders(root):
+        store = RunStore(root, d.name)
         try:
             meta = store.read_run_meta()
         except (json.JSONDecodeError, UnicodeDecodeError, OSError):

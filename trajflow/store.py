@@ -96,6 +96,16 @@ def _umask() -> int:
     return mask
 
 
+def run_folders(root: str | Path) -> list[Path]:
+    """The run folders under a store root, by name: folders holding a ``config.yaml``, hidden ones
+    (``.name``, not a valid run id) left out; ``[]`` when ``root`` is not a folder."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and not p.name.startswith(".") and (p / "config.yaml").is_file())
+
+
 def follow_umask(root: str | Path) -> None:
     """Give every file under ``root`` (or ``root`` itself) the mode a plain ``open`` would: ``0o666 & ~umask``.
 

@@ -26,7 +26,7 @@ from trajflow.run.progress import Progress, print_step
 from trajflow.infra import logs
 from trajflow.infra.ray_cluster import start_ray
 from trajflow.run.workers import close, create_workers, release_workers
-from trajflow.store import STAGES, RunStore, follow_umask
+from trajflow.store import STAGES, RunStore, follow_umask, run_folders
 
 if TYPE_CHECKING:
     from trajflow.prompts import PromptDatasets
@@ -515,8 +515,7 @@ def check_resumable(store: RunStore) -> None:
             run is a replay (replays are re-run, not resumed).
     """
     if not store.exists():
-        runs = sorted(p.name for p in store.root.iterdir() if (p / "config.yaml").exists()) \
-            if store.root.exists() else []
+        runs = [p.name for p in run_folders(store.root)]
         shown = ", ".join(runs[-10:]) if runs else "none"
         raise StoreError(f"no run {store.run_id!r} in store root {store.root} (runs there: {shown}); "
                          f"pass --store DIR (or store.root=DIR) to look elsewhere")
