@@ -375,6 +375,11 @@ class UpdateSettings:
         rollout_is: ``"token"`` / ``"sequence"``: weight the policy-gradient loss by truncated
             rollout importance weights (:mod:`stages.rollout_correction`); ``None``: off.
         rollout_is_threshold: their truncation bound ``C``.
+        rollout_rs: ``"token"`` (IcePop) / ``"sequence"`` / ``"geometric"``: drop tokens or rows whose
+            rollout ratio leaves ``[rollout_rs_threshold_lower, rollout_rs_threshold]`` from the
+            policy-gradient loss (:func:`stages.rollout_correction.rollout_rs_mask`); ``None``: off.
+        rollout_rs_threshold: the upper bound of the kept ratios.
+        rollout_rs_threshold_lower: the lower bound; ``None``: ``1 / rollout_rs_threshold``.
         defer_weight_sync: do not push the new weights to separate rollout workers at the end of the
             update (``trainer.max_staleness`` > 0: the driver pushes them when no rollout is in flight).
     """
@@ -384,6 +389,9 @@ class UpdateSettings:
     rng_seed: int | None = None
     rollout_is: str | None = None
     rollout_is_threshold: float = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float = 2.0
+    rollout_rs_threshold_lower: float | None = None
     defer_weight_sync: bool = False
 
 
@@ -501,7 +509,9 @@ def with_loss_mask(joined: pa.Table, gate: dict | None) -> pa.Table:
 
 def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_mini_batch_size: int,
                  use_ref_logprobs: bool, mask_truncated: bool = False, rollout_is: str | None = None,
-                 rollout_is_threshold: float = 2.0, defer_weight_sync: bool = False) -> UpdateBatch:
+                 rollout_is_threshold: float = 2.0, rollout_rs: str | None = None,
+                 rollout_rs_threshold: float | None = None, rollout_rs_threshold_lower: float | None = None,
+                 defer_weight_sync: bool = False) -> UpdateBatch:
     """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
 
     The same stored tables always give the same batch (the shuffle seed derives from the
@@ -519,6 +529,10 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         rollout_is: ``algorithm.rollout_is`` (``token``/``sequence``/None): the worker weights the
             policy-gradient loss by truncated importance weights (:mod:`stages.rollout_correction`).
         rollout_is_threshold: ``algorithm.rollout_is_threshold``.
+        rollout_rs: ``algorithm.rollout_rs`` (``token``/``sequence``/``geometric``/None): the worker
+            drops tokens or rows with an outlying rollout ratio from the policy-gradient loss.
+        rollout_rs_threshold: ``algorithm.rollout_rs_threshold`` (None: ``rollout_is_threshold``).
+        rollout_rs_threshold_lower: ``algorithm.rollout_rs_threshold_lower`` (None: the reciprocal).
         defer_weight_sync: the worker does not push the new weights to the rollout workers; the
             driver does, when no rollout is in flight (``trainer.max_staleness`` > 0).
 
@@ -538,6 +552,11 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
                               rng_seed=iteration_seed(seed, iteration, Salt.UPDATE_RNG),
                               rollout_is=str(rollout_is) if rollout_is else None,
                               rollout_is_threshold=float(rollout_is_threshold) if rollout_is else 2.0,
+                              rollout_rs=str(rollout_rs) if rollout_rs else None,
+                              rollout_rs_threshold=float(rollout_rs_threshold if rollout_rs_threshold is not None
+                                                         else rollout_is_threshold) if rollout_rs else 2.0,
+                              rollout_rs_threshold_lower=float(rollout_rs_threshold_lower)
+                              if rollout_rs and rollout_rs_threshold_lower is not None else None,
                               defer_weight_sync=bool(defer_weight_sync))
     return UpdateBatch(rows, settings)
 
@@ -551,6 +570,9 @@ def update_batch_options(cfg: Any) -> dict[str, Any]:
                 mask_truncated=bool(cfg.algorithm.mask_truncated_samples),
                 rollout_is=None if cfg.algorithm.rollout_is == "disable" else cfg.algorithm.rollout_is,
                 rollout_is_threshold=float(cfg.algorithm.rollout_is_threshold),
+                rollout_rs=cfg.algorithm.get("rollout_rs"),
+                rollout_rs_threshold=cfg.algorithm.get("rollout_rs_threshold"),
+                rollout_rs_threshold_lower=cfg.algorithm.get("rollout_rs_threshold_lower"),
                 defer_weight_sync=int(cfg.trainer.max_staleness) > 0)
 
 

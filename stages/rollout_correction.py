@@ -8,9 +8,20 @@ Training", https://fengyao.notion.site/off-policy-rl) multiplies the policy-grad
 
     w = min(pi_old(y) / pi_rollout(y), C)
 
-computed per token (``level="token"``) or once per sequence from the product of the token ratios
+computed per token (``level="token"``), once per sequence from the product of the token ratios
 (``level="sequence"``: ``w_i = min(exp(sum_t (log pi_old - log pi_rollout)), C)``, broadcast to the
-row's tokens), with ``C = algorithm.rollout_is_threshold``. The weight is a constant (no gradient).
+row's tokens) or from their geometric mean (``level="geometric"``: ``w_i = min(exp(mean_t (log pi_old -
+log pi_rollout)), C)``, the length-normalised sequence ratio of GSPO, Zheng et al. 2025, Eq. 7), with
+``C = algorithm.rollout_is_threshold``. The weight is a constant (no gradient).
+
+Rejection (masking) instead of truncation, :func:`rollout_rs_mask` (``algorithm.rollout_rs``): a token
+or a whole sequence whose ratio leaves ``[lower, upper]`` is dropped from the policy loss.
+``level="token"`` is IcePop (Ling Team 2025, "Every Step Evolves: Scaling Reinforcement Learning for
+Trillion-Scale Thinking Model", Sec. 2.2: mask tokens with ``pi_train / pi_infer`` outside
+``[alpha, beta]``), ``level="sequence"`` masks whole rows by their product ratio (with ``lower=0`` and
+``rollout_is=sequence`` at the same bound this is TRL's ``vllm_importance_sampling_mode="sequence_mask"``),
+``level="geometric"`` by the geometric mean of their token ratios (Liu, Li et al. 2025, "When Speed
+Kills Stability", part 3: geometric rejection sampling).
 
 Plain tensor functions; no Ray, no Prefect.
 """
@@ -21,10 +32,13 @@ import numbers
 
 import torch
 
-__all__ = ["ROLLOUT_IS_LEVELS", "ROLLOUT_IS_LOG_CLAMP", "rollout_is_weights", "rollout_mismatch_metrics"]
+__all__ = ["ROLLOUT_IS_LEVELS", "ROLLOUT_IS_LOG_CLAMP", "ROLLOUT_RS_LEVELS", "rollout_is_weights",
+           "rollout_mismatch_metrics", "rollout_rs_mask"]
 
 #: Allowed values of ``algorithm.rollout_is``.
-ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_IS_LEVELS = ("token", "sequence", "geometric")
+#: Allowed values of ``algorithm.rollout_rs`` (rejection sampling: masking instead of truncation).
+ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
 #: The log of the ratio is clamped to [-20, 20] before exp() (overflow guard, as for the PPO ratio).
 ROLLOUT_IS_LOG_CLAMP = 20.0
 
@@ -55,9 +69,12 @@ def rollout_is_weights(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated importance weights ``min(pi_old / pi_rollout, threshold)`` (Yao et al. 2025, TIS).
 
-    token level:    w_it = min(exp(clamp(old_it - rollout_it, -20, 20)), C)
-    sequence level: w_i  = min(exp(clamp(sum_t m_it (old_it - rollout_it), -20, 20)), C), the same
-                    value on every valid token of row i.
+    token level:     w_it = min(exp(clamp(old_it - rollout_it, -20, 20)), C)
+    sequence level:  w_i  = min(exp(clamp(sum_t m_it (old_it - rollout_it), -20, 20)), C), the same
+                     value on every valid token of row i.
+    geometric level: w_i  = min(exp(clamp(sum_t m_it (old_it - rollout_it) / n_i, -20, 20)), C), the
+                     geometric mean of the row's token ratios (GSPO's length-normalised ratio,
+                     Zheng et al. 2025, Eq. 7), on every valid token of row i (n_i valid tokens).
 
     Args:
         old_log_prob: ``(batch, response_len)`` float, the trainer's log-probs of the sampled tokens
@@ -65,13 +82,13 @@ def rollout_is_weights(
         rollout_log_prob: ``(batch, response_len)`` float, the rollout engine's log-probs of the
             same tokens (the stored ``old_logprobs`` column).
         response_mask: ``(batch, response_len)`` bool or 0/1.
-        level: ``"token"`` or ``"sequence"`` (``algorithm.rollout_is``).
+        level: ``"token"``, ``"sequence"`` or ``"geometric"`` (``algorithm.rollout_is``).
         threshold: the truncation bound C > 0 (``algorithm.rollout_is_threshold``).
 
     Returns:
         ``(weights, metrics)``: weights ``(batch, response_len)`` float32, no gradient, 0 outside the
         mask; metrics ``rollout_corr/rollout_is_mean|max|min`` (over valid tokens for ``token``, over
-        rows with a valid token for ``sequence``, before truncation for max/min),
+        rows with a valid token for ``sequence``/``geometric``, before truncation for max/min),
         ``rollout_corr/rollout_is_clipfrac`` (share truncated at C) and
         ``rollout_corr/log_ratio_mean`` (mean of old - rollout over valid tokens: a k1 estimate of
         KL(pi_rollout || pi_old)).
@@ -90,7 +107,7 @@ def rollout_is_weights(
         sel = mask
         stats = raw[sel]
     else:
-        log_w = diff.sum(dim=-1).clamp(-ROLLOUT_IS_LOG_CLAMP, ROLLOUT_IS_LOG_CLAMP)
+        log_w = _row_log_ratio(diff, mask, level).clamp(-ROLLOUT_IS_LOG_CLAMP, ROLLOUT_IS_LOG_CLAMP)
         raw_row = torch.exp(log_w)
         raw = raw_row.unsqueeze(-1).expand(mask.shape)
         stats = raw_row[mask.any(dim=-1)]
@@ -104,6 +121,104 @@ def rollout_is_weights(
         "rollout_corr/log_ratio_mean": float(diff.sum() / n_tok) if n_tok else 0.0,
     }
     return weights, metrics
+
+
+def _row_log_ratio(diff: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """``(batch,)`` log of a row's sequence ratio: the sum of its masked token log-ratios
+    (``sequence``) or their mean (``geometric``; 0 for a row without a valid token)."""
+    total = diff.sum(dim=-1)
+    if level == "sequence":
+        return total
+    return total / mask.sum(dim=-1).clamp(min=1).to(total.dtype)
+
+
+@torch.no_grad()
+def rollout_rs_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    upper: float,
+    lower: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rejection sampling: which tokens keep a place in the policy loss, by their rollout ratio.
+
+    With ``r_it = exp(clamp(old_it - rollout_it, -20, 20))`` (pi_old / pi_rollout) on valid tokens:
+
+    - ``token`` (IcePop; Ling Team 2025, Sec. 2.2): keep token (i, t) iff ``lower <= r_it <= upper``;
+    - ``sequence``: ``R_i = exp(clamp(sum_t log r_it, -20, 20))`` (the product of the row's ratios);
+      keep every token of row i iff ``lower <= R_i <= upper`` (TRL's ``sequence_mask`` is this with
+      ``lower = 0``);
+    - ``geometric``: ``G_i = exp(mean_t log r_it)`` (geometric mean, Liu, Li et al. 2025, part 3); keep
+      row i iff ``lower <= G_i <= upper``.
+
+    A rejected token's policy-gradient term is multiplied by 0; the loss's denominator is unchanged
+    (as TRL applies its masked ratio), so one rejected outlier does not re-weight the rest.
+
+    Args:
+        old_log_prob: ``(batch, response_len)`` float, the trainer's log-probs of the sampled tokens.
+        rollout_log_prob: ``(batch, response_len)`` float, the rollout engine's log-probs of them.
+        response_mask: ``(batch, response_len)`` bool or 0/1, the tokens that count.
+        level: ``"token"``, ``"sequence"`` or ``"geometric"`` (``algorithm.rollout_rs``).
+        upper: upper bound > 0 on the ratio (``algorithm.rollout_rs_threshold``).
+        lower: lower bound in ``[0, upper]`` (``algorithm.rollout_rs_threshold_lower``); ``None``:
+            ``1 / upper`` (IcePop's symmetric band ``[1/beta, beta]``).
+
+    Returns:
+        ``(keep, metrics)``: ``keep`` ``(batch, response_len)`` bool, True on the valid tokens kept.
+        Metrics (verl's names where verl has one): raw statistic before rejection
+        ``rollout_corr/rollout_rs_mean|max|min`` (of r_it over valid tokens for ``token``, of R_i or
+        G_i over rows with a valid token otherwise), ``rollout_corr/rollout_rs_ratio_fraction_high|low``
+        (share of that statistic above ``upper`` / below ``lower``); what was rejected,
+        ``rollout_corr/rollout_rs_masked_fraction`` (share of valid tokens) and
+        ``rollout_corr/rollout_rs_seq_masked_fraction`` (share of rows with a valid token that lost at
+        least one); and the corrected statistics over what was kept,
+        ``rollout_corr/rollout_rs_kept_mean`` (the statistic's mean over kept tokens / rows; 1 when
+        nothing is kept) and ``rollout_corr/rollout_rs_kept_kl`` (token mean of
+        ``rollout_it - old_it`` over kept tokens, the k1 estimate of KL(pi_rollout || pi_old) that the
+        update still sees; 0 when nothing is kept).
+
+    Raises:
+        ValueError: unknown ``level``, ``upper <= 0``, ``lower`` outside ``[0, upper]`` or mismatched
+            shapes.
+    """
+    if level not in ROLLOUT_RS_LEVELS:
+        raise ValueError(f"algorithm.rollout_rs must be one of {list(ROLLOUT_RS_LEVELS)} or null, got {level!r}")
+    if isinstance(upper, bool) or not isinstance(upper, numbers.Real) or not upper > 0:
+        raise ValueError(f"algorithm.rollout_rs_threshold must be a number > 0, got {upper!r}")
+    mask = _checked_mask(old_log_prob, rollout_log_prob, response_mask, upper)
+    lo = 1.0 / float(upper) if lower is None else lower
+    if isinstance(lo, bool) or not isinstance(lo, numbers.Real) or not 0.0 <= lo <= upper:
+        raise ValueError(f"algorithm.rollout_rs_threshold_lower must be a number in [0, rollout_rs_threshold="
+                         f"{upper}], got {lower!r}")
+    zero = torch.zeros((), dtype=torch.float64, device=old_log_prob.device)
+    diff = torch.where(mask, old_log_prob.double() - rollout_log_prob.double(), zero)
+    rows = mask.any(dim=-1)
+    if level == "token":
+        stat = torch.exp(diff.clamp(-ROLLOUT_IS_LOG_CLAMP, ROLLOUT_IS_LOG_CLAMP))
+        inside = (stat >= lo) & (stat <= upper)
+        keep = mask & inside
+        raw, kept_stat = stat[mask], stat[keep]
+    else:
+        row_stat = torch.exp(_row_log_ratio(diff, mask, level).clamp(-ROLLOUT_IS_LOG_CLAMP, ROLLOUT_IS_LOG_CLAMP))
+        inside = (row_stat >= lo) & (row_stat <= upper)
+        keep = mask & inside.unsqueeze(-1)
+        raw, kept_stat = row_stat[rows], row_stat[rows & inside]
+    n_valid, n_keep = int(mask.sum()), int(keep.sum())
+    n_rows = int(rows.sum())
+    lost_rows = int((rows & (mask & ~keep).any(dim=-1)).sum())
+    metrics = {
+        "rollout_corr/rollout_rs_mean": float(raw.mean()) if raw.numel() else 1.0,
+        "rollout_corr/rollout_rs_max": float(raw.max()) if raw.numel() else 1.0,
+        "rollout_corr/rollout_rs_min": float(raw.min()) if raw.numel() else 1.0,
+        "rollout_corr/rollout_rs_ratio_fraction_high": float((raw > upper).double().mean()) if raw.numel() else 0.0,
+        "rollout_corr/rollout_rs_ratio_fraction_low": float((raw < lo).double().mean()) if raw.numel() else 0.0,
+        "rollout_corr/rollout_rs_masked_fraction": (n_valid - n_keep) / n_valid if n_valid else 0.0,
+        "rollout_corr/rollout_rs_seq_masked_fraction": lost_rows / n_rows if n_rows else 0.0,
+        "rollout_corr/rollout_rs_kept_mean": float(kept_stat.mean()) if kept_stat.numel() else 1.0,
+        "rollout_corr/rollout_rs_kept_kl": float(-diff[keep].mean()) if n_keep else 0.0,
+    }
+    return keep, metrics
 
 
 @torch.no_grad()

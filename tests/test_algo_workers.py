@@ -215,6 +215,24 @@ def test_rollout_is_weights_from_engine_log_probs_that_differ(tiny_model_dir):
     assert seq["rollout_corr/rollout_is_mean"] == pytest.approx((3 + 3 + 2) / 3, rel=1e-5)
 
 
+def test_rollout_rejection_drops_the_outlying_row(tiny_model_dir):
+    """Row 1's engine log-probs are log 2 below the trainer's (ratio 2 per token), rows 0 and 2 match: IcePop
+    and geometric rejection with bound 1.5 drop row 1's tokens from the loss (the token-mean denominator
+    stays 7), sequence rejection too (its product 2^4 = 16)."""
+    trainer_lp = _policy(tiny_model_dir).compute_log_prob(PROMPTS, RESPONSES, 1.0)
+    engine_lp = [lp - np.float32(np.log(2.0)) if i == 1 else lp.copy() for i, lp in enumerate(trainer_lp)]
+    rows = UpdateRows(PROMPTS, RESPONSES, engine_lp, ADV)
+    want = -(sum(ADV[0]) + sum(ADV[2])) / 7
+    for level in ("token", "sequence", "geometric"):
+        m = _policy(tiny_model_dir).update_actor(UpdateBatch(rows, UpdateSettings(rollout_rs=level,
+                                                                                   rollout_rs_threshold=1.5)))
+        assert m["actor/pg_loss"] == pytest.approx(want, rel=1e-5, abs=1e-6), level
+        assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(4 / 7), level
+        assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 3), level
+        assert m["rollout_corr/rollout_rs_kept_kl"] == pytest.approx(0.0, abs=1e-6), level
+    assert m["rollout_corr/rollout_rs_max"] == pytest.approx(2.0, rel=1e-5)  # geometric: row 1's mean ratio
+
+
 def test_dr_grpo_normaliser_is_the_response_cap_for_every_micro_batch(tiny_model_dir):
     """seq-mean-token-sum-norm divides by rollout.max_new_tokens (verl pads responses to it), not by the
     longest response of each micro-batch, so micro-batches of different widths add up exactly."""

@@ -238,8 +238,18 @@ class AlgorithmConfig:
                                    "min(pi_old / pi_rollout, threshold) per 'token' or per 'sequence'; null = off, "
                                    "except with trainer.max_staleness > 0 or a sampler with its own low-precision "
                                    "copy (rollout.dtype bfloat16/float16), where null means 'token' and 'disable' "
-                                   "turns it off", choices=["token", "sequence", "disable"])
+                                   "turns it off; 'geometric' = the geometric mean of the sequence's token ratios",
+                                   choices=["token", "sequence", "geometric", "disable"])
     rollout_is_threshold: float = _f(2.0, "truncation bound C of the rollout importance weights", gt=0.0)
+    rollout_rs: Optional[str] = _f(None, "rollout rejection sampling: drop from the policy loss each 'token' "
+                                   "(IcePop), 'sequence' (product of ratios; TRL's sequence_mask with "
+                                   "rollout_rs_threshold_lower=0) or 'geometric' (geometric mean of ratios) whose "
+                                   "pi_old / pi_rollout leaves [rollout_rs_threshold_lower, rollout_rs_threshold]; "
+                                   "null = off", choices=["token", "sequence", "geometric"])
+    rollout_rs_threshold: Optional[float] = _f(None, "upper bound of the kept rollout ratios (null = "
+                                               "rollout_is_threshold)", gt=0.0)
+    rollout_rs_threshold_lower: Optional[float] = _f(None, "lower bound of the kept rollout ratios (null = 1 / "
+                                                     "rollout_rs_threshold)", ge=0.0)
 
 
 @dataclass
@@ -570,6 +580,12 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         # weights a sequence by its length, which is what the sequence ratio is meant to remove.
         raise ConfigError(f"{source}: actor.policy_loss=gspo needs actor.loss_agg_mode=seq-mean-token-mean "
                           f"(got {cfg.actor.loss_agg_mode!r}, which weights each sequence by its length)")
+    alg = cfg.algorithm
+    if alg.rollout_rs is not None and alg.rollout_rs_threshold_lower is not None:
+        upper = alg.rollout_is_threshold if alg.rollout_rs_threshold is None else alg.rollout_rs_threshold
+        if alg.rollout_rs_threshold_lower > upper:
+            raise ConfigError(f"{source}: algorithm.rollout_rs_threshold_lower={alg.rollout_rs_threshold_lower} must "
+                              f"be <= the upper bound {upper} (algorithm.rollout_rs_threshold)")
     if cfg.actor.ppo_mini_batch_size > cfg.data.train_batch_size:
         raise ConfigError(f"{source}: actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size} must be "
                           f"<= data.train_batch_size={cfg.data.train_batch_size} (both count prompts)")

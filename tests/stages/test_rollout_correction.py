@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stages.policy_losses import PolicyLossConfig, compute_policy_loss
-from stages.rollout_correction import rollout_is_weights
+from stages.rollout_correction import rollout_is_weights, rollout_rs_mask
 
 # Row 0: old - rollout = [ln 1.5, ln 0.5, ln 4]   -> token weights 1.5, 0.5, min(4, 2) = 2
 # Row 1: old - rollout = [ln 3, (masked garbage)] -> token weight min(3, 2) = 2
@@ -57,7 +57,7 @@ def test_huge_log_ratio_is_clamped_not_inf():
 
 def test_errors_name_the_config_key():
     with pytest.raises(ValueError, match="algorithm.rollout_is must be one of"):
-        rollout_is_weights(OLD, ROLLOUT, MASK, "geometric", 2.0)
+        rollout_is_weights(OLD, ROLLOUT, MASK, "bogus", 2.0)
     with pytest.raises(ValueError, match="algorithm.rollout_is_threshold"):
         rollout_is_weights(OLD, ROLLOUT, MASK, "token", 0.0)
     with pytest.raises(ValueError, match="rollout_log_prob must have the shape"):
@@ -102,3 +102,80 @@ def test_vanilla_weighted_loss_literal():
     with pytest.raises(ValueError, match="rollout_is_weights must have the shape"):
         compute_policy_loss("vanilla", lp, lp.clone(), torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2),
                             rollout_is_weights=torch.ones(1, 3))
+
+
+def test_geometric_level_weights_by_hand():
+    # GSPO's length-normalised ratio (Zheng et al. 2025, Eq. 7): the geometric mean of the token ratios.
+    # row 0: (1.5 * 0.5 * 4)^(1/3) = 3^(1/3) = 1.44225; row 1: 3 (one token) -> min(3, 2) = 2
+    w, m = rollout_is_weights(OLD, ROLLOUT, MASK, "geometric", 2.0)
+    g0 = 3.0 ** (1 / 3)
+    torch.testing.assert_close(w, torch.tensor([[g0, g0, g0], [2.0, 0.0, 0.0]], dtype=torch.float32))
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(3.0)
+    assert m["rollout_corr/rollout_is_min"] == pytest.approx(g0)
+    assert m["rollout_corr/rollout_is_clipfrac"] == pytest.approx(1 / 2)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx((g0 + 2.0) / 2)
+
+
+# Rejection sampling. Token ratios r = pi_old / pi_rollout: row 0 [1.5, 0.5, 4], row 1 [3].
+def test_icepop_token_mask_by_hand():
+    # IcePop (Ling Team 2025, Sec. 2.2): keep r in [1/beta, beta]; beta = 2 -> [0.5, 2]
+    keep, m = rollout_rs_mask(OLD, ROLLOUT, MASK, "token", 2.0)
+    assert keep.tolist() == [[True, True, False], [False, False, False]]
+    assert m["rollout_corr/rollout_rs_mean"] == pytest.approx((1.5 + 0.5 + 4 + 3) / 4)
+    assert m["rollout_corr/rollout_rs_max"] == pytest.approx(4.0)
+    assert m["rollout_corr/rollout_rs_min"] == pytest.approx(0.5)
+    assert m["rollout_corr/rollout_rs_ratio_fraction_high"] == pytest.approx(2 / 4)
+    assert m["rollout_corr/rollout_rs_ratio_fraction_low"] == 0.0  # 0.5 is on the bound: kept
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 4)
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 2)
+    # corrected: the kept ratios 1.5 and 0.5; KL estimate -mean(log r) over them
+    assert m["rollout_corr/rollout_rs_kept_mean"] == pytest.approx(1.0)
+    assert m["rollout_corr/rollout_rs_kept_kl"] == pytest.approx(-(math.log(1.5) + math.log(0.5)) / 2)
+    # an asymmetric band [0.6, 5]: 0.5 is now too low, 4 and 3 are kept
+    keep, m = rollout_rs_mask(OLD, ROLLOUT, MASK, "token", 5.0, 0.6)
+    assert keep.tolist() == [[True, False, True], [True, False, False]]
+    assert m["rollout_corr/rollout_rs_ratio_fraction_low"] == pytest.approx(1 / 4)
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 2)
+
+
+def test_sequence_mask_by_hand():
+    # products: row 0 1.5 * 0.5 * 4 = 3, row 1 3. TRL's sequence_mask: one-sided (lower 0), cap 2.5 -> both out
+    keep, m = rollout_rs_mask(OLD, ROLLOUT, MASK, "sequence", 2.5, 0.0)
+    assert not keep.any()
+    assert m["rollout_corr/rollout_rs_mean"] == pytest.approx(3.0)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == 1.0
+    assert m["rollout_corr/rollout_rs_kept_mean"] == 1.0 and m["rollout_corr/rollout_rs_kept_kl"] == 0.0
+    keep, m = rollout_rs_mask(OLD, ROLLOUT, MASK, "sequence", 3.5)  # band [1/3.5, 3.5]: both kept
+    assert keep.tolist() == [[True, True, True], [True, False, False]]
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert m["rollout_corr/rollout_rs_kept_mean"] == pytest.approx(3.0)
+
+
+def test_geometric_mask_by_hand():
+    # geometric means: row 0 3^(1/3) = 1.442, row 1 3. Upper 2 (lower 1/2): row 0 kept, row 1 out.
+    keep, m = rollout_rs_mask(OLD, ROLLOUT, MASK, "geometric", 2.0)
+    assert keep.tolist() == [[True, True, True], [False, False, False]]
+    assert m["rollout_corr/rollout_rs_mean"] == pytest.approx((3 ** (1 / 3) + 3) / 2)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 4)
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 2)
+    assert m["rollout_corr/rollout_rs_kept_mean"] == pytest.approx(3 ** (1 / 3))
+    assert m["rollout_corr/rollout_rs_kept_kl"] == pytest.approx(-math.log(3) / 3)
+
+
+def test_rejection_errors_name_the_config_key():
+    with pytest.raises(ValueError, match="algorithm.rollout_rs must be one of"):
+        rollout_rs_mask(OLD, ROLLOUT, MASK, "bogus", 2.0)
+    with pytest.raises(ValueError, match="algorithm.rollout_rs_threshold must"):
+        rollout_rs_mask(OLD, ROLLOUT, MASK, "token", -1.0)
+    with pytest.raises(ValueError, match="algorithm.rollout_rs_threshold_lower"):
+        rollout_rs_mask(OLD, ROLLOUT, MASK, "token", 2.0, 3.0)
+
+
+def test_rejected_tokens_weigh_nothing_in_the_loss():
+    """A rejected token's term is multiplied by 0, the token-mean denominator keeps it (TRL's masking)."""
+    lp = torch.tensor([[math.log(0.5), math.log(0.25)]], dtype=torch.float64)
+    keep, _ = rollout_rs_mask(lp, lp - torch.tensor([[0.0, math.log(8.0)]], dtype=torch.float64), torch.ones(1, 2),
+                              "token", 2.0)
+    loss, _ = compute_policy_loss("vanilla", lp, lp.clone(), torch.tensor([[1.0, -1.0]], dtype=torch.float64),
+                                  torch.ones(1, 2), rollout_is_weights=keep.double())
+    assert loss.item() == pytest.approx(-1.0 / 2, abs=1e-12)

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from stages.multi_turn import EpisodeGeneration
-from stages.policy_update import ACTOR_LOSS_SHARES, ActorLossConfig, UpdateBatch, UpdateRows, actor_loss
+from stages.policy_update import ACTOR_LOSS_SHARES, ActorLossConfig, UpdateBatch, UpdateRows, UpdateSettings, actor_loss
 from stages.rollout import Generation, SamplingParams
-from stages.rollout_correction import rollout_is_weights, rollout_mismatch_metrics
+from stages.rollout_correction import rollout_is_weights, rollout_mismatch_metrics, rollout_rs_mask
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.infra.allocator import release_free_memory
@@ -442,7 +442,7 @@ class PolicyWorker(Worker):
         metrics["actor/nonfinite_steps_in_a_row"] = float(self.nonfinite_in_a_row)
         is_rows = self.backend.gather_rows(state.is_rows)  # every rank's rows (data parallel)
         if is_rows:
-            metrics.update(self._rollout_is_metrics(is_rows, settings.rollout_is, float(settings.rollout_is_threshold)))
+            metrics.update(self._rollout_is_metrics(is_rows, settings))
         if not settings.defer_weight_sync:
             self._push_weights()
         self._release()  # activations and gradients are freed: keep neither resident until the next update
@@ -503,6 +503,13 @@ class PolicyWorker(Worker):
             if settings.rollout_is:  # truncated IS: min(pi_old / pi_rollout, C), a constant weight
                 is_w, _ = rollout_is_weights(old, rollout_lp, m, settings.rollout_is,
                                              float(settings.rollout_is_threshold))
+            if settings.rollout_rs:  # rejection: an outlying token or row weighs 0 (the denominator stays)
+                keep, _ = rollout_rs_mask(old, rollout_lp, m, settings.rollout_rs, float(settings.rollout_rs_threshold),
+                                          settings.rollout_rs_threshold_lower)
+                keep_w = keep.to(torch.float32)
+                # Tokens outside m (tool output, padding) keep weight 1: their loss mask already zeroes them.
+                keep_w = torch.where(m, keep_w, torch.ones_like(keep_w))
+                is_w = keep_w if is_w is None else torch.where(m, is_w * keep_w, is_w)
             if epoch == 0:  # the mismatch metrics are logged every iteration, correction or not
                 for j, r in enumerate(ids):
                     n = len(rows.response_ids[r])
@@ -535,12 +542,13 @@ class PolicyWorker(Worker):
                 step[k] = step.get(k, 0.0) + float(v) * frac
 
     @staticmethod
-    def _rollout_is_metrics(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], level: str | None,
-                            threshold: float) -> dict:
+    def _rollout_is_metrics(rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], settings: UpdateSettings
+                            ) -> dict:
         """``rollout_corr/*`` over the whole batch from each row's (trainer old, engine) log-probs and
         the mask of the tokens that count: the mismatch diagnostics
         (:func:`stages.rollout_correction.rollout_mismatch_metrics`) always, the IS weights'
-        statistics when ``level`` (``algorithm.rollout_is``) is set."""
+        statistics when ``settings.rollout_is`` is set, the rejection's when ``settings.rollout_rs`` is."""
+        threshold = float(settings.rollout_is_threshold)
         ordered = [rows[r] for r in sorted(rows)]
         width = max([len(o) for o, _, _ in ordered] + [1])
         old = torch.zeros((len(ordered), width), dtype=torch.float64)
@@ -551,8 +559,11 @@ class PolicyWorker(Worker):
             eng[i, :len(e)] = torch.from_numpy(e.astype(np.float64))
             mask[i, :len(k)] = torch.from_numpy(k.astype(bool))
         out = rollout_mismatch_metrics(old, eng, mask, threshold)
-        if level:
-            out.update(rollout_is_weights(old, eng, mask, level, threshold)[1])
+        if settings.rollout_is:
+            out.update(rollout_is_weights(old, eng, mask, settings.rollout_is, threshold)[1])
+        if settings.rollout_rs:
+            out.update(rollout_rs_mask(old, eng, mask, settings.rollout_rs, float(settings.rollout_rs_threshold),
+                                       settings.rollout_rs_threshold_lower)[1])
         return out
 
     # ------------------------------------------------------------------ checkpoints
