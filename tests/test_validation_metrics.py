@@ -29,6 +29,16 @@ def test_majority_best_and_mean_of_four_samples_per_prompt():
     assert m[f"val-core/{SRC}/acc/best@4/mean"] == pytest.approx(3 / 4)
     assert m[f"val-aux/{SRC}/reward/mean@4"] == pytest.approx(4 / 16 + 0.1)
     assert m["val-aux/response_length/mean"] == 2.0
+    # Unbiased pass@k (Chen et al. 2021, Eq. 1), correct counts c = 2, 1, 1, 0 of n = 4:
+    # k=2: 1 - C(4-c,2)/6 = 5/6, 1/2, 1/2, 0; k=3: 1, 3/4, 3/4, 0; k=4: 1, 1, 1, 0
+    assert m[f"val-core/{SRC}/acc/pass@1/mean"] == pytest.approx(1 / 4)
+    assert m[f"val-core/{SRC}/acc/pass@2/mean"] == pytest.approx((5 / 6 + 1 / 2 + 1 / 2) / 4)
+    assert m[f"val-core/{SRC}/acc/pass@3/mean"] == pytest.approx((1 + 3 / 4 + 3 / 4) / 4)
+    assert m[f"val-core/{SRC}/acc/pass@4/mean"] == pytest.approx(3 / 4)
+    assert m[f"val-core/{SRC}/acc/best@2/mean"] == pytest.approx(11 / 24)  # 0/1 accuracies: pass@2
+    # maj@2 over the 6 pairs of each prompt (ties to the first stated): 4/6, 3/6, 2/6, 0
+    assert m[f"val-core/{SRC}/acc/maj@2/mean"] == pytest.approx((4 + 3 + 2) / 6 / 4)
+    assert f"val-core/{SRC}/acc/best@3/mean" not in m  # verl's k: 2, 4
 
 
 def test_one_sample_has_no_vote_and_sources_are_kept_apart():

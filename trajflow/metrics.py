@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from stages.multi_turn import multi_turn_metrics
+from stages.pass_at_k import best_at_k, maj_at_k, pass_at_k, verl_ks
 from trajflow.batch import lengths, trainable_lengths, trainable_mask
 
 
@@ -73,12 +74,16 @@ def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list
     Returns:
         ``val-core/<source>/acc/mean@<n>`` (accuracy averaged over all rows),
         ``val-aux/<source>/reward/mean@<n>`` and ``val-aux/response_length/mean`` (tokens); with ``n > 1``
-        also ``val-core/<source>/acc/maj@<n>/mean`` (majority voting, Wang et al. 2023 "Self-Consistency",
-        Sec. 2: per prompt the most frequent stated answer wins, ties to the one stated first, and the
-        prompt scores that answer's accuracy; 0 when no response states one; absent for a source whose
-        scorer reports no ``extracted`` answer, e.g. a multi-turn ``env_reward``) and
-        ``val-core/<source>/acc/best@<n>/mean`` (pass@n: the best of the ``n`` accuracies), both averaged
-        over prompts.
+        also, averaged over prompts (:mod:`stages.pass_at_k`, each the exact expectation over the
+        k-subsets of a prompt's ``n`` responses, not a bootstrap):
+        ``val-core/<source>/acc/pass@<k>/mean`` for every ``1 <= k <= n`` (Chen et al. 2021, Eq. 1:
+        ``1 - C(n - c, k) / C(n, k)``, a response correct when its accuracy is >= 1);
+        ``val-core/<source>/acc/best@<k>/mean`` (expected best accuracy of k responses) and
+        ``val-core/<source>/acc/maj@<k>/mean`` (majority voting, Wang et al. 2023 "Self-Consistency",
+        Sec. 2: per subset the most frequent stated answer wins, ties to the one stated first, and the
+        subset scores that answer's accuracy; 0 when no response states one; absent for a source whose
+        scorer reports no ``extracted`` answer, e.g. a multi-turn ``env_reward``) for verl's k: 2, 4,
+        8, ... below ``n`` and ``n`` (at ``k = n``: the best of the ``n`` accuracies and the vote of all).
 
     Raises:
         ValueError: the number of rows is not a multiple of ``n``.
@@ -96,24 +101,15 @@ def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list
         groups = [range(k, k + n) for k in range(0, len(scores), n)]
         for src in sorted(set(sources)):
             mine = [g for g in groups if sources[g[0]] == src]
-            if any(isinstance(extras[i], dict) and "extracted" in extras[i] for g in mine for i in g):
-                maj = [_majority_accuracy([extras[i] for i in g], acc[list(g)]) for g in mine]
-                metrics[f"val-core/{src}/acc/maj@{n}/mean"] = float(np.mean(maj))
-            metrics[f"val-core/{src}/acc/best@{n}/mean"] = float(np.mean([np.nanmax(acc[list(g)]) for g in mine]))
+            votes = any(isinstance(extras[i], dict) and "extracted" in extras[i] for g in mine for i in g)
+            correct = [int(np.sum(acc[list(g)] >= 1.0)) for g in mine]
+            for k in range(1, n + 1):
+                metrics[f"val-core/{src}/acc/pass@{k}/mean"] = float(np.mean([pass_at_k(n, c, k) for c in correct]))
+            for k in verl_ks(n):
+                if votes:
+                    maj = [maj_at_k([extras[i] for i in g], acc[list(g)], k) for g in mine]
+                    metrics[f"val-core/{src}/acc/maj@{k}/mean"] = float(np.mean(maj))
+                metrics[f"val-core/{src}/acc/best@{k}/mean"] = float(np.mean([best_at_k(acc[list(g)], k) for g in mine]))
     metrics["val-aux/response_length/mean"] = float(np.mean([len(r) for r in response_ids]))
     return metrics
 
-
-def _majority_accuracy(extras: list, acc: np.ndarray) -> float:
-    """The accuracy of one prompt's majority answer: the most frequent ``extracted`` answer (stripped),
-    ties to the one stated first; responses with no stated answer do not vote."""
-    votes: dict[str, list[float]] = {}
-    for e, a in zip(extras, acc):
-        answer = e.get("extracted") if isinstance(e, dict) else None
-        if answer is None or not str(answer).strip():
-            continue
-        votes.setdefault(str(answer).strip(), []).append(float(a))
-    if not votes:
-        return 0.0
-    winner = max(votes.values(), key=len)  # max keeps the first of equal counts: insertion order
-    return winner[0]
