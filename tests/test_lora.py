@@ -235,3 +235,55 @@ def test_separate_rollout_workers_get_the_merged_weights(tiny_model_dir):
     assert mine.response_ids == theirs.response_ids
     for a, b in zip(mine.logprobs, theirs.old_logprobs):
         assert np.allclose(a, b, atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------- rsLoRA
+
+RSLORA = ModelConfig(dtype="float32", lora_rank=4, lora_alpha=8.0, lora_use_rslora=True)
+
+
+def test_rslora_scale_is_alpha_over_sqrt_rank_in_merge_and_export(tiny_model_dir, tmp_path):
+    """rsLoRA (Kalajdzievski 2023, Theorem 3.2): W' = W + (alpha / sqrt(r)) B A = W + (8 / 2) B A here,
+    twice plain LoRA's alpha / r = 2. Checked from the raw A, B and W tensors, on the merge (weight sync
+    to rollout workers), on final/ (merged weights and adapter_config.json, which vLLM reads: use_rslora)
+    and on the checkpoint's record."""
+    import json
+
+    from trajflow.workers.policy import PolicyWorker
+
+    assert lora.adapter_scaling(4, 8.0, True) == 4.0 and lora.adapter_scaling(4, 8.0, False) == 2.0
+    torch.manual_seed(0)
+    model = lora.apply_lora(load_causal_lm(str(tiny_model_dir), "float32", "cpu", "sdpa"), RSLORA)
+    _randomise_b(model)
+    base = model.get_base_model()
+    name = next(n for n, m in base.named_modules() if hasattr(m, "lora_A") and "q_proj" in n)
+    layer = base.get_submodule(name)
+    a, b = layer.lora_A[lora.ADAPTER].weight, layer.lora_B[lora.ADAPTER].weight
+    w = layer.base_layer.weight
+    merged = lora.merged_state_dict(model)
+    torch.testing.assert_close(merged[f"{name}.weight"], w + 4.0 * (b @ a), rtol=0, atol=1e-6)
+
+    worker = PolicyWorker(str(tiny_model_dir), ActorConfig(**ACTOR), RSLORA, RolloutConfig(micro_batch_size=4),
+                          seed=0, num_threads=1)
+    _randomise_b(worker.model, seed=1)
+    final = tmp_path / "final"
+    worker.export_hf(str(final))
+    cfg = json.loads((final / lora.ADAPTER_DIR / "adapter_config.json").read_text())
+    assert cfg["use_rslora"] is True and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
+    from safetensors.torch import load_file
+    exported = load_file(str(final / "model.safetensors"))
+    wl = worker.model.get_base_model().get_submodule(name)
+    want = wl.base_layer.weight + 4.0 * (wl.lora_B[lora.ADAPTER].weight @ wl.lora_A[lora.ADAPTER].weight)
+    torch.testing.assert_close(exported[f"{name}.weight"], want.detach(), rtol=0, atol=1e-6)
+
+    ckpt = tmp_path / "actor"
+    worker.save_checkpoint(str(ckpt))
+    state = json.loads((ckpt / "actor_state.json").read_text())
+    assert state["lora_use_rslora"] is True and state["lora_scaling"] == 4.0 and state["lora_alpha"] == 8.0
+    # A plain-LoRA run refuses the rsLoRA adapter (same tensors, another model), one line naming the key.
+    with pytest.raises(RuntimeError, match="model.lora_use_rslora=True, this run has model.lora_use_rslora=False"):
+        _worker(tiny_model_dir).load_checkpoint(str(ckpt))
+    again = PolicyWorker(str(tiny_model_dir), ActorConfig(**ACTOR), RSLORA, RolloutConfig(micro_batch_size=4),
+                         seed=0, num_threads=1)
+    again.load_checkpoint(str(ckpt))
+    assert again.weights_digest() == worker.weights_digest()

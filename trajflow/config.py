@@ -91,8 +91,10 @@ class ModelConfig:
                             choices=["auto", "plain", "completion"])
     lora_rank: int = _f(0, "LoRA rank of the actor's adapters (Hu et al. 2021, via peft); 0 = full fine-tuning",
                         ge=0)
-    lora_alpha: float = _f(16.0, "LoRA scaling numerator: adapter updates are scaled by lora_alpha / lora_rank",
-                           gt=0.0)
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator: adapter updates are scaled by lora_alpha / lora_rank "
+                           "(lora_alpha / sqrt(lora_rank) with lora_use_rslora)", gt=0.0)
+    lora_use_rslora: bool = _f(False, "rank-stabilised LoRA (Kalajdzievski 2023, rsLoRA): scale the adapters by "
+                               "lora_alpha / sqrt(lora_rank), so their learning dynamics do not fade as the rank grows")
     target_modules: Any = _f("all-linear", "modules that get adapters: 'all-linear' (every linear layer but the "
                              "LM head) or a list of module names, e.g. [q_proj,v_proj]")
     lora_dropout: float = _f(0.0, "dropout on the adapters' input (training forwards only)", ge=0.0, lt=1.0)

@@ -1,8 +1,14 @@
 """LoRA adapters on the actor, through the peft library (LoRA: Hu et al. 2021, arXiv:2106.09685).
 
-Each targeted linear layer ``y = W x`` becomes ``y = W x + (alpha / r) B A x`` with ``A``
+Each targeted linear layer ``y = W x`` becomes ``y = W x + s B A x`` with ``A``
 ``(r, in)`` and ``B`` ``(out, r)`` trainable and ``W`` frozen; ``B`` starts at zero, so the wrapped
-model starts as the base model. peft replaces the layers in place (``get_peft_model``), so every
+model starts as the base model. The scale is ``s = alpha / r`` (Hu et al. 2021, Sec. 4.1) or, with
+``model.lora_use_rslora``, ``s = alpha / sqrt(r)`` (rank-stabilised LoRA: Kalajdzievski 2023, "A
+Rank Stabilization Scaling Factor for Fine-Tuning with LoRA", arXiv:2312.03732, Theorem 3.2). peft
+applies it in the forward and in its merge, writes it into ``adapter_config.json`` (``use_rslora``),
+and vLLM reads it from there, so every path that applies the adapter uses the same scale; a
+checkpoint records it (:func:`adapter_record`) and a run with another scale refuses to load it
+(:func:`check_adapter_record`). peft replaces the layers in place (``get_peft_model``), so every
 trajflow forward that calls the model's own modules (the tree-packed and cached-prompt forwards,
 the HF decode loop) runs through the adapters without change.
 
@@ -11,7 +17,7 @@ What this module adds on top of peft:
 - :func:`apply_lora`: the ``model.lora_*`` config keys (verl's names) as a ``LoraConfig``;
 - :func:`adapter_state` / :func:`load_adapter_state`: the trainable tensors only (what a
   checkpoint stores: megabytes instead of the whole model);
-- :func:`merged_state_dict`: ``W + (alpha / r) B A`` under the base model's own parameter names,
+- :func:`merged_state_dict`: ``W + s B A`` under the base model's own parameter names,
   without touching the live module (weight sync to engines that load plain Hugging Face weights);
 - :func:`save_final`: ``final/`` as a plain merged Hugging Face directory plus ``final/adapter/`` in
   peft's format.
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +73,50 @@ def apply_lora(model: torch.nn.Module, model_cfg: Any) -> torch.nn.Module:
 
     Args:
         model: the loaded causal LM.
-        model_cfg: the ``model`` config section (``lora_rank``, ``lora_alpha``, ``target_modules``,
-            ``lora_dropout``).
+        model_cfg: the ``model`` config section (``lora_rank``, ``lora_alpha``, ``lora_use_rslora``,
+            ``target_modules``, ``lora_dropout``).
     """
     from peft import LoraConfig, get_peft_model
 
     targets = model_cfg.target_modules
     targets = targets if isinstance(targets, str) else [str(t) for t in targets]
     config = LoraConfig(r=int(model_cfg.lora_rank), lora_alpha=float(model_cfg.lora_alpha), target_modules=targets,
-                        lora_dropout=float(model_cfg.lora_dropout), bias="none", task_type="CAUSAL_LM")
+                        lora_dropout=float(model_cfg.lora_dropout), bias="none", task_type="CAUSAL_LM",
+                        use_rslora=bool(getattr(model_cfg, "lora_use_rslora", False)))
     return get_peft_model(model, config)
+
+
+def adapter_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
+    """The adapter scale ``s``: ``alpha / r`` (Hu et al. 2021) or ``alpha / sqrt(r)`` (rsLoRA,
+    Kalajdzievski 2023, Theorem 3.2)."""
+    return float(alpha) / (math.sqrt(rank) if use_rslora else float(rank))
+
+
+def adapter_record(model_cfg: Any) -> dict:
+    """What a LoRA checkpoint records about its adapter: ``lora_rank``, ``lora_alpha``,
+    ``lora_use_rslora`` and the resulting ``lora_scaling`` (JSON-ready)."""
+    rank, alpha = int(model_cfg.lora_rank), float(model_cfg.lora_alpha)
+    rs = bool(getattr(model_cfg, "lora_use_rslora", False))
+    return {"lora_rank": rank, "lora_alpha": alpha, "lora_use_rslora": rs,
+            "lora_scaling": adapter_scaling(rank, alpha, rs)}
+
+
+def check_adapter_record(recorded: dict, model_cfg: Any, where: str) -> None:
+    """Refuse a checkpoint whose adapter was trained with another rank, alpha or scaling rule: its
+    tensors would load but compute another model. A checkpoint from before rsLoRA existed records
+    only ``lora_rank`` and was plain LoRA.
+
+    Raises:
+        RuntimeError: one line naming ``where``, the recorded and the configured values.
+    """
+    now = adapter_record(model_cfg)
+    for key in ("lora_rank", "lora_alpha", "lora_use_rslora"):
+        if key not in recorded and key != "lora_use_rslora":
+            continue
+        was = recorded.get(key, False)
+        if (float(was) if key == "lora_alpha" else was) != now[key]:
+            raise RuntimeError(f"{where}: the adapter was trained with model.{key}={was!r}, this run has "
+                               f"model.{key}={now[key]!r} (resume with the run's own config)")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -131,7 +172,7 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
 
 @torch.no_grad()
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The merged weights ``W + (alpha / r) B A`` under the base model's parameter names, the live
+    """The merged weights ``W + s B A`` (``s``: :func:`adapter_scaling`) under the base model's parameter names, the live
     module left as it is (adapters unmerged): what ``merge_and_unload().state_dict()`` would give,
     computed with the same addition peft's merge does. Tensors in the model's dtype and device.
 

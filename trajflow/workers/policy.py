@@ -579,9 +579,10 @@ class PolicyWorker(Worker):
         """
         from safetensors.torch import save_file
 
+        record = lora.adapter_record(self.model_cfg) if self.lora else {}
         if self.backend.distributed:
             self.backend.save(directory, {"policy_version": self.policy_version,
-                                          "optimizer_steps": self.optimizer_steps})
+                                          "optimizer_steps": self.optimizer_steps, **record})
             return {"policy_version": self.policy_version}
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
@@ -590,7 +591,7 @@ class PolicyWorker(Worker):
         if self.lora:
             # The base weights never change: the adapter and its optimizer state are the whole state.
             save_file(lora.adapter_state(self.model), str(d / ADAPTER_FILE))
-            save_state({**extra, "lora_rank": int(self.model_cfg.lora_rank)}, d, "actor_state")
+            save_state({**extra, **record}, d, "actor_state")
             return {"policy_version": self.policy_version}
         state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
         # Tied embeddings share storage; safetensors refuses shared tensors, so store copies.
@@ -611,6 +612,8 @@ class PolicyWorker(Worker):
 
         if self.backend.distributed:
             state = self.backend.load(directory)
+            if self.lora:
+                lora.check_adapter_record(state, self.model_cfg, str(directory))
             self.policy_version = int(state["policy_version"])
             self.optimizer_steps = int(state.get("optimizer_steps", 0))
             self._push_weights()
@@ -620,7 +623,9 @@ class PolicyWorker(Worker):
         if self.lora != (d / ADAPTER_FILE).exists():
             raise RuntimeError(f"{d} holds a {'full-weight' if self.lora else 'LoRA adapter'} checkpoint; this run has "
                                f"model.lora_rank={self.model_cfg.lora_rank} (resume with the run's own config)")
+        extra = load_state(d, "actor_state")
         if self.lora:
+            lora.check_adapter_record(extra, self.model_cfg, str(d))
             try:
                 lora.load_adapter_state(self.model, load_file(str(d / ADAPTER_FILE), device=device))
             except RuntimeError as e:
@@ -631,7 +636,6 @@ class PolicyWorker(Worker):
             if unexpected or [m for m in missing if "lm_head" not in m]:
                 raise RuntimeError(f"{d}/model.safetensors does not match the model: missing {missing[:3]}, "
                                    f"unexpected {unexpected[:3]}")
-        extra = load_state(d, "actor_state")
         self.optimizer.load_state_dict(extra["optimizer"])
         self.policy_version = int(extra["policy_version"])
         self.optimizer_steps = int(extra.get("optimizer_steps", 0))
