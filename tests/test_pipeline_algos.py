@@ -136,6 +136,11 @@ def test_config_rules_for_the_new_keys():
         load_config(None, ["algorithm.filter_groups.metric=seq_reward"])
     cfg = load_config(None, ["algorithm.rollout_is=sequence", "algorithm.rollout_is_threshold=3.5"])
     assert (cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold) == ("sequence", 3.5)
+    with pytest.raises(ConfigError, match="algorithm.rollout_rs='icepop' is not allowed"):
+        load_config(None, ["algorithm.rollout_rs=icepop"])
+    with pytest.raises(ConfigError, match=r"rollout_rs_threshold_lower=3.0 must be <= the upper bound 2.5"):
+        load_config(None, ["algorithm.rollout_rs=token", "algorithm.rollout_rs_threshold=2.5",
+                           "algorithm.rollout_rs_threshold_lower=3"])
 
 
 def test_update_and_critic_batches_carry_the_new_options():
@@ -152,6 +157,13 @@ def test_update_and_critic_batches_carry_the_new_options():
     b = update_batch(t, 5, **update_batch_options(cfg))
     assert b.rows.loss_mask == [[1.0, 1.0], [0.0, 0.0, 0.0]]  # the truncated row is out of the policy loss
     assert (b.settings.rollout_is, b.settings.rollout_is_threshold) == ("sequence", 3.0)
+    assert b.settings.rollout_rs is None
+    rs = load_config(None, ["algorithm.rollout_rs=geometric", "algorithm.rollout_is_threshold=3", "rollout.n=2",
+                            "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+                            "algorithm.rollout_rs_threshold_lower=0"])
+    s = update_batch(t, 5, **update_batch_options(rs)).settings
+    # the upper bound defaults to rollout_is_threshold; lower 0 = one-sided (TRL's sequence_mask)
+    assert (s.rollout_rs, s.rollout_rs_threshold, s.rollout_rs_threshold_lower) == ("geometric", 3.0, 0.0)
     assert b.settings.mini_batch_rows == 4 and b.settings.shuffle_seed == seeds.iteration_seed(7, 5, 1)
     plain = update_batch(t, 5, seed=7, n=2, ppo_mini_batch_size=2, use_ref_logprobs=False)
     assert plain.rows.loss_mask is None and plain.settings.rollout_is is None
