@@ -35,7 +35,7 @@ from trajflow.batch import join_stages, lengths, trainable_lengths
 from trajflow.errors import NonFiniteError
 from trajflow.faults import fault_point
 from trajflow.gates import run_iteration_gate
-from trajflow.metrics import batch_metrics
+from trajflow.metrics import batch_metrics, timing_per_token_metrics
 from trajflow.run import roles
 from trajflow.run.cache_keys import advantage_inputs, reward_inputs, rollout_inputs
 from trajflow.run.context import RunContext, get_context
@@ -345,6 +345,11 @@ def update_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: Sta
         metrics["batch/masked_truncated"] = float(sum(f == "length" for f in joined.column("finish_reason").to_pylist()))
     metrics.update(state.rollout_metrics)
     metrics.update(state.reward_metrics)
+    metrics.update(timing_per_token_metrics({**state.timing, **metrics}, stored))
+    # verl's step counters: the iteration, and the pass over the prompts its batch was drawn from (0-based)
+    metrics["training/global_step"] = float(iteration)
+    cursor = state.sampler_before_rollout or ctx.sampler.state_dict()  # taken after the batch was drawn
+    metrics["training/epoch"] = float(cursor["epoch"])
     ctx.store.write_iteration_json(iteration, "update.json", metrics)
     return metrics
 

@@ -380,6 +380,8 @@ class UpdateSettings:
             policy-gradient loss (:func:`stages.rollout_correction.rollout_rs_mask`); ``None``: off.
         rollout_rs_threshold: the upper bound of the kept ratios.
         rollout_rs_threshold_lower: the lower bound; ``None``: ``1 / rollout_rs_threshold``.
+        peak_tflops: one device's peak in TFLOP/s for ``perf/mfu/actor`` (``trainer.device_peak_tflops``);
+            ``None``: a known GPU's bf16 dense peak, else no MFU.
         defer_weight_sync: do not push the new weights to separate rollout workers at the end of the
             update (``trainer.max_staleness`` > 0: the driver pushes them when no rollout is in flight).
     """
@@ -392,6 +394,7 @@ class UpdateSettings:
     rollout_rs: str | None = None
     rollout_rs_threshold: float = 2.0
     rollout_rs_threshold_lower: float | None = None
+    peak_tflops: float | None = None
     defer_weight_sync: bool = False
 
 
@@ -511,7 +514,7 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
                  use_ref_logprobs: bool, mask_truncated: bool = False, rollout_is: str | None = None,
                  rollout_is_threshold: float = 2.0, rollout_rs: str | None = None,
                  rollout_rs_threshold: float | None = None, rollout_rs_threshold_lower: float | None = None,
-                 defer_weight_sync: bool = False) -> UpdateBatch:
+                 peak_tflops: float | None = None, defer_weight_sync: bool = False) -> UpdateBatch:
     """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
 
     The same stored tables always give the same batch (the shuffle seed derives from the
@@ -533,6 +536,7 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
             drops tokens or rows with an outlying rollout ratio from the policy-gradient loss.
         rollout_rs_threshold: ``algorithm.rollout_rs_threshold`` (None: ``rollout_is_threshold``).
         rollout_rs_threshold_lower: ``algorithm.rollout_rs_threshold_lower`` (None: the reciprocal).
+        peak_tflops: ``trainer.device_peak_tflops`` (``perf/mfu/actor``).
         defer_weight_sync: the worker does not push the new weights to the rollout workers; the
             driver does, when no rollout is in flight (``trainer.max_staleness`` > 0).
 
@@ -557,6 +561,7 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
                                                          else rollout_is_threshold) if rollout_rs else 2.0,
                               rollout_rs_threshold_lower=float(rollout_rs_threshold_lower)
                               if rollout_rs and rollout_rs_threshold_lower is not None else None,
+                              peak_tflops=float(peak_tflops) if peak_tflops else None,
                               defer_weight_sync=bool(defer_weight_sync))
     return UpdateBatch(rows, settings)
 
@@ -573,6 +578,7 @@ def update_batch_options(cfg: Any) -> dict[str, Any]:
                 rollout_rs=cfg.algorithm.get("rollout_rs"),
                 rollout_rs_threshold=cfg.algorithm.get("rollout_rs_threshold"),
                 rollout_rs_threshold_lower=cfg.algorithm.get("rollout_rs_threshold_lower"),
+                peak_tflops=cfg.trainer.get("device_peak_tflops"),
                 defer_weight_sync=int(cfg.trainer.max_staleness) > 0)
 
 

@@ -224,8 +224,16 @@ def test_rollout_rejection_drops_the_outlying_row(tiny_model_dir):
     rows = UpdateRows(PROMPTS, RESPONSES, engine_lp, ADV)
     want = -(sum(ADV[0]) + sum(ADV[2])) / 7
     for level in ("token", "sequence", "geometric"):
-        m = _policy(tiny_model_dir).update_actor(UpdateBatch(rows, UpdateSettings(rollout_rs=level,
-                                                                                   rollout_rs_threshold=1.5)))
+        worker = _policy(tiny_model_dir)
+        peak = 1e-3 if level == "token" else None  # perf/mfu/actor needs a peak; a CPU has none of its own
+        m = worker.update_actor(UpdateBatch(rows, UpdateSettings(rollout_rs=level, rollout_rs_threshold=1.5,
+                                                                 peak_tflops=peak)))
+        if peak:  # model FLOPs over the update's time (at most timing_s/update_actor) and a 1 GFLOP/s peak
+            from trajflow.modeling.flops import train_flops
+            flops = train_flops(worker.model, [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)])
+            assert m["perf/mfu/actor"] >= flops / (m["timing_s/update_actor"] * 1e9)
+        else:
+            assert "perf/mfu/actor" not in m
         assert m["actor/pg_loss"] == pytest.approx(want, rel=1e-5, abs=1e-6), level
         assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(4 / 7), level
         assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 3), level

@@ -184,6 +184,44 @@ def test_rotation_keeps_the_newest_checkpoints(tmp_path):
     assert sorted(p.name for p in store.checkpoints_dir().iterdir()) == ["000006"]
 
 
+def test_keep_best_keeps_the_best_validated_checkpoint_besides_the_newest(tmp_path):
+    """trainer.keep_best: accuracies 0.2, 0.6, -, 0.5, 0.6, 0.1 at iterations 1..6 (3 not validated):
+    with max_checkpoints=2 the newest two and the best (iteration 2: the first of the two 0.6s) stay."""
+    metric = "val-core/src/acc/mean@1"
+    store = RunStore(tmp_path, "run")
+    accs = {1: 0.2, 2: 0.6, 4: 0.5, 5: 0.6, 6: 0.1}
+    for it in range(1, 7):
+        if it in accs:  # what validate_stage stores before the iteration's checkpoint is saved
+            store.update_run_meta(**{f"validation_{it:06d}": {metric: accs[it], "val-aux/x": 1.0}})
+        ckpt.save_checkpoint(store, it, {"policy_version": it}, lambda d: (d / "actor").mkdir(), 2,
+                             keep_best=(metric, "max"))
+        newest = list(range(max(1, it - 1), it + 1))
+        best = max(sorted(a for a in accs if a <= it), key=lambda a: accs[a])
+        assert ckpt.list_checkpoints(store) == sorted(set(newest) | {best}), it
+    assert ckpt.list_checkpoints(store) == [2, 5, 6]
+    assert ckpt.checkpoint_scores(store, metric) == {2: 0.6, 5: 0.6, 6: 0.1}
+    # min: the lowest value wins (iteration 6's 0.1, also the newest); an unknown metric scores nothing
+    assert ckpt.best_checkpoint(store, metric, "min") == 6
+    assert ckpt.best_checkpoint(store, "val-core/other", "max") is None
+    ckpt.save_checkpoint(store, 7, {"policy_version": 7}, lambda d: (d / "actor").mkdir(), 2,
+                         keep_best=("val-core/other", "max"))
+    assert ckpt.list_checkpoints(store) == [6, 7]  # no score: plain rotation
+    with pytest.raises(ValueError, match="keep_best_mode"):
+        ckpt.best_checkpoint(store, metric, "highest")
+
+
+def test_keep_best_config_rules():
+    from trajflow.config import load_config
+    from trajflow.errors import ConfigError
+
+    cfg = load_config(None, ["trainer.keep_best=val-core/a/acc/mean@1", "trainer.keep_best_mode=min"])
+    assert (cfg.trainer.keep_best, cfg.trainer.keep_best_mode) == ("val-core/a/acc/mean@1", "min")
+    with pytest.raises(ConfigError, match="trainer.keep_best='actor/pg_loss' must name a validation metric"):
+        load_config(None, ["trainer.keep_best=actor/pg_loss"])
+    with pytest.raises(ConfigError, match="trainer.keep_best needs validation: trainer.test_freq > 0"):
+        load_config(None, ["trainer.keep_best=val-core/a/acc/mean@1", "trainer.test_freq=0"])
+
+
 def test_killed_checkpoint_write_is_not_a_checkpoint_and_is_cleaned_up(tmp_path):
     store = RunStore(tmp_path, "run")
     _save(store, 1, keep=0)

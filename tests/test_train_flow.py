@@ -89,6 +89,16 @@ def test_mlflow_run_has_verl_metrics_and_params(run):
     assert steps == [1, 2]
     val_steps = [m.step for m in client.get_metric_history(mlrun.info.run_id, EXPECTED_METRICS[-1])]
     assert val_steps == [0, 1, 2]
+    # verl's step counters and per-token timings; both iterations draw from the first pass over the prompts
+    hist = {k: [(m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, k)]
+            for k in ("training/global_step", "training/epoch", "timing_s/gen", "timing_per_token_ms/gen")}
+    assert hist["training/global_step"] == [(1, 1.0), (2, 2.0)]
+    assert [v for _, v in hist["training/epoch"]] == [0.0, 0.0]
+    for it in (1, 2):
+        tokens = sum(len(r) for r in pq.read_table(Path(summary["run_dir"]) / "iterations" / f"{it:06d}" /
+                                                   "rollout.parquet").column("response_ids").to_pylist())
+        gen_s = dict(hist["timing_s/gen"])[it]
+        assert dict(hist["timing_per_token_ms/gen"])[it] == pytest.approx(gen_s * 1000 / tokens, rel=1e-6)
     # The sample table of iteration 2: the first trainer.log_samples (2) rows of its stored outputs.
     d = Path(summary["run_dir"]) / "iterations" / "000002"
     rollout, reward = pq.read_table(d / "rollout.parquet"), pq.read_table(d / "reward.parquet")

@@ -68,3 +68,29 @@ def test_no_vote_for_a_scorer_that_states_no_answer():
     m = validation_metrics(["env"] * 4, np.array([1.0, 0.0, 0.0, 0.0]), extras, [[1]] * 4, n=2)
     assert "val-core/env/acc/maj@2/mean" not in m
     assert m["val-core/env/acc/best@2/mean"] == 0.5 and m["val-core/env/acc/mean@2"] == 0.25
+
+
+def _batch(prompts, responses, finish):
+    import pyarrow as pa
+
+    return pa.table({"prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
+                     "response_ids": pa.array(responses, pa.list_(pa.int32())),
+                     "finish_reason": finish, "score": [1.0] * len(finish)})
+
+
+def test_mean_terminated_length_and_timing_per_token_by_hand():
+    from trajflow.metrics import batch_metrics, timing_per_token_metrics
+
+    # responses of 3, 5 (truncated), 2 tokens; prompts of 4, 4, 6 tokens
+    t = _batch([[1] * 4, [1] * 4, [1] * 6], [[2] * 3, [2] * 5, [2] * 2], ["stop", "length", "stop"])
+    m = batch_metrics(t)
+    assert m["response_length/mean"] == pytest.approx(10 / 3)
+    assert m["response_length/mean_terminated"] == pytest.approx((3 + 2) / 2)  # the truncated 5 left out
+    # verl's compute_timing_metrics: gen per response token (10), the others per prompt + response token (24)
+    tm = timing_per_token_metrics({"timing_s/gen": 2.0, "timing_s/update_actor": 4.8, "timing_s/adv": 0.024,
+                                   "timing_s/reward": 9.0, "actor/pg_loss": 1.0}, t)
+    assert tm == {"timing_per_token_ms/gen": pytest.approx(2000 / 10),
+                  "timing_per_token_ms/update_actor": pytest.approx(4800 / 24),
+                  "timing_per_token_ms/adv": pytest.approx(24 / 24)}
+    only_cut = batch_metrics(_batch([[1]], [[2, 2]], ["length"]))
+    assert "response_length/mean_terminated" not in only_cut

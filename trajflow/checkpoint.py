@@ -20,6 +20,11 @@ crash mid-write leaves no folder that looks like a checkpoint. Rotation keeps th
 ``max_checkpoints`` (by iteration) and never deletes the newest one; a folder is renamed to a
 hidden name before it is deleted, so a crash mid-deletion leaves no half-deleted checkpoint that
 still looks complete. :func:`cleanup` removes the hidden leftovers of killed writers.
+
+With ``trainer.keep_best=<metric>`` rotation also keeps the best checkpoint by a validation metric
+(:func:`best_checkpoint`): a checkpoint is scored by the validation of its own iteration, which
+``run.json`` holds as ``validation_<iteration>`` (validation runs before the checkpoint is saved);
+checkpoints of iterations without a validation, or without the metric, have no score.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ def checkpoint_dir(store: RunStore, iteration: int) -> Path:
 
 
 def save_checkpoint(store: RunStore, iteration: int, trainer_state: dict[str, Any],
-                    save_workers: Callable[[Path], None], max_checkpoints: int = 0) -> Path:
+                    save_workers: Callable[[Path], None], max_checkpoints: int = 0,
+                    keep_best: tuple[str, str] | None = None) -> Path:
     """Write a complete checkpoint for ``iteration`` and rotate old ones.
 
     Args:
@@ -66,6 +72,7 @@ def save_checkpoint(store: RunStore, iteration: int, trainer_state: dict[str, An
         trainer_state: JSON-serialisable driver state (data cursor, controllers, ...).
         save_workers: called with the temp folder; workers write their state below it.
         max_checkpoints: keep this many newest checkpoints (0 = all).
+        keep_best: ``(metric, "max"|"min")``: also keep the best checkpoint by that validation metric.
 
     Returns:
         The checkpoint folder.
@@ -88,16 +95,48 @@ def save_checkpoint(store: RunStore, iteration: int, trainer_state: dict[str, An
     _fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    rotate(store, max_checkpoints)
+    rotate(store, max_checkpoints, keep=[best_checkpoint(store, *keep_best)] if keep_best else ())
     return final
 
 
-def rotate(store: RunStore, max_checkpoints: int) -> list[int]:
-    """Delete all but the newest ``max_checkpoints`` complete checkpoints; return the deleted ones."""
+def checkpoint_scores(store: RunStore, metric: str) -> dict[int, float]:
+    """The finite values of validation ``metric`` at the iterations of the complete checkpoints
+    (``run.json``'s ``validation_<iteration>``), by iteration."""
+    import math
+
+    meta = store.read_run_meta()
+    out = {}
+    for it in list_checkpoints(store):
+        value = (meta.get(f"validation_{it:06d}") or {}).get(metric)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[it] = float(value)
+    return out
+
+
+def best_checkpoint(store: RunStore, metric: str, mode: str = "max") -> int | None:
+    """The iteration of the complete checkpoint with the best validation ``metric`` (``mode``: ``max``
+    or ``min``; ties to the earlier checkpoint), or ``None`` when no checkpoint has a score.
+
+    Raises:
+        ValueError: ``mode`` is neither ``max`` nor ``min``.
+    """
+    if mode not in ("max", "min"):
+        raise ValueError(f"trainer.keep_best_mode must be 'max' or 'min', got {mode!r}")
+    scores = checkpoint_scores(store, metric)
+    if not scores:
+        return None
+    sign = 1.0 if mode == "max" else -1.0
+    return max(sorted(scores), key=lambda it: sign * scores[it])  # max keeps the first (earliest) of equals
+
+
+def rotate(store: RunStore, max_checkpoints: int, keep: Any = ()) -> list[int]:
+    """Delete all but the newest ``max_checkpoints`` complete checkpoints and the iterations in ``keep``
+    (the best one, :func:`best_checkpoint`; ``None`` entries are ignored); return the deleted ones."""
     done = list_checkpoints(store)
     if max_checkpoints <= 0 or len(done) <= max_checkpoints:
         return []
-    doomed = done[:-max_checkpoints]  # never includes done[-1], the newest
+    kept = {int(k) for k in keep if k is not None}
+    doomed = [it for it in done[:-max_checkpoints] if it not in kept]  # never includes done[-1], the newest
     for it in doomed:
         d = checkpoint_dir(store, it)
         trash = d.with_name(f".del-{d.name}")

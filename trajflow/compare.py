@@ -37,7 +37,7 @@ ITERATION_METRIC = "timing_s/step"  # logged once per finished iteration
 MISSING = "—"
 
 # Lower is better for these (substring match on the metric name); everything else: higher is better.
-_LOWER_IS_BETTER = ("loss", "timing_s/", "ppo_kl", "clipfrac", "clip_ratio", "scorer_errors", "memory",
+_LOWER_IS_BETTER = ("loss", "timing_s/", "timing_per_token_ms/", "ppo_kl", "clipfrac", "clip_ratio", "scorer_errors", "memory",
                     "_gb", "gate/failed", "gate/warnings", "gate/quarantined", "/unexpected_count",
                     "grad_norm")
 

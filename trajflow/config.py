@@ -330,6 +330,12 @@ class TrainerConfig:
     val_before_train: bool = _f(True, "validate before the first iteration (when test_freq > 0)")
     seed: int = _f(42, "seed for data order, sampling and initialisation", ge=0)
     max_checkpoints: int = _f(2, "checkpoints kept (0 = keep all); the newest is never deleted", ge=0)
+    keep_best: Optional[str] = _f(None, "also keep the best checkpoint by this validation metric (e.g. "
+                                  "val-core/reasoning_gym/basic_arithmetic/acc/mean@1), scored by the validation of "
+                                  "its own iteration (save_freq a multiple of test_freq); its iteration is "
+                                  "run.json's best_checkpoint")
+    keep_best_mode: str = _f("max", "whether a higher (max) or lower (min) keep_best metric is better",
+                             choices=["max", "min"])
     max_nonfinite_steps: int = _f(3, "stop after this many optimizer steps in a row skipped for a non-finite "
                                      "gradient norm", ge=1)
     resume: str = _f("disable", "resume a run with the same run_id", choices=["disable", "auto"])
@@ -351,6 +357,9 @@ class TrainerConfig:
                             "then update); N >= 1 = the rollouts of iterations k+1..k+N are queued on the rollout "
                             "workers (rollout.pool) while iteration k updates, each generated N policy versions "
                             "behind the update that uses it (docs/overlap.md)", ge=0)
+    device_peak_tflops: Optional[float] = _f(None, "peak dense TFLOP/s of one training device, the denominator of "
+                                             "perf/mfu/actor; null = a known GPU's bf16 peak (H100 989, A100 "
+                                             "312, ...), none on CPU (then no perf/mfu/actor)", gt=0.0)
     stage_timeouts: dict = _f({}, "per-stage limits in seconds overriding stage_timeout_s, e.g. "
                               "{update_actor: 1800}; stages: " + ", ".join(STAGE_NAMES))
 
@@ -582,6 +591,13 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         # weights a sequence by its length, which is what the sequence ratio is meant to remove.
         raise ConfigError(f"{source}: actor.policy_loss=gspo needs actor.loss_agg_mode=seq-mean-token-mean "
                           f"(got {cfg.actor.loss_agg_mode!r}, which weights each sequence by its length)")
+    if cfg.trainer.keep_best is not None:
+        if not str(cfg.trainer.keep_best).startswith(("val-core/", "val-aux/")):
+            raise ConfigError(f"{source}: trainer.keep_best={cfg.trainer.keep_best!r} must name a validation metric "
+                              "(val-core/... or val-aux/..., e.g. val-core/<data_source>/acc/mean@1)")
+        if cfg.trainer.test_freq <= 0:
+            raise ConfigError(f"{source}: trainer.keep_best needs validation: trainer.test_freq > 0 (got "
+                              f"{cfg.trainer.test_freq})")
     alg = cfg.algorithm
     if alg.rollout_rs is not None and alg.rollout_rs_threshold_lower is not None:
         upper = alg.rollout_is_threshold if alg.rollout_rs_threshold is None else alg.rollout_rs_threshold

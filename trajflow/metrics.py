@@ -10,8 +10,17 @@ from stages.pass_at_k import best_at_k, maj_at_k, pass_at_k, verl_ks
 from trajflow.batch import lengths, trainable_lengths, trainable_mask
 
 
+#: verl's stages whose wall time is also reported per token (``timing_per_token_ms/<stage>``), and which
+#: tokens they are divided by (verl's ``compute_timing_metrics``): generation by the response tokens,
+#: the others (forward/backward passes over whole sequences) by prompt + response tokens.
+TIMING_PER_TOKEN_STAGES = {"gen": "response", "ref": "all", "values": "all", "adv": "all",
+                           "update_critic": "all", "update_actor": "all"}
+
+
 def batch_metrics(joined: pa.Table) -> dict[str, float]:
-    """verl's data metrics over one iteration's joined batch."""
+    """verl's data metrics over one iteration's joined batch (``response_length/mean_terminated``: the
+    mean length of the responses that ended by themselves, ``finish_reason != "length"``; absent when
+    every response was truncated)."""
     score = joined.column("score").to_numpy(zero_copy_only=False).astype(np.float64)
     resp_len = lengths(joined.column("response_ids"))
     prompt_len = lengths(joined.column("prompt_ids"))
@@ -46,6 +55,9 @@ def batch_metrics(joined: pa.Table) -> dict[str, float]:
     stats("prompt_length", prompt_len.astype(np.float64))
     fr = joined.column("finish_reason").to_pylist()
     m["response_length/clip_ratio"] = float(np.mean([f == "length" for f in fr])) if fr else 0.0
+    ended = np.array([f != "length" for f in fr], dtype=bool)
+    if ended.any():  # the responses that ended by themselves (EOS / stop), truncated ones left out
+        m["response_length/mean_terminated"] = float(resp_len[ended].mean())
     total = resp_len + prompt_len
     m["global_seqlen/min"] = float(total.sum())
     m["global_seqlen/max"] = float(total.sum())
@@ -55,6 +67,29 @@ def batch_metrics(joined: pa.Table) -> dict[str, float]:
         m["reward/scorer_errors"] = float(joined.column("reward_error").null_count * -1 + joined.num_rows)
     m.update(multi_turn_metrics(joined))  # tool/* and num_turns/*, multi-turn rows only
     return m
+
+
+def timing_per_token_metrics(timings: dict, joined: pa.Table) -> dict[str, float]:
+    """verl's ``timing_per_token_ms/<stage>``: ``1000 * timing_s/<stage> / tokens``, with tokens the
+    batch's response tokens for ``gen`` and its prompt + response tokens for ``ref``, ``values``,
+    ``adv``, ``update_critic`` and ``update_actor`` (:data:`TIMING_PER_TOKEN_STAGES`).
+
+    Args:
+        timings: metrics holding ``timing_s/<stage>`` seconds (others are ignored).
+        joined: the iteration's rows (``prompt_ids``, ``response_ids``).
+
+    Returns:
+        One entry per stage that has a timing, in milliseconds per token (none without tokens).
+    """
+    resp = float(lengths(joined.column("response_ids")).sum())
+    total = resp + float(lengths(joined.column("prompt_ids")).sum())
+    out = {}
+    for stage, which in TIMING_PER_TOKEN_STAGES.items():
+        seconds = timings.get(f"timing_s/{stage}")
+        n = resp if which == "response" else total
+        if seconds is not None and n > 0:
+            out[f"timing_per_token_ms/{stage}"] = float(seconds) * 1000.0 / n
+    return out
 
 
 def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list, response_ids: list[list[int]],

@@ -793,7 +793,14 @@ def save(ctx: RunContext, iteration: int, sampler_state: dict | None = None) -> 
             futures.append(ctx.critic.save_checkpoint.remote(str(d / "critic")))
         ray.get(futures)
 
-    path = ckpt.save_checkpoint(ctx.store, iteration, state, save_workers, ctx.cfg.trainer.max_checkpoints)
+    tr = ctx.cfg.trainer
+    keep_best = (str(tr.keep_best), str(tr.keep_best_mode)) if tr.get("keep_best") else None
+    path = ckpt.save_checkpoint(ctx.store, iteration, state, save_workers, tr.max_checkpoints, keep_best=keep_best)
+    if keep_best:  # where to find it: run.json's best_checkpoint
+        best = ckpt.best_checkpoint(ctx.store, *keep_best)
+        if best is not None:
+            ctx.store.update_run_meta(best_checkpoint={"iteration": best, "metric": keep_best[0],
+                                                       "value": ckpt.checkpoint_scores(ctx.store, keep_best[0])[best]})
     ctx.state.policy_source = ckpt.checkpoint_id(iteration)
     return path
 

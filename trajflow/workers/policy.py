@@ -26,6 +26,7 @@ from trajflow.engines.hf import HFRolloutEngine
 from trajflow.infra.allocator import release_free_memory
 from trajflow.modeling import lora
 from trajflow.modeling.backends import LocalBackend, adamw
+from trajflow.modeling.flops import device_peak_tflops, mfu, train_flops
 from trajflow.modeling.forward import compute_log_probs
 from trajflow.modeling.packing import micro_batch_plan, pack
 from trajflow.modeling.precision import cast_buffers, section_dtype
@@ -429,6 +430,7 @@ class PolicyWorker(Worker):
                 step = self._mini_batch_step(batch, order[m0:m0 + mini_rows], epoch, loss_cfg, state)
                 for k, v in (step or {}).items():
                     sums.setdefault(k, []).append(v)
+        train_s = time.perf_counter() - t0 - sum(sums.get("timing_s/old_log_prob", []))
         self.backend.zero_grad()
         self.policy_version += 1
         # verl's training/rollout_probs_diff (actor/rollout_logprob_diff): how far the engine's
@@ -438,6 +440,11 @@ class PolicyWorker(Worker):
             maxima={"actor/ratio_first_step_max_abs_dev": float(state.first_step_ratio_dev or 0.0)},
             means={"actor/rollout_logprob_diff": state.diffs})
         metrics["actor/lr"] = self.backend.lr()
+        peak = settings.peak_tflops or device_peak_tflops(self.device)
+        if peak and train_s > 0:  # PaLM's model FLOPs utilisation of the update (trajflow.modeling.flops)
+            seq = [len(p) + len(r) for p, r in zip(rows.prompt_ids, rows.response_ids)]
+            flops = self.actor.ppo_epochs * train_flops(self.model, seq)
+            metrics["perf/mfu/actor"] = mfu(flops, train_s, peak, self.backend.world_size)
         metrics["actor/grad_norm_nonfinite"] = float(state.nonfinite_steps)
         metrics["actor/nonfinite_steps_in_a_row"] = float(self.nonfinite_in_a_row)
         is_rows = self.backend.gather_rows(state.is_rows)  # every rank's rows (data parallel)
