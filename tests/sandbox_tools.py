@@ -36,3 +36,133 @@ def not_a_string() -> int:
 
 def echo(text: str, prefix: str = "") -> str:
     return prefix + text
+
+
+# ------------------------------------------------------------------------------- hostile tools
+# Each does what model-written code running as the worker's user could (issue: root-level tool code).
+
+def netns_escape(pid: int, port: int) -> str:
+    """Enter the network namespace of process ``pid`` (the caller's) and connect to its loopback."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/proc/{int(pid)}/ns/net", os.O_RDONLY)
+    if libc.setns(fd, 0x40000000) != 0:
+        raise OSError(ctypes.get_errno(), "setns")
+    return connect(port)
+
+
+def _pipes() -> list[int]:
+    import os
+
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("pipe:"):
+                out.append(int(name))
+        except OSError:
+            pass
+    return out
+
+
+def forge_answer(payload: str) -> str:
+    """Write ``payload`` into every pipe this process holds (the answer channel among them), then
+    leave without answering."""
+    import os
+
+    data = payload.encode("latin-1")
+    for fd in _pipes():
+        try:
+            os.write(fd, data)
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def grandchild_flood(megabytes: int, seconds: float) -> str:
+    """Fork a grandchild that keeps every pipe open for ``seconds`` and pushes ``megabytes`` into it,
+    then answer at once."""
+    import os
+
+    if os.fork() == 0:
+        block = b"x" * (1 << 20)
+        for _ in range(int(megabytes)):
+            for fd in _pipes():
+                try:
+                    os.write(fd, block)
+                except OSError:
+                    pass
+        time.sleep(seconds)
+        os._exit(0)
+    time.sleep(0.2)
+    return "parent done"
+
+
+def spawn_and_hang(marker: str) -> str:
+    """Start a subprocess whose command line carries ``marker`` that outlives the call, then hang."""
+    import subprocess
+    import sys
+
+    subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"], start_new_session=True)
+    time.sleep(60)
+    return "never"
+
+
+def children_allocate(children: int, megabytes: int) -> str:
+    """``children`` processes each holding ``megabytes`` MiB at the same time; their exit codes."""
+    import subprocess
+    import sys
+
+    code = f"b = b'\\x01' * ({int(megabytes)} << 20); import time; time.sleep(1.5)"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(int(children))]
+    return ",".join(str(p.wait()) for p in procs)
+
+
+def write_file(megabytes: int) -> str:
+    """Write ``megabytes`` MiB to a file in the temp directory."""
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), "big")
+    with open(path, "wb") as f:
+        for _ in range(int(megabytes)):
+            f.write(b"\0" * (1 << 20))
+    return f"wrote {os.path.getsize(path) >> 20} MiB"
+
+
+def fork_many(count: int) -> str:
+    """Fork ``count`` children that sleep; how many were started."""
+    import os
+
+    started = []
+    for _ in range(int(count)):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(3)
+            os._exit(0)
+        started.append(pid)
+    return str(len(started))
+
+
+def read_file(path: str) -> str:
+    with open(path) as f:
+        return f.read()[:100]
+
+
+def environment() -> str:
+    import json
+    import os
+
+    return json.dumps(dict(os.environ))
+
+
+def temp_marker(name: str) -> str:
+    """Leave a file ``name`` in the temp directory; say which files were already there."""
+    import os
+    import tempfile
+
+    d = tempfile.gettempdir()
+    before = sorted(os.listdir(d))
+    open(os.path.join(d, name), "w").close()
+    return f"{d} {before}"

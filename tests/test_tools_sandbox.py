@@ -3,16 +3,19 @@ of a call in a real worker process (timeout, exception, memory, CPU, network, ba
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import socket
 import threading
 import time
+import uuid
 
 import pytest
 
 from trajflow.envs.calculator import evaluate
 from trajflow.envs.registry import EnvContext, make_environment
-from trajflow.envs.sandbox import Sandbox, ToolCall
+from trajflow.envs.sandbox import Sandbox, SandboxUnavailable, ToolCall
 from trajflow.envs.tool_format import parse_tool_calls
 from trajflow.envs.tools import BUILTIN_TOOLS, Tool, load_tool_config
 from trajflow.errors import ConfigError
@@ -138,7 +141,6 @@ def test_cpu_time_limit():
     assert r.error.startswith("cpu:"), r.error
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace needs root; the sandbox then reports no isolation")
 def test_no_network_inside_the_sandbox():
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -152,10 +154,10 @@ def test_no_network_inside_the_sandbox():
     from tests.sandbox_tools import connect
 
     assert connect(port) == "hello"  # reachable from this process
-    sb = Sandbox([_tool("connect", "connect", {"port": {"type": "integer"}})])
+    sb = _strict([_tool("connect", "connect", {"port": {"type": "integer"}})])
     r = sb.call(ToolCall("connect", {"port": port}, ""))
     assert r.error is not None and r.error.startswith("exception:") and "Error" in r.error
-    assert sb.isolation == "netns"
+    assert sb.isolation.startswith("user, net, pid, mount namespaces")
     server.close()
 
 
@@ -182,3 +184,184 @@ def test_tool_environment_turns_calls_into_tool_messages():
                      '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}</tool_call>'})
     assert not step.done and step.observations == [{"role": "tool", "content": "7006652"}]
     assert env.step({"role": "assistant", "content": "Answer: 7006652"}).done
+
+
+# ----------------------------------------------------------------------------------- hostile tools
+# Each attack below worked against the sandbox of 27a1d0f, run as root (issue 35, section 2).
+
+def _strict(tools, **kw) -> Sandbox:
+    """A sandbox that must have its full isolation: skips where the kernel refuses part of it (the
+    sandbox then refuses tools, which test_weaker_sandbox_is_refused_unless_allowed covers)."""
+    sb = Sandbox(tools, **kw)
+    sb.probe_isolation()
+    if sb.missing:
+        pytest.skip(f"the kernel refuses part of the tool sandbox here: {sb.missing}")
+    return sb
+
+
+class _Server:
+    """A TCP server on 127.0.0.1 that counts the connections it accepted."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port, self.accepted, self.stop = self.sock.getsockname()[1], 0, False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            conn.sendall(b"hello")
+            conn.close()
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join()
+        self.sock.close()
+
+
+def _processes_with(marker: str) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        pids.append(int(name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_setns_back_into_the_callers_network_namespace_fails():
+    server = _Server()
+    try:
+        from tests.sandbox_tools import connect
+
+        assert connect(server.port) == "hello" and server.accepted == 1  # reachable from here
+        sb = _strict([_tool("escape", "netns_escape", {"pid": {"type": "integer"}, "port": {"type": "integer"}})])
+        r = sb.call(ToolCall("escape", {"pid": os.getpid(), "port": server.port}, ""))
+        assert r.error is not None and r.error.startswith("exception:"), r
+        time.sleep(0.3)
+        assert server.accepted == 1  # nothing came from the sandbox
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("payload", [
+    "x",                                        # one byte
+    '["ok", 42, "netns"]',                      # the old answer's shape, wrong types
+    'TFSB\xff\xff\xff\xff',                     # a frame header announcing 4 GiB
+    'TFSB\x00\x00\x00\x05[1,2]',                # a frame whose body is not an answer
+    'TFSB\x00\x00\x00\x30["error", "timeout: forged", 0]',  # cut short, and an error kind it may not claim
+])
+def test_garbage_in_the_answer_channel_is_an_error_result(payload):
+    sb = _strict([_tool("forge", "forge_answer", {"payload": {"type": "string"}})])
+    isolation = sb.isolation
+    env = make_environment("tool_calculator", EnvContext([], sb))
+    env.reset({"messages": [{"role": "user", "content": "hi"}]})
+    call = json.dumps({"name": "forge", "arguments": {"payload": payload}})
+    step = env.step({"role": "assistant", "content": f"<tool_call>{call}</tool_call>"})  # never raises
+    content = step.observations[0]["content"]
+    assert content.startswith(("Error: result:", "Error: crashed:")), content
+    assert sb.isolation == isolation  # the tool cannot speak for the sandbox
+
+
+def test_a_grandchild_holding_the_pipe_neither_delays_nor_floods_the_caller():
+    sb = _strict([_tool("flood", "grandchild_flood", {"megabytes": {"type": "integer"},
+                                                       "seconds": {"type": "number"}}, timeout_s=2.0)],
+                 max_response_chars=64)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    r = sb.call(ToolCall("flood", {"megabytes": 256, "seconds": 12}, ""))
+    wall = time.perf_counter() - t0
+    assert wall < 6.0, (wall, r.error)  # the 2 s limit holds (12 s before)
+    assert len(r.result) < 200, len(r.result)
+    assert r.error is None or r.error.startswith(("result:", "timeout:")), r.error
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 64 * 1024  # KiB: not 256 MiB read
+
+
+def test_timeout_kills_the_tools_subprocesses():
+    marker = f"trajflow-test-{uuid.uuid4().hex}"
+    sb = _strict([_tool("hang", "spawn_and_hang", {"marker": {"type": "string"}}, timeout_s=1.5)])
+    r = sb.call(ToolCall("hang", {"marker": marker}, ""))
+    assert r.error.startswith("timeout:")
+    left = _processes_with(marker)
+    for _ in range(20):
+        if not left:
+            break
+        time.sleep(0.05)
+        left = _processes_with(marker)
+    for pid in left:  # only on a sandbox that failed: do not leave them behind
+        os.kill(pid, 9)
+    assert left == []
+
+
+def test_memory_limit_holds_for_all_of_a_calls_processes():
+    sb = _strict([_tool("kids", "children_allocate", {"children": {"type": "integer"},
+                                                      "megabytes": {"type": "integer"}},
+                        memory_mb=128, timeout_s=20.0)])
+    if "memory: cgroup" not in sb.isolation:
+        pytest.skip(f"no memory cgroup here: {sb.isolation}")
+    r = sb.call(ToolCall("kids", {"children": 3, "megabytes": 90}, ""))  # 270 MiB under 128 MiB
+    assert r.error is not None and r.error.startswith("memory:"), r
+
+
+def test_file_size_and_process_count_limits():
+    sb = _strict([_tool("write", "write_file", {"megabytes": {"type": "integer"}}, file_size_mb=1),
+                  _tool("fork", "fork_many", {"count": {"type": "integer"}}, max_processes=4, timeout_s=10.0)])
+    assert sb.call(ToolCall("write", {"megabytes": 1}, "")).result == "wrote 1 MiB"
+    r = sb.call(ToolCall("write", {"megabytes": 3}, ""))
+    assert r.error.startswith("exception: OSError") and "File too large" in r.error, r.error
+    r = sb.call(ToolCall("fork", {"count": 20}, ""))
+    assert r.error is not None and "BlockingIOError" in r.error, r  # EAGAIN from fork past RLIMIT_NPROC
+
+
+def test_environment_is_an_allow_list(monkeypatch):
+    monkeypatch.setenv("TRAJFLOW_TEST_SECRET", "hunter2")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter3")
+    sb = _strict([_tool("env", "environment", {})], max_response_chars=100_000)
+    env = json.loads(sb.call(ToolCall("env", {}, "")).result)
+    assert "hunter2" not in json.dumps(env) and "hunter3" not in json.dumps(env)
+    assert set(env) <= {"PATH", "PYTHONPATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "LC_CTYPE", "TZ"}, set(env)
+
+
+def test_no_access_to_secrets_or_the_runs_files(tmp_path):
+    run_file = tmp_path / "run.json"
+    run_file.write_text('{"secret": "run data"}')
+    run_file.chmod(0o644)
+    sb = _strict([_tool("read", "read_file", {"path": {"type": "string"}})])
+    for path in ("/etc/shadow", str(run_file), f"/proc/{os.getpid()}/environ"):
+        if path == "/etc/shadow" and not os.path.exists(path):
+            continue
+        r = sb.call(ToolCall("read", {"path": path}, ""))
+        assert r.error is not None and r.error.startswith(("exception: PermissionError",
+                                                           "exception: FileNotFoundError")), (path, r)
+
+
+def test_private_temp_directory_is_gone_after_the_call():
+    sb = _strict([_tool("mark", "temp_marker", {"name": {"type": "string"}})])
+    name = f"trajflow-marker-{uuid.uuid4().hex}"
+    first = sb.call(ToolCall("mark", {"name": name}, "")).result
+    second = sb.call(ToolCall("mark", {"name": name}, "")).result
+    assert name not in first and name not in second, second  # each call starts with an empty one
+    import glob
+    import tempfile
+
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), "**", name), recursive=True)
+
+
+def test_weaker_sandbox_is_refused_unless_allowed():
+    for allow in (False, True):
+        sb = Sandbox([_tool("echo", "echo", {})], allow_weaker=allow)
+        sb.isolation, sb.missing = "no namespaces; memory: per process", ["net: unshare(CLONE_NEWNET): refused"]
+        if allow:
+            assert sb.call(ToolCall("echo", {"text": "hi"}, "")).result == "hi"
+        else:
+            with pytest.raises(SandboxUnavailable, match="allow_weaker_sandbox=true"):
+                sb.call(ToolCall("echo", {"text": "hi"}, ""))

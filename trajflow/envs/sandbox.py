@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
+import select
 import signal
 import subprocess
 import sys
@@ -33,11 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from trajflow.envs.tools import Tool, check_arguments, import_callable
+from trajflow.envs.sandbox_worker import ENV_ALLOWED
+from trajflow.envs.tools import Tool, check_arguments
 
 log = logging.getLogger(__name__)
 
-CLONE_NEWNET = 0x40000000
+#: seconds the caller waits for the supervisor beyond the tool's own timeout
+SUPERVISOR_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -77,76 +79,60 @@ class ToolResult:
     duration_s: float
 
 
-def _drop_network() -> str:
-    """Enter a new network namespace; returns ``"netns"`` or why not."""
-    unshare = getattr(os, "unshare", None)
-    try:
-        if unshare is not None:
-            unshare(CLONE_NEWNET)
-        else:  # Python < 3.12
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.unshare(CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
-        return "netns"
-    except (OSError, AttributeError) as e:
-        return f"no network isolation: unshare(CLONE_NEWNET) failed: {e}"
+class SandboxUnavailable(RuntimeError):
+    """The kernel refused part of the isolation and the user did not allow a weaker sandbox."""
 
 
-def _child(request: dict) -> tuple[str, str, str]:
-    """Body of a call's process: limits, network cut, the call; returns ``(status, value, isolation)``."""
-    net = _drop_network()
-    cpu_s, memory_mb = int(request["cpu_s"]), int(request["memory_mb"])
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    mem = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    try:
-        value = import_callable(request["function"])(**request["arguments"], **request["options"])
-        if not isinstance(value, str):
-            return "error", f"result: the tool returned {type(value).__name__}, not a string", net
-        return "ok", value, net
-    except MemoryError:
-        return "error", f"memory: the call ran out of its {memory_mb} MiB", net
-    except BaseException as e:  # everything the tool raises is the model's to read
-        return "error", f"exception: {type(e).__name__}: {e}", net
-
-
-def _main() -> None:
-    """Entry point of a call's process: request on stdin, answer on the fd named by ``argv[1]``."""
-    import sys
-
-    out = os.fdopen(int(sys.argv[1]), "w")
-    request = json.loads(sys.stdin.read())
-    try:
-        status, value, net = _child(request)
-        text = json.dumps([status, value, net])
-    except MemoryError:
-        text = json.dumps(["error", f"memory: the call ran out of its {request.get('memory_mb')} MiB", "?"])
-    out.write(text)
-    out.close()
+#: what the sandbox's supervisor process may see of the caller's environment (no secrets)
+SUPERVISOR_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 
 
 def _probe() -> str:
     return "probe"
 
 
+def describe(isolation: dict, missing: list[str]) -> str:
+    """One line saying what a call was isolated by, e.g. ``"user, net, pid, mount namespaces; memory: cgroup"``."""
+    spaces = [k for k in ("user", "net", "pid", "mount") if k in isolation and "no user" not in str(isolation[k])]
+    line = f"{', '.join(spaces) or 'no'} namespaces; memory: {isolation.get('memory', 'per process')}"
+    return line + (f"; missing: {'; '.join(missing)}" if missing else "")
+
+
 class Sandbox:
-    """Runs tool calls in limited worker processes, up to ``workers`` at a time.
+    """Runs tool calls in confined worker processes, up to ``workers`` at a time.
 
     Args:
         tools: the tools callable by name.
         max_response_chars: a result longer than this is cut to it (``max_tool_response_length``).
         workers: calls running at once, over every episode of the batch.
+        allow_weaker: run tools even where the kernel refused part of the isolation
+            (``rollout.multi_turn.allow_weaker_sandbox``); otherwise the first call raises
+            :class:`SandboxUnavailable`.
+
+    Attributes:
+        isolation: one line saying what the calls are isolated by (:func:`describe`), ``None`` before
+            the first call.
+        missing: what the kernel refused (``"net: unshare(CLONE_NEWNET): Operation not permitted"``, ...).
     """
 
-    def __init__(self, tools: Sequence[Tool], max_response_chars: int = 256, workers: int = 4) -> None:
+    def __init__(self, tools: Sequence[Tool], max_response_chars: int = 256, workers: int = 4,
+                 allow_weaker: bool = False) -> None:
         self.tools = {t.name: t for t in tools}
         self.max_response_chars = int(max_response_chars)
         self.workers = int(workers)
+        self.allow_weaker = bool(allow_weaker)
         self._slots = threading.BoundedSemaphore(self.workers)
+        self._probe_lock = threading.Lock()
         self.isolation: str | None = None
+        self.missing: list[str] = []
+        # The supervisor imports what this process can (the same sys.path); nothing else of the
+        # environment is passed on, and the tool gets even less (sandbox_worker.ENV_ALLOWED).
+        pythonpath = os.pathsep.join(p for p in sys.path if p)
+        self._supervisor_env = {k: os.environ[k] for k in SUPERVISOR_ENV if k in os.environ}
+        self._supervisor_env["PYTHONPATH"] = pythonpath
+        self._tool_env = {k: os.environ[k] for k in ENV_ALLOWED if k in os.environ}
+        self._tool_env.update(PYTHONPATH=pythonpath, PATH=os.pathsep.join(
+            dict.fromkeys([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"])))
 
     def _truncate(self, text: str) -> str:
         if len(text) <= self.max_response_chars:
@@ -154,39 +140,49 @@ class Sandbox:
         return text[:self.max_response_chars] + f"... [truncated {len(text) - self.max_response_chars} characters]"
 
     def _spawn(self, function: str, arguments: dict, options: dict, tool: Tool) -> tuple[str, str | None]:
-        """``(output, error)`` of one call in its own process."""
-        read_fd, write_fd = os.pipe()
-        request = json.dumps({"function": function, "arguments": arguments, "options": options,
-                              "cpu_s": tool.cpu_time_s, "memory_mb": tool.memory_mb})
-        # The child imports what this process can: the same sys.path, whatever set it.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        """``(output, error)`` of one call, run by a supervisor process (:mod:`trajflow.envs.sandbox_worker`)."""
+        request = json.dumps({
+            "function": function, "arguments": arguments, "options": options, "timeout_s": tool.timeout_s,
+            "cpu_s": tool.cpu_time_s, "memory_mb": tool.memory_mb, "max_processes": tool.max_processes,
+            "file_size": tool.file_size_mb * 1024 * 1024, "max_chars": self.max_response_chars,
+            "env": self._tool_env}).encode()
+        deadline = time.monotonic() + tool.timeout_s + SUPERVISOR_GRACE_S
+        proc = subprocess.Popen([sys.executable, "-m", "trajflow.envs.sandbox_worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self._supervisor_env,
+                                close_fds=True, start_new_session=True)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "trajflow.envs.sandbox", str(write_fd)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    pass_fds=(write_fd,), env=env, close_fds=True, start_new_session=True)
-        finally:
-            os.close(write_fd)
-        with os.fdopen(read_fd, "r") as answer:
             try:
-                proc.communicate(request.encode(), timeout=tool.timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                return "", f"timeout: the call took longer than {tool.timeout_s:g} s and was stopped"
-            text = answer.read()
-        if not text:
-            code = proc.returncode
-            if code is not None and code < 0 and -code == signal.SIGXCPU:
-                return "", f"cpu: the call used more than {tool.cpu_time_s} s of CPU time"
-            if code is not None and code < 0 and -code == signal.SIGKILL:
-                return "", f"crashed: killed (SIGKILL), likely out of its {tool.memory_mb} MiB"
-            return "", f"crashed: the call's process exited with code {code}"
-        status, value, net = json.loads(text)
-        if self.isolation is None:
-            self.isolation = net
-            if net != "netns":
-                log.warning("tool sandbox: %s; tools run with CPU, memory and time limits only", net)
-        return (value, None) if status == "ok" else ("", value)
+                proc.stdin.write(request)
+                proc.stdin.close()
+            except OSError:
+                pass  # it died first: its exit says why below
+            text, why = _read_capped(proc.stdout.fileno(), deadline, 8 * self.max_response_chars + 65536)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the supervisor's group; the tool's processes die with it
+            except OSError:
+                pass
+            proc.wait()
+            proc.stdout.close()
+        if why is not None:
+            return "", f"crashed: the sandbox's supervisor {why}"
+        try:
+            answer = json.loads(text)
+            status, value, length = answer["status"], answer["value"], answer["length"]
+            isolation, missing = answer["isolation"], answer["missing"]
+            if (status not in ("ok", "error") or not isinstance(value, str) or type(length) is not int
+                    or not isinstance(isolation, dict) or not isinstance(missing, list)):
+                raise ValueError(status)
+        except (ValueError, KeyError, TypeError):
+            return "", "crashed: the sandbox's supervisor wrote a malformed answer"
+        if isolation and self.isolation is None:
+            self.isolation, self.missing = describe(isolation, missing), [str(m) for m in missing]
+        if status == "error":
+            return "", value
+        value = value[:self.max_response_chars]
+        if length > len(value):
+            value += f"... [truncated {length - len(value)} characters]"
+        return value, None
 
     def call(self, call: ToolCall) -> ToolResult:
         """Run one parsed call; every failure becomes the result's ``error`` (never raised)."""
@@ -203,9 +199,10 @@ class Sandbox:
                 if why is not None:
                     error = f"arguments: {why}"
                 else:
+                    self.check_isolation()
                     with self._slots:
                         out, error = self._spawn(tool.function, call.arguments, tool.options, tool)
-        result = self._truncate(out) if error is None else self._truncate(f"Error: {error}")
+        result = out if error is None else self._truncate(f"Error: {error}")
         return ToolResult(name=call.name, arguments=args_text, result=result, error=error,
                           duration_s=time.perf_counter() - t0)
 
@@ -219,12 +216,40 @@ class Sandbox:
             return list(pool.map(self.call, calls))
 
     def probe_isolation(self) -> str:
-        """Run an empty call and return the isolation it had (``"netns"`` or why there was none)."""
-        probe = Tool(name="probe", description="", parameters={"type": "object"},
-                     function="trajflow.envs.sandbox:_probe", timeout_s=30.0)
-        self._spawn(probe.function, {}, {}, probe)
-        return self.isolation or "unknown"
+        """Run an empty call (once) and return the isolation line it had (:func:`describe`)."""
+        with self._probe_lock:
+            if self.isolation is None:
+                probe = Tool(name="probe", description="", parameters={"type": "object"},
+                             function="trajflow.envs.sandbox:_probe", timeout_s=30.0)
+                _, error = self._spawn(probe.function, {}, {}, probe)
+                if self.isolation is None:
+                    raise SandboxUnavailable(f"tool sandbox: the isolation probe failed: {error}")
+                if self.missing:
+                    log.warning("tool sandbox: weaker isolation (%s)%s", self.isolation,
+                                "" if self.allow_weaker else "; tools are refused unless "
+                                "rollout.multi_turn.allow_weaker_sandbox=true")
+        return self.isolation
+
+    def check_isolation(self) -> None:
+        """Raise :class:`SandboxUnavailable` when the kernel refused part of the isolation and a weaker
+        sandbox is not allowed (probes once)."""
+        self.probe_isolation()
+        if self.missing and not self.allow_weaker:
+            raise SandboxUnavailable(
+                f"tool sandbox: the kernel refused part of the isolation ({'; '.join(self.missing)}); "
+                "set rollout.multi_turn.allow_weaker_sandbox=true to run tools without it")
 
 
-if __name__ == "__main__":
-    _main()
+def _read_capped(fd: int, deadline: float, cap: int) -> tuple[bytes, str | None]:
+    """What ``fd`` gives until EOF, or ``(partial, why)`` past ``deadline`` or ``cap`` bytes."""
+    buf = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return buf, "did not answer in time"
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return buf, None
+        buf += chunk
+        if len(buf) > cap:
+            return buf, f"answered more than {cap} bytes"

@@ -40,7 +40,11 @@ class Tool:
         options: keyword arguments fixed by the config (not settable by the model).
         timeout_s: wall-clock seconds one call may take.
         cpu_time_s: CPU seconds one call may use (``RLIMIT_CPU``).
-        memory_mb: address-space limit of the call's process in MiB (``RLIMIT_AS``).
+        memory_mb: memory of the call in MiB: all of its processes together where the sandbox has a
+            memory cgroup, and each process's address space (``RLIMIT_AS``) in any case.
+        max_processes: processes and threads the call may run at once (``RLIMIT_NPROC``, counted in
+            the call's own user namespace), its first process included.
+        file_size_mb: largest file the call may write, in MiB (``RLIMIT_FSIZE``).
     """
 
     name: str
@@ -51,6 +55,8 @@ class Tool:
     timeout_s: float = 5.0
     cpu_time_s: int = 5
     memory_mb: int = 1024
+    max_processes: int = 16
+    file_size_mb: int = 64
 
     def schema(self) -> dict:
         """The OpenAI function schema: ``{"type": "function", "function": {name, description, parameters}}``."""
@@ -75,7 +81,8 @@ BUILTIN_TOOLS: dict[str, Tool] = {
         function="trajflow.envs.python_tool:run_python"),
 }
 
-_ENTRY_KEYS = {"name", "function", "description", "parameters", "options", "timeout_s", "cpu_time_s", "memory_mb"}
+_ENTRY_KEYS = {"name", "function", "description", "parameters", "options", "timeout_s", "cpu_time_s", "memory_mb",
+               "max_processes", "file_size_mb"}
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict,
                "array": list, "null": type(None)}
 
@@ -150,7 +157,8 @@ def _tool_from_entry(entry: Any, where: str) -> Tool:
     clash = sorted(set(fields["options"]) & set(params.get("properties") or {}))
     if clash:
         raise ConfigError(f"{where}: field 'options' sets {clash[0]!r}, which is one of the model's arguments")
-    for key, lo in (("timeout_s", 0.0), ("cpu_time_s", 1), ("memory_mb", 16)):
+    for key, lo in (("timeout_s", 0.0), ("cpu_time_s", 1), ("memory_mb", 16), ("max_processes", 1),
+                    ("file_size_mb", 1)):
         value = fields.get(key, getattr(Tool, key))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo or value <= 0:
             raise ConfigError(f"{where}: field {key!r}={value!r} must be a number > {lo}")
