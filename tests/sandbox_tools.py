@@ -81,21 +81,21 @@ def forge_answer(payload: str) -> str:
 
 
 def grandchild_flood(megabytes: int, seconds: float) -> str:
-    """Fork a grandchild that keeps every pipe open for ``seconds`` and pushes ``megabytes`` into it,
-    then answer at once."""
+    """Fork a grandchild that keeps every pipe open and, once this call has answered, pushes
+    ``megabytes`` MiB into each and stays ``seconds``; answer at once."""
     import os
 
     if os.fork() == 0:
+        time.sleep(0.5)
         block = b"x" * (1 << 20)
-        for _ in range(int(megabytes)):
-            for fd in _pipes():
+        for fd in _pipes():
+            for _ in range(int(megabytes)):
                 try:
                     os.write(fd, block)
                 except OSError:
-                    pass
+                    break
         time.sleep(seconds)
         os._exit(0)
-    time.sleep(0.2)
     return "parent done"
 
 

@@ -272,17 +272,17 @@ def test_garbage_in_the_answer_channel_is_an_error_result(payload):
     assert sb.isolation == isolation  # the tool cannot speak for the sandbox
 
 
-def test_a_grandchild_holding_the_pipe_neither_delays_nor_floods_the_caller():
+@pytest.mark.parametrize("megabytes, seconds", [(0, 12), (256, 0)])
+def test_a_grandchild_holding_the_pipe_neither_delays_nor_floods_the_caller(megabytes, seconds):
     sb = _strict([_tool("flood", "grandchild_flood", {"megabytes": {"type": "integer"},
                                                        "seconds": {"type": "number"}}, timeout_s=2.0)],
                  max_response_chars=64)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    r = sb.call(ToolCall("flood", {"megabytes": 256, "seconds": 12}, ""))
+    r = sb.call(ToolCall("flood", {"megabytes": megabytes, "seconds": seconds}, ""))
     wall = time.perf_counter() - t0
     assert wall < 6.0, (wall, r.error)  # the 2 s limit holds (12 s before)
-    assert len(r.result) < 200, len(r.result)
-    assert r.error is None or r.error.startswith(("result:", "timeout:")), r.error
+    assert r.result == "parent done", r  # the answer came before the grandchild could do anything
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 64 * 1024  # KiB: not 256 MiB read
 
 
