@@ -286,20 +286,44 @@ def test_a_grandchild_holding_the_pipe_neither_delays_nor_floods_the_caller(mega
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 64 * 1024  # KiB: not 256 MiB read
 
 
-def test_timeout_kills_the_tools_subprocesses():
-    marker = f"trajflow-test-{uuid.uuid4().hex}"
-    sb = _strict([_tool("hang", "spawn_and_hang", {"marker": {"type": "string"}}, timeout_s=1.5)])
-    r = sb.call(ToolCall("hang", {"marker": marker}, ""))
-    assert r.error.startswith("timeout:")
+def _gone(marker: str) -> list[int]:
+    """The processes carrying ``marker`` that are still alive after up to 1 s (killed here, so that a
+    failing sandbox leaves nothing behind)."""
     left = _processes_with(marker)
     for _ in range(20):
         if not left:
             break
         time.sleep(0.05)
         left = _processes_with(marker)
-    for pid in left:  # only on a sandbox that failed: do not leave them behind
+    for pid in left:
         os.kill(pid, 9)
-    assert left == []
+    return left
+
+
+def test_timeout_kills_the_tools_subprocesses():
+    marker = f"trajflow-test-{uuid.uuid4().hex}"
+    sb = _strict([_tool("hang", "spawn_and_hang", {"marker": {"type": "string"}}, timeout_s=1.5)])
+    r = sb.call(ToolCall("hang", {"marker": marker}, ""))
+    assert r.error.startswith("timeout:")
+    assert _gone(marker) == []
+
+
+def test_a_killed_supervisor_takes_the_tools_processes_with_it(monkeypatch):
+    import trajflow.envs.sandbox as sandbox
+
+    marker = f"trajflow-test-{uuid.uuid4().hex}"
+    sb = _strict([_tool("hang", "spawn_and_hang", {"marker": {"type": "string"}}, timeout_s=30.0)])
+    monkeypatch.setattr(sandbox, "SUPERVISOR_GRACE_S", -28.5)  # the caller gives up first, after 1.5 s
+    r = sb.call(ToolCall("hang", {"marker": marker}, ""))
+    assert r.error == "crashed: the sandbox's supervisor did not answer in time", r.error
+    assert _gone(marker) == []  # the supervisor's death reached the tool (parent-death signal, PID 1)
+
+
+def test_answers_are_capped_in_characters_whatever_their_bytes():
+    sb = _strict([_tool("echo", "echo", {})], max_response_chars=50)
+    text = "\U0001F600\x00" * 100  # 12 bytes per character as JSON escapes, 4-6 as UTF-8
+    r = sb.call(ToolCall("echo", {"text": text}, ""))
+    assert r.error is None and r.result == text[:50] + "... [truncated 150 characters]"
 
 
 def test_memory_limit_holds_for_all_of_a_calls_processes():
@@ -365,3 +389,27 @@ def test_weaker_sandbox_is_refused_unless_allowed():
         else:
             with pytest.raises(SandboxUnavailable, match="allow_weaker_sandbox=true"):
                 sb.call(ToolCall("echo", {"text": "hi"}, ""))
+
+
+def test_run_metadata_record_and_refusal_as_a_config_error(monkeypatch):
+    from types import SimpleNamespace
+
+    import trajflow.envs.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_RECORDS", {})
+    probe = Sandbox([])
+    probe.probe_isolation()
+    record = sandbox.tool_sandbox_record(SimpleNamespace(allow_weaker_sandbox=False))
+    assert record == {"isolation": probe.isolation, "missing": probe.missing, "allow_weaker": False}
+
+    def refused(self):  # what probe_isolation records where the kernel refuses a namespace
+        self.isolation, self.missing = "user namespaces; memory: per process", ["net: unshare(CLONE_NEWNET): refused"]
+        return self.isolation
+
+    monkeypatch.setattr(sandbox, "_RECORDS", {})
+    monkeypatch.setattr(Sandbox, "probe_isolation", refused)
+    with pytest.raises(ConfigError, match=r"^rollout.multi_turn.enable=true: tool sandbox: .*CLONE_NEWNET.*"
+                                          r"allow_weaker_sandbox=true"):
+        sandbox.tool_sandbox_record(SimpleNamespace(allow_weaker_sandbox=False))
+    record = sandbox.tool_sandbox_record(SimpleNamespace(allow_weaker_sandbox=True))
+    assert record["missing"] == ["net: unshare(CLONE_NEWNET): refused"] and record["allow_weaker"] is True

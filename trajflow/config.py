@@ -131,6 +131,8 @@ class MultiTurnConfig:
     format: str = _f("hermes", "how the model writes tool calls: <tool_call>{json}</tool_call>",
                      choices=["hermes"])
     tool_workers: int = _f(4, "sandbox processes running tool calls at once", ge=1)
+    allow_weaker_sandbox: bool = _f(False, "run tools even where the kernel refuses part of the sandbox's "
+                                    "isolation (user/network/PID/mount namespaces); see docs/multi-turn.md")
 
 
 @dataclass

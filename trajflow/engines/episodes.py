@@ -180,15 +180,16 @@ class EpisodeRunner:
         configured = load_tool_config(multi_turn.tool_config_path) if multi_turn.tool_config_path else []
         tools = environment_tools(multi_turn.environment, EnvContext(configured, None, multi_turn.format))
         self.sandbox = Sandbox(tools, max_response_chars=multi_turn.max_tool_response_length,
-                               workers=multi_turn.tool_workers)
+                               workers=multi_turn.tool_workers,
+                               allow_weaker=bool(getattr(multi_turn, "allow_weaker_sandbox", False)))
         self.context = EnvContext(configured, self.sandbox, multi_turn.format)
         self.renderer = ChatRenderer(tokenizer, [t.schema() for t in tools], self.eos_ids)
         self.limits = EpisodeLimits(total_tokens=int(total_tokens), turn_tokens=int(multi_turn.max_tokens_per_turn),
                                     max_assistant_turns=int(multi_turn.max_assistant_turns),
                                     max_user_turns=int(multi_turn.max_user_turns))
-        if tools:
-            isolation = self.sandbox.probe_isolation()
-            logging.getLogger(__name__).info("tool sandbox isolation: %s", isolation)
+        if tools:  # refuses a weaker sandbox than allowed before any episode starts
+            self.sandbox.check_isolation()
+            logging.getLogger(__name__).info("tool sandbox isolation: %s", self.sandbox.isolation)
 
     def run(self, engine: Any, rows: Sequence[dict], params: SamplingParams,
             max_prompt_length: int = 0) -> list[Episode]:

@@ -1,19 +1,20 @@
-"""The tool sandbox: every tool call runs in its own short-lived worker process with limits.
+"""The tool sandbox: every tool call runs in its own short-lived, confined worker process.
 
-Each call is a fresh Python interpreter (``python -m trajflow.envs.sandbox``) that imports only this
-module and the tool: it shares no memory with the caller (no model, no torch, no Ray state; a
-``fork`` of a multi-threaded policy worker would also be unsafe), and a call that hangs or crashes
-takes down only its own process. The request goes in on stdin as JSON and the answer comes back as
-JSON on a private pipe, so whatever the tool prints cannot be taken for its result. In the child,
-before the tool is imported:
+Each call is a fresh Python interpreter (``python -m trajflow.envs.sandbox_worker``) that imports only
+trajflow's sandbox modules and the tool: it shares no memory with the caller (no model, no torch, no
+Ray state; a ``fork`` of a multi-threaded policy worker would also be unsafe). That interpreter is a
+trusted *supervisor*: it confines the tool in a process of its own (new user, network, PID and mount
+namespaces, uid ``nobody``, a private root, a memory cgroup, ``RLIMIT_CPU/AS/NPROC/FSIZE``, an
+environment allow-list, no capabilities, ``no_new_privs``; see :mod:`trajflow.envs.sandbox_worker`),
+reads the tool's framed answer with a deadline and a byte cap, kills every process of the call and
+writes one validated JSON answer on its stdout, which no tool process holds. This process reads that
+answer with a deadline and a cap of its own and validates it again, so nothing a tool writes, prints
+or forges can raise here.
 
-* ``RLIMIT_CPU`` (``Tool.cpu_time_s``) and ``RLIMIT_AS`` (``Tool.memory_mb``) are set;
-* the network is cut by moving the process into a new, empty network namespace
-  (``unshare(CLONE_NEWNET)``); that needs root (or ``CAP_SYS_ADMIN``) on Linux, and when it fails the
-  call still runs, without network isolation, and :attr:`Sandbox.isolation` says why.
-
-The parent waits ``Tool.timeout_s`` of wall-clock time and kills the child after that. Every
-failure is returned as a :class:`ToolResult` whose ``error`` starts with its kind (``timeout:``,
+Where the kernel refuses part of the isolation (a container without user namespaces, say), the
+sandbox says what is missing in :attr:`Sandbox.missing` and refuses tools (:class:`SandboxUnavailable`)
+unless ``allow_weaker`` is set (``rollout.multi_turn.allow_weaker_sandbox``). Every failure of a call
+is returned as a :class:`ToolResult` whose ``error`` starts with its kind (``timeout:``,
 ``exception:``, ``memory:``, ``cpu:``, ``crashed:``, ``result:``, ``unknown tool:``, ``arguments:``,
 ``malformed:``): the episode shows it to the model and never stops for it.
 """
@@ -156,7 +157,7 @@ class Sandbox:
                 proc.stdin.close()
             except OSError:
                 pass  # it died first: its exit says why below
-            text, why = _read_capped(proc.stdout.fileno(), deadline, 8 * self.max_response_chars + 65536)
+            text, why = _read_capped(proc.stdout.fileno(), deadline, 12 * self.max_response_chars + 65536)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the supervisor's group; the tool's processes die with it
@@ -253,3 +254,30 @@ def _read_capped(fd: int, deadline: float, cap: int) -> tuple[bytes, str | None]
         buf += chunk
         if len(buf) > cap:
             return buf, f"answered more than {cap} bytes"
+
+
+_RECORDS: dict[bool, dict] = {}
+
+
+def tool_sandbox_record(multi_turn: Any) -> dict:
+    """Probe the sandbox on this machine (once per process) and say what it isolates, for the run's
+    ``run.json`` (``tool_sandbox``): ``{"isolation": line, "missing": [...], "allow_weaker": bool}``.
+
+    Args:
+        multi_turn: the ``rollout.multi_turn`` section (``allow_weaker_sandbox`` is read).
+
+    Raises:
+        trajflow.errors.ConfigError: the kernel refused part of the isolation and
+            ``rollout.multi_turn.allow_weaker_sandbox`` is false (one line naming what is missing).
+    """
+    from trajflow.errors import ConfigError
+
+    allow = bool(getattr(multi_turn, "allow_weaker_sandbox", False))
+    if allow not in _RECORDS:
+        sb = Sandbox([], allow_weaker=allow)
+        try:
+            sb.check_isolation()
+        except SandboxUnavailable as e:
+            raise ConfigError(f"rollout.multi_turn.enable=true: {e}") from None
+        _RECORDS[allow] = {"isolation": sb.isolation, "missing": list(sb.missing), "allow_weaker": allow}
+    return dict(_RECORDS[allow])

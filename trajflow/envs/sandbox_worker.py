@@ -294,9 +294,6 @@ def _confine(req: dict, cgroup: str | None) -> tuple[dict, list[str]]:
         os.setresgid(NOBODY, NOBODY, NOBODY)
         os.setresuid(NOBODY, NOBODY, NOBODY)
         _prctl(PR_SET_DUMPABLE, 1)  # so that this process may write its own /proc/self/uid_map
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
-    if os.getppid() != req["supervisor"]:
-        os._exit(1)
     _user_namespace(got, missing, proc_self)
     os.close(proc_self)
     if not root and "user" not in [m.split(":")[0] for m in missing]:
@@ -312,6 +309,10 @@ def _confine(req: dict, cgroup: str | None) -> tuple[dict, list[str]]:
             _unshare(CLONE_NEWNS, "CLONE_NEWNS")
         except OSError as e:
             missing.append(f"proc: {e}")
+    # After the credential changes above (uid, user namespace), each of which clears it.
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != req["supervisor"]:
+        os._exit(1)
     return got, missing
 
 
@@ -319,11 +320,7 @@ def _tool_main(req: dict, answer_w: int, alive_r: int) -> None:
     """Step 5 of the module doc, in the process that becomes PID 1 of the tool's PID namespace."""
     from trajflow.envs.tools import import_callable
 
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     os.setpgid(0, 0)  # without a PID namespace, the supervisor kills this group
-    if select.select([alive_r], [], [], 0)[0]:  # the parent died before the line above: stop
-        os._exit(1)
-    os.close(alive_r)
     if req["proc"]:
         try:
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -346,6 +343,11 @@ def _tool_main(req: dict, answer_w: int, alive_r: int) -> None:
         _drop_capabilities()
     except OSError:
         pass  # no capabilities to drop outside a user namespace (never root: see _confine)
+    # Last of the credential changes, which clear it (a change of capabilities too).
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if select.select([alive_r], [], [], 0)[0]:  # the parent died before the line above: stop
+        os._exit(1)
+    os.close(alive_r)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     try:
         value = import_callable(req["function"])(**req["arguments"], **req["options"])
@@ -356,13 +358,14 @@ def _tool_main(req: dict, answer_w: int, alive_r: int) -> None:
     except MemoryError:
         status, text, length = "error", f"memory: the call ran out of its {req['memory_mb']} MiB", 0
     except BaseException as e:  # everything the tool raises is the model's to read
-        status, text, length = "error", f"exception: {type(e).__name__}: {str(e)[:1000]}", 0
+        status, text, length = "error", f"exception: {type(e).__name__}: {e}"[:500], 0
     _send(answer_w, status, text, length)
     os._exit(0)
 
 
 def _send(fd: int, status: str, text: str, length: int) -> None:
-    body = json.dumps([status, text, length]).encode()
+    # UTF-8, not \u escapes: at most 6 bytes (an escaped control character) per character of text
+    body = json.dumps([status, text, length], ensure_ascii=False).encode("utf-8", "replace")
     data = MAGIC + struct.pack(">I", len(body)) + body
     while data:
         data = data[os.write(fd, data):]

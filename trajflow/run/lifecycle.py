@@ -66,7 +66,8 @@ def preflight(cfg: DictConfig) -> None:
         trajflow.errors.DeviceError: ``trainer.device`` or the vLLM engine is not available here.
         trajflow.errors.ConfigError: the custom reward function, the gate suite or policies, the
             gate bounds or ``actor.betas`` (see :func:`check_reward_and_gates`); more prompts per
-            iteration than the dataset has (see :func:`check_batch_size`).
+            iteration than the dataset has (see :func:`check_batch_size`); a tool sandbox weaker than
+            ``rollout.multi_turn.allow_weaker_sandbox`` allows.
         StoreError: ``store.root`` is not a writable folder.
     """
     from trajflow.prompts import data_spec, load_prompt_dataset, load_spec
@@ -76,6 +77,10 @@ def preflight(cfg: DictConfig) -> None:
     preflight_devices(cfg)
     check_store_root(cfg)
     check_reward_and_gates(cfg)
+    if cfg.rollout.multi_turn.enable:  # a sandbox weaker than allowed: refused here, before Ray
+        from trajflow.envs.sandbox import tool_sandbox_record
+
+        tool_sandbox_record(cfg.rollout.multi_turn)
 
     # Generated datasets too: their rows are well-formed by construction, but their count and their
     # length (system prompt, few-shot turns) are the spec's choice.

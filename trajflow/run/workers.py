@@ -165,6 +165,10 @@ def create_workers(ctx: RunContext) -> None:
             ray.get(handle.pid.remote())
     groups = {"actor": ctx.actor, "reference": ctx.reference, "rollout": ctx.rollout}
     ctx.store.update_run_meta(worker_nodes={role: g.node_ids() for role, g in groups.items() if g is not None})
+    if ctx.cfg.rollout.multi_turn.enable:  # what the tool sandbox isolates here (probed once per process)
+        from trajflow.envs.sandbox import tool_sandbox_record
+
+        ctx.store.update_run_meta(tool_sandbox=tool_sandbox_record(ctx.cfg.rollout.multi_turn))
     try:
         watch_new_ray_processes()
     except Exception as e:  # pragma: no cover - best effort
