@@ -28,8 +28,19 @@ def test_multi_turn_train_run_stores_episodes_and_audits_tools(eos_model, tmp_pa
         "rollout.multi_turn.enable": True, "rollout.multi_turn.environment": "tests.mt_envs:scripted_calls",
         "rollout.multi_turn.max_assistant_turns": 4, "rollout.multi_turn.max_tokens_per_turn": 24,
         "trainer.test_freq": 2, "trainer.log_samples": 0})
+    from trajflow.envs.sandbox import Sandbox
+
+    probe = Sandbox([], allow_weaker=True)
+    probe.probe_isolation()
+    weaker = bool(probe.missing)  # where the kernel refuses a namespace, the run must be allowed a weaker sandbox
+    over.append(f"rollout.multi_turn.allow_weaker_sandbox={str(weaker).lower()}")
     summary = train("grpo_tool_calculator", over)
     run_dir = Path(summary["run_dir"])
+    # What the tool sandbox isolated on this machine is part of the run's record.
+    import json
+
+    sandbox = json.loads((run_dir / "run.json").read_text())["tool_sandbox"]
+    assert sandbox == {"isolation": probe.isolation, "missing": probe.missing, "allow_weaker": weaker}
     # Validation ran as episodes too (2 held-out prompts, greedy): its lengths count the tool turns' tokens.
     assert summary["metrics"]["val-aux/response_length/mean"] > 0
     t = pq.read_table(run_dir / "iterations" / "000001" / "rollout.parquet").to_pylist()

@@ -64,7 +64,8 @@ class Scripted:
 
 
 def _scripted(tok, renderer, turns, env_name="tool_calculator", limits=None, sandbox=None):
-    sandbox = sandbox or Sandbox([BUILTIN_TOOLS["calculator"]], max_response_chars=64)
+    sandbox = sandbox or Sandbox([BUILTIN_TOOLS["calculator"]], max_response_chars=64,
+                                 allow_weaker=True)  # the loop, not the isolation, is tested here
     envs = [make_environment(env_name, EnvContext([], sandbox)) for _ in turns]
     rows = [{**ROW, "messages": [{"role": "user", "content": f"Problem {k}."}]} for k in range(len(turns))]
     engine = Scripted(tok, turns)

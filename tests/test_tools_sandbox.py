@@ -21,6 +21,11 @@ from trajflow.envs.tools import BUILTIN_TOOLS, Tool, load_tool_config
 from trajflow.errors import ConfigError
 
 
+def _sandbox(tools, **kw) -> Sandbox:
+    """A sandbox for tests of behaviour, not isolation: runs where the kernel refuses a namespace too."""
+    return Sandbox(tools, allow_weaker=True, **kw)
+
+
 def _tool(name: str, fn: str, props: dict, **kw) -> Tool:
     return Tool(name=name, description="", function=f"tests.sandbox_tools:{fn}",
                 parameters={"type": "object", "properties": props}, **kw)
@@ -80,7 +85,7 @@ def test_tool_config_builtin_and_custom(tmp_path):
     calc, echo = load_tool_config(p)
     assert calc.function == BUILTIN_TOOLS["calculator"].function and calc.options == {"max_exponent": 8}
     assert calc.timeout_s == 2 and echo.schema()["function"]["name"] == "echo"
-    sb = Sandbox([calc, echo])
+    sb = _sandbox([calc, echo])
     res = sb.run([ToolCall("echo", {"text": "hi"}, ""), ToolCall("calculator", {"expression": "2**9"}, "")])
     assert res[0].result == ">hi" and res[0].error is None
     assert res[1].error.startswith("exception: ValueError: exponent 9 is larger than 8")
@@ -107,7 +112,7 @@ def test_tool_config_errors_name_file_tool_and_field(tmp_path, body, field):
 # ----------------------------------------------------------------------------------- sandbox
 
 def test_timeout_is_an_error_result_and_is_enforced():
-    sb = Sandbox([_tool("sleepy", "sleepy", {"seconds": {"type": "number"}}, timeout_s=1.0)])
+    sb = _sandbox([_tool("sleepy", "sleepy", {"seconds": {"type": "number"}}, timeout_s=1.0)])
     t0 = time.perf_counter()
     r = sb.call(ToolCall("sleepy", {"seconds": 30}, ""))
     assert time.perf_counter() - t0 < 10  # killed at ~1 s, not after 30
@@ -116,7 +121,7 @@ def test_timeout_is_an_error_result_and_is_enforced():
 
 
 def test_exception_unknown_tool_bad_arguments_and_non_string():
-    sb = Sandbox([_tool("raises", "raises", {"message": {"type": "string"}}),
+    sb = _sandbox([_tool("raises", "raises", {"message": {"type": "string"}}),
                   _tool("nonstr", "not_a_string", {}), BUILTIN_TOOLS["calculator"]])
     r = sb.run([ToolCall("raises", {"message": "boom"}, ""), ToolCall("nonstr", {}, ""),
                 ToolCall("search", {}, ""), ToolCall("calculator", {"expr": "1"}, ""),
@@ -129,14 +134,14 @@ def test_exception_unknown_tool_bad_arguments_and_non_string():
 
 
 def test_memory_limit():
-    sb = Sandbox([_tool("alloc", "allocate", {"megabytes": {"type": "integer"}}, memory_mb=256)])
+    sb = _sandbox([_tool("alloc", "allocate", {"megabytes": {"type": "integer"}}, memory_mb=256)])
     assert sb.call(ToolCall("alloc", {"megabytes": 16}, "")).result == "allocated 16 MiB"
     r = sb.call(ToolCall("alloc", {"megabytes": 1024}, ""))
     assert r.error.startswith("memory:")
 
 
 def test_cpu_time_limit():
-    sb = Sandbox([_tool("spin", "spin", {}, cpu_time_s=1, timeout_s=20.0)])
+    sb = _sandbox([_tool("spin", "spin", {}, cpu_time_s=1, timeout_s=20.0)])
     r = sb.call(ToolCall("spin", {}, ""))
     assert r.error.startswith("cpu:"), r.error
 
@@ -162,7 +167,7 @@ def test_no_network_inside_the_sandbox():
 
 
 def test_output_truncated_and_calls_run_concurrently():
-    sb = Sandbox([_tool("sleepy", "sleepy", {"seconds": {"type": "number"}}), _tool("echo", "echo", {})],
+    sb = _sandbox([_tool("sleepy", "sleepy", {"seconds": {"type": "number"}}), _tool("echo", "echo", {})],
                  max_response_chars=5, workers=4)
     assert sb.call(ToolCall("echo", {"text": "abcdefghij"}, "")).result.startswith("abcde... [truncated 5")
     t0 = time.perf_counter()
@@ -173,7 +178,7 @@ def test_output_truncated_and_calls_run_concurrently():
 
 
 def test_tool_environment_turns_calls_into_tool_messages():
-    env = make_environment("tool_calculator", EnvContext([], Sandbox([BUILTIN_TOOLS["calculator"]])))
+    env = make_environment("tool_calculator", EnvContext([], _sandbox([BUILTIN_TOOLS["calculator"]])))
     msgs = env.reset({"messages": [{"role": "user", "content": "Calculate 1234 * 5678."}]})
     assert msgs[0]["role"] == "system" and "<tool_call>" in msgs[0]["content"]
     # A worked episode before the problem: call, tool answer (right: 4021 - 387 + 1290 - 56 = 4868), final line.
