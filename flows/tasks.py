@@ -236,6 +236,10 @@ def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: 
     if ref_role is not None:
         ref_future = ref_role.compute_ref_log_prob.remote(
             table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())
+    teacher_future = None
+    if ctx.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
+        teacher_future = ctx.teacher.compute_ref_log_prob.remote(
+            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())
     sids, cache = table.column("sample_id").to_pylist(), state.prescored
     if sids and all(sid in cache for sid in sids):  # scored by dynamic sampling in this process
         scores = np.array([cache[sid][0] for sid in sids], np.float32)
@@ -249,10 +253,11 @@ def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: 
         baselines, _ = final_scores(b_rule, b_rm, lengths(table.column("baseline_response_ids")), reward_cfg,
                                     cfg.rollout.max_new_tokens)
     ref_lp = wait(ctx, ref_future) if ref_future is not None else None
+    teacher_lp = wait(ctx, teacher_future) if teacher_future is not None else None
     kl_coef = float(ctx.kl_ctrl.value) if ctx.kl_ctrl is not None else 0.0
     out, metrics = reward_table(table, scores, extras, ref_logprobs=ref_lp, reward_cfg=reward_cfg,
                                 algorithm_cfg=ctx.plain("algorithm"), max_new_tokens=cfg.rollout.max_new_tokens,
-                                kl_coef=kl_coef, rm_scores=rm, reward_baselines=baselines)
+                                kl_coef=kl_coef, rm_scores=rm, reward_baselines=baselines, teacher_logprobs=teacher_lp)
     state.reward_metrics = metrics
     state.prescored = {}
     return ctx.store.write_stage(iteration, Stage.REWARD.value, out, ctx.policy_version, inputs=inputs,

@@ -39,6 +39,7 @@ import torch
 
 from trajflow.batch import lengths, pad_ragged, to_ragged, trainable_mask
 
+from stages.distillation import opd_advantage
 from stages.group_stats import (GroupStats, broadcast_rows, check_inputs, group_ids,
                                 masked_finite, masked_tokens)
 from stages.registry import Registry
@@ -560,6 +561,17 @@ def needs_greedy_baseline(name: str) -> bool:
     return ADV_ESTIMATORS.meta(name).needs_greedy_baseline
 
 
+@ADV_ESTIMATORS.register("opd")
+def compute_opd_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence[str | int],
+                          config: AdvantageConfig, *, teacher_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                          opd_coef: float = 1.0, opd_task_coef: float = 0.0, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation (:func:`stages.distillation.opd_advantage`): per token
+    ``opd_coef * (teacher - student) + opd_task_coef * A_grpo`` (the task reward's GRPO advantage)."""
+    task = compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, config)[0] if opd_task_coef \
+        else None
+    return opd_advantage(teacher_log_probs, rollout_log_probs, response_mask, opd_coef, task, opd_task_coef)
+
+
 def compute_advantage(
     name: str,
     token_level_rewards: torch.Tensor,
@@ -615,6 +627,10 @@ def advantage_table(joined: pa.Table, algorithm_cfg: dict, values: list[np.ndarr
         extra["values"] = vals_t
     if reward_baselines is not None:
         extra["reward_baselines"] = torch.as_tensor(reward_baselines, dtype=torch.float32)
+    if algorithm_cfg["adv_estimator"] == "opd":  # the teacher's and the student's log-probs of the sampled tokens
+        extra.update(teacher_log_probs=pad_ragged(joined.column("teacher_logprobs"), 0.0, torch.float32, length=T),
+                     rollout_log_probs=pad_ragged(joined.column("old_logprobs"), 0.0, torch.float32, length=T),
+                     opd_coef=float(algorithm_cfg["opd_coef"]), opd_task_coef=float(algorithm_cfg["opd_task_coef"]))
     index = joined.column("group_id").to_pylist()
     adv, ret = compute_advantage(algorithm_cfg["adv_estimator"], rewards, mask, index, conf, **extra)
     cols = {"sample_id": joined.column("sample_id")}

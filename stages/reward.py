@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from stages.distillation import reverse_kl_metrics
 from stages.kl import apply_kl_penalty_to_rewards
 from stages.scorers import SCORERS, load_custom_function, select_scorer
 from trajflow.batch import decode_nested, json_column, lengths, list_column, pad_ragged, to_ragged, trainable_mask
@@ -396,7 +397,8 @@ def last_trainable_index(mask: torch.Tensor) -> torch.Tensor:
 def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
                  ref_logprobs: list[np.ndarray] | None, reward_cfg: dict, algorithm_cfg: dict,
                  max_new_tokens: int, kl_coef: float, rm_scores: np.ndarray | None = None,
-                 reward_baselines: np.ndarray | None = None) -> tuple[pa.Table, dict]:
+                 reward_baselines: np.ndarray | None = None,
+                 teacher_logprobs: list[np.ndarray] | None = None) -> tuple[pa.Table, dict]:
     """The reward stage's output: scores, token-level rewards and (with a reference) ref log-probs.
 
     The sequence score (:func:`final_scores`: rule scores, combined with the reward model's when
@@ -419,6 +421,9 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
         kl_coef: the KL controller's current coefficient.
         rm_scores: ``(rows,)`` reward-model scores (with ``reward.reward_model.enable``).
         reward_baselines: ``(rows,)`` ReMax baseline score (the greedy response's final score) per row.
+        teacher_logprobs: on-policy distillation's teacher log-probs per row (ragged): stored as
+            ``teacher_logprobs``, with ``distill/*`` metrics against the rollout's log-probs
+            (:func:`stages.distillation.reverse_kl_metrics`) over the generated tokens.
 
     Returns:
         The table (``score``, ``rule_score``/``rm_score`` with a reward model, ``reward_baseline``
@@ -458,6 +463,11 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
     if (reward_cfg.get("reward_model") or {}).get("enable"):
         cols["rule_score"] = pa.array(rule, pa.float32())
         cols["rm_score"] = pa.array(np.asarray(rm_scores, dtype=np.float32), pa.float32())
+    if teacher_logprobs is not None:
+        cols["teacher_logprobs"] = list_column(teacher_logprobs, pa.float32())
+        teacher = pad_ragged(cols["teacher_logprobs"], 0.0, torch.float32, length=T)
+        student = pad_ragged(rollout.column("old_logprobs"), 0.0, torch.float32, length=T)
+        metrics.update(reverse_kl_metrics(teacher, student, mask))
     if reward_baselines is not None:
         cols["reward_baseline"] = pa.array(np.asarray(reward_baselines, dtype=np.float32), pa.float32())
         metrics["reward/baseline/mean"] = float(np.mean(reward_baselines)) if len(reward_baselines) else 0.0

@@ -319,3 +319,39 @@ def test_dynamic_sampling_without_any_signal_stops_with_a_clear_error(env):
     with pytest.raises(DynamicSamplingError, match=r"kept no group after 2 generation batch\(es\).*"
                                                    r"algorithm.filter_groups.max_num_gen_batches"):
         train("grpo_default", tiny_overrides(env.model, env.root / "runs", **over))
+
+
+def test_on_policy_distillation_with_a_teacher_worker(env, tmp_path_factory):
+    """adv_estimator=opd through the real flow: a teacher worker (another tiny model, same tokenizer) scores
+    the sampled tokens; stored teacher_logprobs match a plain forward of the teacher, and every token's
+    advantage is lambda (teacher - student) + mu * the task score's GRPO advantage."""
+    import torch
+
+    from tests.conftest import make_tiny_model
+    from trajflow.models import load_causal_lm
+
+    teacher_dir = make_tiny_model(tmp_path_factory.mktemp("teacher"), seed=7)
+    d = run(env, "grpo_default", **{"algorithm.adv_estimator": "opd", "teacher.path": str(teacher_dir),
+                                    "algorithm.opd_coef": 2.0, "algorithm.opd_task_coef": 0.5,
+                                    "trainer.total_iterations": 1})
+    teacher = load_causal_lm(str(teacher_dir), "float32", "cpu", "sdpa").eval()
+    rows = joined(d, 1)
+    from omegaconf import OmegaConf
+
+    temp = float(OmegaConf.load(d / "config.yaml").rollout.temperature)
+    kl = []
+    for p, r, t_lp, s_lp in zip(rows["prompt_ids"], rows["response_ids"], rows["teacher_logprobs"], rows["old_logprobs"]):
+        with torch.no_grad():
+            logp = torch.log_softmax(teacher(input_ids=torch.tensor([p + r])).logits[0].double() / temp, -1)
+        want = [float(logp[len(p) - 1 + j, tok]) for j, tok in enumerate(r)]
+        np.testing.assert_allclose(t_lp, want, atol=1e-4)
+        kl.extend(np.array(s_lp) - np.array(want))
+    upd = it_json(d, 1, "update.json")
+    assert upd["distill/reverse_kl"] == pytest.approx(float(np.mean(kl)), abs=1e-4)
+    for idx in by_group(rows).values():
+        scores = np.array([rows["score"][i] for i in idx])
+        std = scores.std(ddof=1)
+        for i in idx:
+            g = 0.0 if std == 0 else (scores[idx.index(i)] - scores.mean()) / (std + 1e-6)
+            want = 2.0 * (np.array(rows["teacher_logprobs"][i]) - np.array(rows["old_logprobs"][i])) + 0.5 * g
+            np.testing.assert_allclose(rows["advantages"][i], want, rtol=1e-4, atol=1e-4)

@@ -245,6 +245,10 @@ class AlgorithmConfig:
                                    "turns it off; 'geometric' = the geometric mean of the sequence's token ratios",
                                    choices=["token", "sequence", "geometric", "disable"])
     rollout_is_threshold: float = _f(2.0, "truncation bound C of the rollout importance weights", gt=0.0)
+    opd_coef: float = _f(1.0, "adv_estimator=opd: weight lambda of the per-token reverse KL, A_t = lambda * "
+                         "(log p_teacher - log p_student) (on-policy distillation)", ge=0.0)
+    opd_task_coef: float = _f(0.0, "adv_estimator=opd: weight of the task reward's GRPO advantage added to every "
+                              "token (0 = pure distillation; > 0 needs rollout.n >= 2)", ge=0.0)
     rollout_rs: Optional[str] = _f(None, "rollout rejection sampling: drop from the policy loss each 'token' "
                                    "(IcePop), 'sequence' (product of ratios; TRL's sequence_mask with "
                                    "rollout_rs_threshold_lower=0) or 'geometric' (geometric mean of ratios) whose "
@@ -319,6 +323,16 @@ class ReferenceConfig:
 
     path: Optional[str] = _f(None, "reference model (default: model.path)")
     pool: Optional[str] = _f(None, "resource pool of the reference workers (null = the actor's pool)")
+    mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig)
+
+
+@dataclass
+class TeacherConfig:
+    """Teacher policy for on-policy distillation (algorithm.adv_estimator=opd)."""
+
+    path: Optional[str] = _f(None, "teacher model (a Hugging Face directory or a known model name); needs the "
+                             "policy's tokenizer")
+    pool: Optional[str] = _f(None, "resource pool of the teacher workers (null = the actor's pool)")
     mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig)
 
 
@@ -439,6 +453,7 @@ class TrajflowConfig:
     actor: ActorConfig = _section(ActorConfig)
     critic: CriticConfig = _section(CriticConfig)
     reference: ReferenceConfig = _section(ReferenceConfig)
+    teacher: TeacherConfig = _section(TeacherConfig)
     trainer: TrainerConfig = _section(TrainerConfig)
     resources: ResourcesConfig = _section(ResourcesConfig)
     store: StoreConfig = _section(StoreConfig)
@@ -593,6 +608,17 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         # weights a sequence by its length, which is what the sequence ratio is meant to remove.
         raise ConfigError(f"{source}: actor.policy_loss=gspo needs actor.loss_agg_mode=seq-mean-token-mean "
                           f"(got {cfg.actor.loss_agg_mode!r}, which weights each sequence by its length)")
+    opd = cfg.algorithm.adv_estimator == "opd"
+    if opd and not cfg.teacher.path:
+        raise ConfigError(f"{source}: algorithm.adv_estimator=opd (on-policy distillation) needs teacher.path, the "
+                          "teacher model whose log-probs score the student's samples")
+    if cfg.teacher.path and not opd:
+        raise ConfigError(f"{source}: teacher.path={cfg.teacher.path!r} is only used by on-policy distillation: set "
+                          f"algorithm.adv_estimator=opd (got {cfg.algorithm.adv_estimator!r}) or drop teacher.path")
+    if opd and cfg.algorithm.opd_task_coef > 0 and cfg.rollout.n < 2:
+        raise ConfigError(f"{source}: algorithm.opd_task_coef={cfg.algorithm.opd_task_coef} adds the task reward's GRPO "
+                          f"advantage, which compares the samples of one prompt: it needs rollout.n >= 2 (got "
+                          f"{cfg.rollout.n})")
     if cfg.trainer.keep_best is not None:
         if not str(cfg.trainer.keep_best).startswith(("val-core/", "val-aux/")):
             raise ConfigError(f"{source}: trainer.keep_best={cfg.trainer.keep_best!r} must name a validation metric "

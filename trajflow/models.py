@@ -217,6 +217,31 @@ def load_tokenizer(path: str | Path) -> Any:
     return tok
 
 
+def same_tokenizer(policy_path: str | Path, other_path: str | Path, key: str) -> None:
+    """Refuse a second model (a distillation teacher) whose tokenizer is not the policy's: its
+    log-probs of the policy's token ids would score other text.
+
+    The same vocabulary (every token string with the same id) and the same EOS and pad ids count as
+    the same tokenizer.
+
+    Raises:
+        ConfigError: one line naming ``key`` and the first difference found.
+    """
+    from trajflow.errors import ConfigError
+
+    a, b = load_tokenizer(policy_path), load_tokenizer(other_path)
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        diff = next((t for t in sorted(set(va) | set(vb)) if va.get(t) != vb.get(t)), None)
+        raise ConfigError(f"{key}={str(other_path)!r}: its tokenizer differs from the policy's ({len(vb)} vs {len(va)} "
+                          f"tokens; e.g. {diff!r} is id {vb.get(diff)} there and {va.get(diff)} in the policy's); "
+                          "on-policy distillation needs the same tokenizer")
+    for name in ("eos_token_id", "pad_token_id"):
+        if getattr(a, name) != getattr(b, name):
+            raise ConfigError(f"{key}={str(other_path)!r}: its {name} is {getattr(b, name)}, the policy's is "
+                              f"{getattr(a, name)}; on-policy distillation needs the same tokenizer")
+
+
 #: How a chat prompt becomes text for a tokenizer without a chat template: one line per message,
 #: ``"{role}: {content}"``, then ``"assistant:"`` for the response to follow.
 PLAIN_PROMPT_FORMAT = "{role}: {content}\n"

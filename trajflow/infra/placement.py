@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from trajflow.errors import ConfigError, DeviceError
 
 #: Roles that can be placed on pools (the config sections carrying a ``pool`` key).
-ROLES = ("actor", "reference", "critic", "rollout")
+ROLES = ("actor", "reference", "critic", "rollout", "teacher")
 #: Keys of one ``resources.pools.<name>`` entry.
 POOL_KEYS = ("nodes", "devices_per_node", "device", "num_cpus_per_worker")
 DEFAULT_POOL = "default"
@@ -112,6 +112,8 @@ def role_enabled(cfg: Any, role: str) -> bool:
         return needs_values(cfg.algorithm.adv_estimator)
     if role == "rollout":
         return cfg.rollout.pool is not None
+    if role == "teacher":  # on-policy distillation's teacher
+        return cfg.algorithm.adv_estimator == "opd"
     raise KeyError(role)
 
 

@@ -54,6 +54,8 @@ def reward_inputs(ctx: RunContext, iteration: int, rollout: StageRef) -> dict[st
                 "kl": [bool(cfg.algorithm.use_kl_in_reward), cfg.algorithm.kl_penalty,
                        float(ctx.kl_ctrl.value) if ctx.kl_ctrl is not None else None],
                 "reference": [ctx.needs_reference(), cfg.reference.path]}
+    if ctx.needs_teacher():  # the stored teacher_logprobs come from this model
+        settings["teacher"] = cfg.teacher.path
     return {"rollout": rollout.sha256, "settings": digest(settings)}
 
 

@@ -117,6 +117,7 @@ class RunContext:
     critic: Any = None           # CriticWorker (None unless the estimator needs values)
     reward_model: Any = None     # RewardModelWorker (None unless reward.reward_model.enable)
     rollout: Any = None          # WorkerGroup of RolloutWorker ranks (rollout.pool set), else None
+    teacher: Any = None          # WorkerGroup of ReferenceWorker ranks serving the teacher (adv_estimator=opd)
     placement: Any = None        # trajflow placement of roles on resource pools, made on first use
     tracker: Any = None          # trajflow.tracking.Tracker
     sampler: Any = None          # trajflow.prompts.PromptSampler (the data cursor)
@@ -192,6 +193,12 @@ class RunContext:
 
         return needs_greedy_baseline(self.cfg.algorithm.adv_estimator)
 
+    def needs_teacher(self) -> bool:
+        """On-policy distillation (``algorithm.adv_estimator=opd``) scores the samples with a teacher."""
+        from trajflow.infra.placement import role_enabled
+
+        return role_enabled(self.cfg, "teacher")
+
     def needs_reward_model(self) -> bool:
         return bool(self.cfg.reward.reward_model.enable)
 
@@ -207,7 +214,7 @@ class RunContext:
         setting = str(self.cfg.resources.get("release_memory", "auto"))
         if setting != "auto":
             return setting == "always"
-        return bool(self.needs_critic() or self.needs_reference_worker() or self.needs_reward_model()
+        return bool(self.needs_critic() or self.needs_reference_worker() or self.needs_reward_model() or self.needs_teacher()
                     or self.cfg.rollout.pool is not None)
 
 

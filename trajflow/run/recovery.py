@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from trajflow.run.context import RunContext
 from trajflow.run.workers import create_critic_worker, create_policy_worker, create_reference_worker, \
-    create_reward_model_worker
+    create_reward_model_worker, create_teacher_worker
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,9 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
     if ctx.reference is None and ctx.needs_reference_worker() and not ctx.state.policy_only:
         create_reference_worker(ctx)
         created.append("reference")
+    if ctx.teacher is None and ctx.needs_teacher() and not ctx.state.policy_only:
+        create_teacher_worker(ctx)
+        created.append("teacher")
     if ctx.reward_model is None and ctx.needs_reward_model() and not ctx.state.policy_only:
         create_reward_model_worker(ctx)
         created.append("reward_model")

@@ -105,6 +105,31 @@ def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
         ray.get([h.pid.remote() for h in ctx.reference.handles])
 
 
+def create_teacher_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start on-policy distillation's teacher (``teacher.path``) as a worker group (``ctx.teacher``): a
+    frozen model that serves log-probs like the reference, one rank per slot of its pool.
+
+    Raises:
+        ConfigError: the teacher's tokenizer is not the policy's (its log-probs would score other tokens).
+    """
+    import ray
+
+    from trajflow.models import resolve_model_path, same_tokenizer
+    from trajflow.workers.group import WorkerGroup
+    from trajflow.workers.reference import ReferenceWorker
+
+    cfg = ctx.cfg
+    path = str(resolve_model_path(cfg.teacher.path, cfg.model.cache_dir))
+    same_tokenizer(ctx.model_path, path, "teacher.path")
+    place = placement(ctx)
+    ctx.teacher = WorkerGroup.spawn(
+        ReferenceWorker, (path, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.rollout), cfg.trainer.device,
+                          int(cfg.trainer.num_threads), OmegaConf.to_object(cfg.teacher.mixed_precision)),
+        [place.actor_options("teacher", r) for r in range(place.world_size("teacher"))], "teacher")
+    if wait_loaded:
+        ray.get([h.pid.remote() for h in ctx.teacher.handles])
+
+
 def create_critic_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
     """Start the critic (value model: ``critic.path`` or the policy's body + a value head) as a Ray
     actor (``ctx.critic``), with fresh weights and optimizer."""
@@ -155,15 +180,18 @@ def create_workers(ctx: RunContext) -> None:
         create_reference_worker(ctx, wait_loaded=False)
     if ctx.needs_critic():
         create_critic_worker(ctx, wait_loaded=False)
+    if ctx.needs_teacher():
+        create_teacher_worker(ctx, wait_loaded=False)
     if ctx.needs_reward_model():
         create_reward_model_worker(ctx, wait_loaded=False)
     finish_policy_worker(ctx)
-    if ctx.reference is not None:
-        ray.get([h.pid.remote() for h in ctx.reference.handles])
+    for group in (ctx.reference, ctx.teacher):
+        if group is not None:
+            ray.get([h.pid.remote() for h in group.handles])
     for handle in (ctx.critic, ctx.reward_model):
         if handle is not None:
             ray.get(handle.pid.remote())
-    groups = {"actor": ctx.actor, "reference": ctx.reference, "rollout": ctx.rollout}
+    groups = {"actor": ctx.actor, "reference": ctx.reference, "rollout": ctx.rollout, "teacher": ctx.teacher}
     ctx.store.update_run_meta(worker_nodes={role: g.node_ids() for role, g in groups.items() if g is not None})
     if ctx.cfg.rollout.multi_turn.enable:  # what the tool sandbox isolates here (probed once per process)
         from trajflow.envs.sandbox import tool_sandbox_record
@@ -179,9 +207,9 @@ def release_workers(ctx: RunContext) -> None:
     """Stop the run's actors and release its placement groups (Ray itself keeps running)."""
     from trajflow.workers.group import kill_workers
 
-    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model, ctx.rollout):
+    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model, ctx.rollout, ctx.teacher):
         kill_workers(handle)
-    ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = ctx.rollout = None
+    ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = ctx.rollout = ctx.teacher = None
     place, ctx.placement = ctx.placement, None
     if place is not None:
         place.close()
