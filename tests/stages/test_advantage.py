@@ -309,6 +309,10 @@ def test_no_nan_and_zero_outside_mask_on_random_inputs(name):
         if name == "grpo_passk":
             index = [i // 2 for i in range(batch)]
         extra = {"values": torch.randn(batch, length, generator=gen), "reward_baselines": torch.randn(batch, generator=gen)}
+        if name == "opd":  # log-probs with garbage outside the mask; the task advantage mixed in
+            lp = [torch.where(mask, -torch.rand(batch, length, generator=gen), torch.tensor(float("nan")))
+                  for _ in range(2)]
+            extra = {"teacher_log_probs": lp[0], "rollout_log_probs": lp[1], "opd_coef": 1.0, "opd_task_coef": 0.5}
         adv, ret = compute_advantage(name, rewards, mask, index, AdvantageConfig(gamma=0.9, lam=0.95), **extra)
         assert adv.shape == (batch, length) and adv.dtype == torch.float32
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all(), (name, trial)
