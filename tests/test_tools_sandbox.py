@@ -418,3 +418,43 @@ def test_run_metadata_record_and_refusal_as_a_config_error(monkeypatch):
         sandbox.tool_sandbox_record(SimpleNamespace(allow_weaker_sandbox=False))
     record = sandbox.tool_sandbox_record(SimpleNamespace(allow_weaker_sandbox=True))
     assert record["missing"] == ["net: unshare(CLONE_NEWNET): refused"] and record["allow_weaker"] is True
+
+
+_IN_USERNS = """
+import json, os
+from trajflow.envs.sandbox import Sandbox, ToolCall
+from tests.sandbox_tools import read_file
+from trajflow.envs.tools import Tool
+sb = Sandbox([Tool(name="read", description="", parameters={"type": "object"},
+                   function="tests.sandbox_tools:read_file")], allow_weaker=True)
+sb.probe_isolation()
+r = sb.call(ToolCall("read", {"path": "/proc/1/cmdline"}, ""))
+print(json.dumps({"euid": os.geteuid(), "isolation": sb.isolation, "missing": sb.missing, "error": r.error,
+                  "init": r.result}))
+"""
+
+
+@pytest.mark.parametrize("mapping, euid", [("--map-user=1000 --map-group=1000", 1000), ("--map-root-user", 0)])
+def test_a_worker_that_is_not_root_or_root_of_a_rootless_container(mapping, euid):
+    """A non-root worker gets the same namespaces through its own user namespace; root of a user
+    namespace that maps no ``nobody`` (a rootless container) cannot switch user, and says so."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--user", "true"]).returncode != 0:
+        pytest.skip("no unprivileged user namespaces (or no unshare) here")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(["unshare", "--user", *mapping.split(), sys.executable, "-c", _IN_USERNS],
+                         capture_output=True, text=True, cwd=root, timeout=60,
+                         env={"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join([root] + sys.path[1:])})
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["euid"] == euid
+    assert got["isolation"].startswith("user, net, pid, mount namespaces"), got
+    # /proc/1 is the tool's own PID 1 (a fork of the supervisor), never the host's init
+    assert got["error"] is None and "trajflow.envs.sandbox_worker" in got["init"], got
+    if euid == 0:
+        assert got["missing"] == [f"user: uid 65534 is not mapped in this user namespace (a rootless container?): "
+                                  "the tool runs as the worker's uid 0"]
+    else:
+        assert got["missing"] == []

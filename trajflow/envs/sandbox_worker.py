@@ -286,7 +286,10 @@ def _confine(req: dict, cgroup: str | None) -> tuple[dict, list[str]]:
             got["memory"] = "cgroup"
         except OSError as e:
             missing.append(f"memory cgroup: {e}")
-    root = os.geteuid() == 0
+    root = bool(req["switch_user"])
+    if os.geteuid() == 0 and not root:
+        missing.append(f"user: uid {NOBODY} is not mapped in this user namespace (a rootless container?): "
+                       "the tool runs as the worker's uid 0")
     proc_self = os.open("/proc/self", os.O_PATH | os.O_DIRECTORY)
     if root:
         _private_root(req, got, missing)
@@ -296,7 +299,7 @@ def _confine(req: dict, cgroup: str | None) -> tuple[dict, list[str]]:
         _prctl(PR_SET_DUMPABLE, 1)  # so that this process may write its own /proc/self/uid_map
     _user_namespace(got, missing, proc_self)
     os.close(proc_self)
-    if not root and "user" not in [m.split(":")[0] for m in missing]:
+    if not root and "inside a user namespace" in got["user"]:
         _private_root(req, got, missing)
     for key, flag, what in (("net", CLONE_NEWNET, "CLONE_NEWNET"), ("pid", CLONE_NEWPID, "CLONE_NEWPID")):
         try:
@@ -448,6 +451,19 @@ def parse_answer(body: bytes) -> tuple[str, str, int]:
     return value[0], value[1], value[2]
 
 
+def _nobody_mapped() -> bool:
+    """Whether uid and gid ``NOBODY`` exist in this process's user namespace (not so in a rootless
+    container that maps one uid)."""
+    for name in ("uid_map", "gid_map"):
+        try:
+            ranges = [tuple(map(int, line.split())) for line in open(f"/proc/self/{name}")]
+        except (OSError, ValueError):
+            return False
+        if not any(inner <= NOBODY < inner + count for inner, _, count in ranges):
+            return False
+    return True
+
+
 def _kill(pidfd: int | None, pid: int | None) -> None:
     for send in ((lambda: signal.pidfd_send_signal(pidfd, signal.SIGKILL)) if pidfd is not None else None,
                  (lambda: os.killpg(pid, signal.SIGKILL)) if pid is not None else None):
@@ -464,7 +480,8 @@ def supervise(req: dict) -> dict:
     timeout, cap = float(req["timeout_s"]), 6 * int(req["max_chars"]) + 4096
     cgroup = make_cgroup(int(req["memory_mb"]))
     fallback_tmp = tempfile.mkdtemp(prefix="trajflow-tool-")
-    if os.geteuid() == 0:
+    req["switch_user"] = os.geteuid() == 0 and _nobody_mapped()
+    if req["switch_user"]:
         os.chown(fallback_tmp, NOBODY, NOBODY)
     req.update(supervisor=os.getpid(), paths=visible_paths(req["function"]), fallback_tmp=fallback_tmp, tmp="/tmp")
     answer_r, answer_w = os.pipe()
