@@ -270,6 +270,11 @@ def test_rslora_scale_is_alpha_over_sqrt_rank_in_merge_and_export(tiny_model_dir
     worker.export_hf(str(final))
     cfg = json.loads((final / lora.ADAPTER_DIR / "adapter_config.json").read_text())
     assert cfg["use_rslora"] is True and cfg["r"] == 4 and cfg["lora_alpha"] == 8.0
+    # what the vLLM engine's update_adapter writes as adapter_config.json (vLLM scales by alpha / sqrt(r) when
+    # use_rslora is set): the policy's own peft config
+    sync = tmp_path / "sync"
+    worker.model.peft_config[lora.ADAPTER].save_pretrained(str(sync))
+    assert json.loads((sync / "adapter_config.json").read_text())["use_rslora"] is True
     from safetensors.torch import load_file
     exported = load_file(str(final / "model.safetensors"))
     wl = worker.model.get_base_model().get_submodule(name)

@@ -204,7 +204,7 @@ def evaluate(run_id: str = typer.Argument(..., help="the run whose checkpoint is
              store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
              verbose: bool = typer.Option(False, "--verbose", "-v", help=VERBOSE_HELP)) -> None:
     """Validate a run's checkpoint on its held-out prompts (verl's val_only), logged to MLflow as a
-    child of the run; with rollout.val_n > 1 also maj@n and best@n."""
+    child of the run; with rollout.val_n > 1 also pass@k for every k <= n, best@k and maj@k."""
 
     def go():
         _console(verbose)
