@@ -57,7 +57,7 @@ def _one(setting: str, model: str | None, updates: int) -> dict:
     rows = [p for p in prompts for _ in range(n)]
     sign = np.random.default_rng(0).choice([-1.0, 1.0], size=len(rows))
     adv = [[float(s)] * len(r) for s, r in zip(sign, out.response_ids)]
-    batch = UpdateBatch(UpdateRows(rows, out.response_ids, out.old_logprobs, adv), UpdateSettings(len(rows)))
+    batch = UpdateBatch(UpdateRows(rows, out.response_ids, out.rollout_logprobs, adv), UpdateSettings(len(rows)))
     times = []
     for i in range(updates + 1):  # the first is a warm-up (allocator, lazy optimizer state)
         t0 = time.perf_counter()

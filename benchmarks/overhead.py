@@ -193,11 +193,11 @@ def probe_ray(run_dir: Path, iteration: int, repeats: int) -> dict[str, float]:
 
     st = RunStore(run_dir.parent, run_dir.name)
     joined = join_stages([pq.read_table(st.stage_path(iteration, s)) for s in ("rollout", "reward", "advantage")])
-    update_batch = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "old_logprobs", "advantages")}
+    update_batch = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "rollout_logprobs", "advantages")}
     gen_result = {"response_ids": joined.column("response_ids").to_pylist(),
                   "response_text": joined.column("response_text").to_pylist(),
                   "finish_reason": joined.column("finish_reason").to_pylist(),
-                  "old_logprobs": [np.asarray(x, np.float32) for x in joined.column("old_logprobs").to_pylist()]}
+                  "rollout_logprobs": [np.asarray(x, np.float32) for x in joined.column("rollout_logprobs").to_pylist()]}
 
     @ray.remote(num_cpus=0)
     class Echo:

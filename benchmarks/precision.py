@@ -89,7 +89,7 @@ def main() -> None:
     rows = [p for p in prompts for _ in range(n)]
     sign = np.random.default_rng(0).choice([-1.0, 1.0], size=len(rows))
     adv = [[float(s)] * len(r) for s, r in zip(sign, out.response_ids)]
-    batch = UpdateBatch(UpdateRows(rows, out.response_ids, out.old_logprobs, adv), UpdateSettings(len(rows)))
+    batch = UpdateBatch(UpdateRows(rows, out.response_ids, out.rollout_logprobs, adv), UpdateSettings(len(rows)))
     upd: dict[str, list[float]] = {"float32": [], "bfloat16": []}
     for i in range(repeats + 1):
         for dtype in upd:

@@ -28,7 +28,7 @@ from stages.multi_turn import multi_turn_table
 from stages.names import Stage
 from stages.policy_update import critic_batch, update_batch, update_batch_options, with_loss_mask
 from stages.reward import final_scores, reward_table
-from stages.rollout import rollout_table, sampling_params
+from stages.rollout import rollout_table, rollout_temperature, sampling_params, with_sampling_columns
 from stages.staleness import row_staleness, staleness_metrics
 from stages.seeds import Salt, iteration_seed
 from trajflow.batch import join_stages, lengths, trainable_lengths
@@ -136,17 +136,16 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
     """
     cfg, state = ctx.cfg, ctx.iteration(iteration)
     _rewind_data_cursor(ctx, iteration)
+    params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
     if cfg.algorithm.filter_groups.enable:
         table, policy_version = _dynamic_sampling(ctx, iteration)
     elif cfg.rollout.multi_turn.enable:
-        params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
         gen = roles.generate_episodes(ctx, state.prompts, params, iteration)
         table = multi_turn_table(iteration, state.prompts, gen.episodes, gen.response_text, cfg.rollout.n,
                                  gen.policy_version, extra_info_type=ctx.datasets.extra_info_type)
         state.timing["timing_s/gen"] = gen.timing["timing_s/gen"]
         policy_version = gen.policy_version
     elif state.behaviour_version is not None:  # overlapped (trainer.max_staleness > 0): beside the update
-        params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
         if state.behaviour_weights is not None:  # the rollouts ahead of this one are done: its weights now
             state.timing["timing_s/weight_load"] = roles.load_rollout_weights(ctx, state.behaviour_weights,
                                                                               state.behaviour_version)
@@ -166,13 +165,14 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
             inputs = dict(inputs, policy_version=str(policy_version))
             state.behaviour_version = policy_version
     else:
-        params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
         prompt_ids, gen = roles.generate(ctx, state.prompts, params, iteration)
         table = rollout_table(iteration, state.prompts, prompt_ids, gen, cfg.rollout.n,
                               extra_info_type=ctx.datasets.extra_info_type)
         state.timing["timing_s/gen"] = gen.timing["timing_s/gen"]
         state.timing["timing_s/old_log_prob"] = gen.timing.get("timing_s/old_log_prob", 0.0)
         policy_version = gen.policy_version
+    if "temperature" not in table.column_names:  # dynamic sampling's batches carry them already
+        table = with_sampling_columns(table, params)
     if ctx.needs_greedy_baseline():
         t0 = time.perf_counter()
         greedy = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.REMAX_GREEDY), n=1,
@@ -192,10 +192,11 @@ def _dynamic_sampling(ctx: RunContext, iteration: int) -> tuple[pa.Table, int]:
 
     def generate(prompts: list, k: int) -> GenerationBatch:
         seed = iteration_seed(cfg.trainer.seed, iteration, Salt.dynamic(k))
-        prompt_ids, gen = roles.generate(ctx, prompts, sampling_params(cfg.rollout, seed), iteration)
+        params = sampling_params(cfg.rollout, seed)
+        prompt_ids, gen = roles.generate(ctx, prompts, params, iteration)
         gen_s[0] += gen.timing["timing_s/gen"]
-        t = rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n, offset=k * target,
-                          extra_info_type=ctx.datasets.extra_info_type)
+        t = with_sampling_columns(rollout_table(iteration, prompts, prompt_ids, gen, cfg.rollout.n, offset=k * target,
+                                                extra_info_type=ctx.datasets.extra_info_type), params)
         rule, extras, _, rm = roles.score(ctx, t)
         final, _ = final_scores(rule, rm, trainable_lengths(t), reward_cfg, cfg.rollout.max_new_tokens)
         return GenerationBatch(t, rule, extras, rm, final)
@@ -233,13 +234,14 @@ def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: 
     reward_cfg = ctx.reward_settings()
     ref_future = None
     ref_role = ctx.actor if ctx.reference_in_actor() else ctx.reference
+    temperature = rollout_temperature(table, cfg.rollout.temperature)  # the rows' own, whatever the config says now
     if ref_role is not None:
         ref_future = ref_role.compute_ref_log_prob.remote(
-            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())
+            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(), temperature)
     teacher_future = None
     if ctx.teacher is not None:  # on-policy distillation: the teacher scores every sampled token
         teacher_future = ctx.teacher.compute_ref_log_prob.remote(
-            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())
+            table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(), temperature)
     sids, cache = table.column("sample_id").to_pylist(), state.prescored
     if sids and all(sid in cache for sid in sids):  # scored by dynamic sampling in this process
         scores = np.array([cache[sid][0] for sid in sids], np.float32)

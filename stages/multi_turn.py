@@ -36,7 +36,7 @@ class Episode:
         prompt_messages: the initial messages (``Environment.reset``; the ``prompt`` column).
         response_ids: every token after the prompt.
         loss_mask: 1 at generated tokens, 0 at observation and template tokens; ``len(response_ids)``.
-        old_logprobs: the sampler's log-prob at generated tokens, 0.0 elsewhere; ``len(response_ids)``.
+        rollout_logprobs: the sampler's (behaviour policy's) log-prob at generated tokens, 0.0 elsewhere; ``len(response_ids)``.
         turn_spans: ``[start0, end0, start1, end1, ...]`` of each assistant turn in ``response_ids``.
         messages: the conversation after the prompt messages.
         tool_calls: ``{turn, name, arguments, result, error, duration_s}`` per call.
@@ -49,7 +49,7 @@ class Episode:
     prompt_messages: list[dict]
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
-    old_logprobs: list[float] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
     turn_spans: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)
@@ -71,14 +71,14 @@ class Episode:
         start = len(self.response_ids)
         self.response_ids.extend(int(t) for t in ids)
         self.loss_mask.extend([1] * len(ids))
-        self.old_logprobs.extend([float(x) for x in logprobs] if logprobs is not None else [0.0] * len(ids))
+        self.rollout_logprobs.extend([float(x) for x in logprobs] if logprobs is not None else [0.0] * len(ids))
         self.turn_spans.extend([start, len(self.response_ids)])
 
     def add_observation(self, ids: Sequence[int]) -> None:
         """Append observation/template tokens (mask 0, log-prob 0.0)."""
         self.response_ids.extend(int(t) for t in ids)
         self.loss_mask.extend([0] * len(ids))
-        self.old_logprobs.extend([0.0] * len(ids))
+        self.rollout_logprobs.extend([0.0] * len(ids))
 
 
 def multi_turn_table(iteration: int, prompts: Sequence[Any], episodes: Sequence[Episode], response_text: Sequence[str],
@@ -104,8 +104,8 @@ def multi_turn_table(iteration: int, prompts: Sequence[Any], episodes: Sequence[
     if len(episodes) != len(prompts) * n:
         raise ValueError(f"multi_turn_table: {len(episodes)} episodes for {len(prompts)} prompts x n={n}")
     for i, e in enumerate(episodes):
-        if not len(e.loss_mask) == len(e.old_logprobs) == len(e.response_ids):
-            raise ValueError(f"episode {i}: loss_mask/old_logprobs/response_ids lengths differ")
+        if not len(e.loss_mask) == len(e.rollout_logprobs) == len(e.response_ids):
+            raise ValueError(f"episode {i}: loss_mask/rollout_logprobs/response_ids lengths differ")
         if e.finish_reason not in FINISH_REASONS:
             raise ValueError(f"episode {i}: finish_reason {e.finish_reason!r} is not one of {FINISH_REASONS}")
     sids, gids = sample_ids(iteration, len(prompts), n, offset)
@@ -121,7 +121,7 @@ def multi_turn_table(iteration: int, prompts: Sequence[Any], episodes: Sequence[
         "prompt_ids": list_column([e.prompt_ids for e in episodes], pa.int32()),
         "response_ids": list_column([e.response_ids for e in episodes], pa.int32()),
         "response_text": pa.array(list(response_text), pa.string()),
-        "old_logprobs": list_column([e.old_logprobs for e in episodes], pa.float32()),
+        "rollout_logprobs": list_column([e.rollout_logprobs for e in episodes], pa.float32()),
         "finish_reason": pa.array([e.finish_reason for e in episodes], pa.string()),
         "ground_truth": pa.array([str(p.ground_truth) for p in rep], pa.string()),
         "data_source": pa.array([p.data_source for p in rep], pa.string()),

@@ -20,6 +20,7 @@ import torch
 from stages.kl import DEFAULT_KL_LOSS_TYPE, has_k2_gradient, kl_penalty
 from stages.policy_losses import (LOG_RATIO_CLAMP, PolicyLossConfig, agg_loss, bool_mask, check_same_shape,
                                    compute_policy_loss, fill_outside, masked_mean_float)
+from stages.rollout import rollout_temperature
 from stages.seeds import Salt, iteration_seed
 from trajflow.batch import lengths, trainable_mask
 
@@ -335,7 +336,8 @@ class UpdateRows:
     Attributes:
         prompt_ids: token ids of each row's prompt.
         response_ids: token ids of each row's response.
-        old_logprobs: the rollout engine's log-prob of each response token.
+        rollout_logprobs: the behaviour policy's log-prob of each response token (the rollout engine's,
+            stored column ``rollout_logprobs``).
         advantages: one advantage per response token.
         loss_mask: optional 0/1 per response token (0: the token is out of the policy loss: tool and
             environment tokens of a multi-turn row, and every token of a quarantined or truncated
@@ -350,13 +352,13 @@ class UpdateRows:
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
-    old_logprobs: list[list[float]]
+    rollout_logprobs: list[list[float]]
     advantages: list[list[float]]
     loss_mask: list[list[float]] | None = None
     ref_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
-        _check_rows(self, ("prompt_ids", "response_ids", "old_logprobs", "advantages", "loss_mask", "ref_logprobs"))
+        _check_rows(self, ("prompt_ids", "response_ids", "rollout_logprobs", "advantages", "loss_mask", "ref_logprobs"))
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -384,6 +386,10 @@ class UpdateSettings:
             ``None``: a known GPU's bf16 dense peak, else no MFU.
         defer_weight_sync: do not push the new weights to separate rollout workers at the end of the
             update (``trainer.max_staleness`` > 0: the driver pushes them when no rollout is in flight).
+        temperature: the temperature the rows were sampled at (stored with the rollout,
+            :func:`update_batch` reads it): the trainer's log-probs (proximal and current policy) are
+            computed under ``softmax(logits / temperature)``, so the first on-policy ratio is 1;
+            ``None``: the worker's ``rollout.temperature`` (callers that build a batch by hand).
     """
 
     mini_batch_rows: int | None = None
@@ -396,6 +402,7 @@ class UpdateSettings:
     rollout_rs_threshold_lower: float | None = None
     peak_tflops: float | None = None
     defer_weight_sync: bool = False
+    temperature: float | None = None
 
 
 @dataclass(frozen=True)
@@ -514,7 +521,8 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
                  use_ref_logprobs: bool, mask_truncated: bool = False, rollout_is: str | None = None,
                  rollout_is_threshold: float = 2.0, rollout_rs: str | None = None,
                  rollout_rs_threshold: float | None = None, rollout_rs_threshold_lower: float | None = None,
-                 peak_tflops: float | None = None, defer_weight_sync: bool = False) -> UpdateBatch:
+                 peak_tflops: float | None = None, defer_weight_sync: bool = False,
+                 temperature: float = 1.0) -> UpdateBatch:
     """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
 
     The same stored tables always give the same batch (the shuffle seed derives from the
@@ -539,15 +547,20 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         peak_tflops: ``trainer.device_peak_tflops`` (``perf/mfu/actor``).
         defer_weight_sync: the worker does not push the new weights to the rollout workers; the
             driver does, when no rollout is in flight (``trainer.max_staleness`` > 0).
+        temperature: ``rollout.temperature``, used only for a rollout stored before schema 3; the
+            rows' stored ``temperature`` wins (:func:`stages.rollout.rollout_temperature`).
 
     Returns:
-        :class:`UpdateBatch`: rows ``prompt_ids``, ``response_ids``, ``old_logprobs``,
+        :class:`UpdateBatch`: rows ``prompt_ids``, ``response_ids``, ``rollout_logprobs``,
         ``advantages``, optional ``loss_mask`` and ``ref_logprobs``; settings ``mini_batch_rows``,
         ``shuffle_seed`` (salt 1), ``rng_seed`` (salt 5: the worker seeds torch with it before
         updating, so no draw depends on what ran before) and, with rollout IS, ``rollout_is`` and
-        ``rollout_is_threshold``.
+        ``rollout_is_threshold``, and the rows' sampling ``temperature``.
+
+    Raises:
+        ValueError: the rows were sampled at several temperatures.
     """
-    cols = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "old_logprobs", "advantages")}
+    cols = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "rollout_logprobs", "advantages")}
     loss_mask, _ = actor_loss_mask(joined, mask_truncated)
     ref = joined.column("ref_logprobs").to_pylist() if use_ref_logprobs and "ref_logprobs" in joined.column_names \
         else None
@@ -562,7 +575,8 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
                               rollout_rs_threshold_lower=float(rollout_rs_threshold_lower)
                               if rollout_rs and rollout_rs_threshold_lower is not None else None,
                               peak_tflops=float(peak_tflops) if peak_tflops else None,
-                              defer_weight_sync=bool(defer_weight_sync))
+                              defer_weight_sync=bool(defer_weight_sync),
+                              temperature=rollout_temperature(joined, temperature))
     return UpdateBatch(rows, settings)
 
 
@@ -579,7 +593,8 @@ def update_batch_options(cfg: Any) -> dict[str, Any]:
                 rollout_rs_threshold=cfg.algorithm.get("rollout_rs_threshold"),
                 rollout_rs_threshold_lower=cfg.algorithm.get("rollout_rs_threshold_lower"),
                 peak_tflops=cfg.trainer.get("device_peak_tflops"),
-                defer_weight_sync=int(cfg.trainer.max_staleness) > 0)
+                defer_weight_sync=int(cfg.trainer.max_staleness) > 0,
+                temperature=float(cfg.rollout.temperature))
 
 
 def critic_batch(joined: pa.Table, iteration: int, cfg: Any) -> CriticBatch:

@@ -443,10 +443,10 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
     if algorithm_cfg.get("use_kl_in_reward"):
         if ref_logprobs is None:
             raise ValueError("algorithm.use_kl_in_reward needs reference log-probs")
-        old = pad_ragged(rollout.column("old_logprobs"), 0.0, torch.float32, length=T)
+        behaviour = pad_ragged(rollout.column("rollout_logprobs"), 0.0, torch.float32, length=T)
         ref = pad_ragged(pa.array([list(map(float, r)) for r in ref_logprobs], pa.list_(pa.float32())), 0.0,
                          torch.float32, length=T)
-        token_rewards, mean_kl = apply_kl_penalty_to_rewards(token_scores, old, ref, mask, kl_coef,
+        token_rewards, mean_kl = apply_kl_penalty_to_rewards(token_scores, behaviour, ref, mask, kl_coef,
                                                              algorithm_cfg["kl_penalty"])
         metrics["critic/kl"] = float(mean_kl)
         metrics["critic/kl_coef"] = float(kl_coef)

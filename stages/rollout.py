@@ -48,8 +48,9 @@ class Generation:
         response_ids: each row's response token ids, cut after the first EOS (EOS included).
         response_text: each row's response decoded without special tokens.
         finish_reason: ``"stop"`` (ended with an EOS) or ``"length"`` (cut at the length cap) per row.
-        old_logprobs: each response token's log-prob under ``softmax(logits / temperature)`` of the
-            sampling temperature; ``None`` for greedy decoding.
+        rollout_logprobs: the behaviour policy's log-probs: each response token's log-prob under the
+            rollout engine's ``softmax(logits / temperature)`` at the sampling temperature (raw tempered,
+            before top-k/top-p); ``None`` for greedy decoding.
         policy_version: the version of the weights that generated (updates applied so far).
         timing: seconds, ``timing_s/gen`` and, when the log-probs were recomputed teacher-forced,
             ``timing_s/old_log_prob``.
@@ -58,7 +59,7 @@ class Generation:
     response_ids: list[list[int]]
     response_text: list[str]
     finish_reason: list[str]
-    old_logprobs: list[list[float]] | None
+    rollout_logprobs: list[list[float]] | None
     policy_version: int
     timing: dict[str, float] = field(default_factory=dict)
 
@@ -229,13 +230,48 @@ def rollout_table(iteration: int, prompts: Sequence[Any], prompt_ids: Sequence[S
         "prompt_ids": list_column(rep_ids, pa.int32()),
         "response_ids": list_column(gen.response_ids, pa.int32()),
         "response_text": pa.array(gen.response_text, pa.string()),
-        "old_logprobs": list_column(gen.old_logprobs or [[] for _ in sids], pa.float32()),
+        "rollout_logprobs": list_column(gen.rollout_logprobs or [[] for _ in sids], pa.float32()),
         "finish_reason": pa.array(gen.finish_reason, pa.string()),
         "ground_truth": pa.array([str(p.ground_truth) for p in rep], pa.string()),
         "data_source": pa.array([p.data_source for p in rep], pa.string()),
         "extra_info": nested_column([p.extra_info for p in rep], extra_info_type),
     }
     return pa.table(cols)
+
+
+#: The sampling settings stored on every rollout row (schema 3): the temperature every later stage
+#: computes log-probs at (reference, trainer's old and current), whatever a later config (a replay's)
+#: says. verl carries it on the batch (``meta_info["temperature"]``), prime-rl per token.
+SAMPLING_COLUMNS = ("temperature", "top_p", "top_k")
+
+
+def with_sampling_columns(table: pa.Table, params: SamplingParams) -> pa.Table:
+    """``table`` with the ``temperature`` (float64), ``top_p`` (float64) and ``top_k`` (int32) the rows
+    were sampled with appended (float64: the stored value is the config's exactly, so log-probs
+    recomputed from it match the sampler's bit for bit)."""
+    rows = table.num_rows
+    return (table.append_column("temperature", pa.array([float(params.temperature)] * rows, pa.float64()))
+            .append_column("top_p", pa.array([float(params.top_p)] * rows, pa.float64()))
+            .append_column("top_k", pa.array([int(params.top_k)] * rows, pa.int32())))
+
+
+def rollout_temperature(table: pa.Table, default: float) -> float:
+    """The sampling temperature of a rollout table's rows: its ``temperature`` column, or ``default``
+    (the run config's ``rollout.temperature``) for a file written before schema 3, which did not store it.
+
+    Raises:
+        ValueError: the rows were sampled at more than one temperature, or at 0 (greedy rows have no
+            behaviour log-probs to train on).
+    """
+    if "temperature" not in table.column_names or table.num_rows == 0:
+        return float(default)
+    values = set(table.column("temperature").to_pylist())
+    if len(values) != 1:
+        raise ValueError(f"rollout rows were sampled at several temperatures {sorted(values)}; one batch needs one")
+    t = float(values.pop())
+    if not t > 0:
+        raise ValueError(f"rollout rows were sampled at temperature {t}: training needs a temperature > 0")
+    return t
 
 
 def baseline_columns(prompt_rows: Sequence[int], greedy: Generation) -> dict[str, pa.Array]:

@@ -80,7 +80,7 @@ def rollout_is_weights(
         old_log_prob: ``(batch, response_len)`` float, the trainer's log-probs of the sampled tokens
             under the policy that generated them (pi_old, computed by the trainer).
         rollout_log_prob: ``(batch, response_len)`` float, the rollout engine's log-probs of the
-            same tokens (the stored ``old_logprobs`` column).
+            same tokens (the stored ``rollout_logprobs`` column).
         response_mask: ``(batch, response_len)`` bool or 0/1.
         level: ``"token"``, ``"sequence"`` or ``"geometric"`` (``algorithm.rollout_is``).
         threshold: the truncation bound C > 0 (``algorithm.rollout_is_threshold``).
@@ -251,7 +251,7 @@ def rollout_mismatch_metrics(
 
     Args:
         old_log_prob: ``(batch, response_len)`` float, the trainer's log-probs of the sampled tokens.
-        rollout_log_prob: ``(batch, response_len)`` float, the engine's (``old_logprobs`` column).
+        rollout_log_prob: ``(batch, response_len)`` float, the behaviour policy's (``rollout_logprobs`` column).
         response_mask: ``(batch, response_len)`` bool or 0/1.
         threshold: the truncation bound C > 0 (``algorithm.rollout_is_threshold``).
 

@@ -67,16 +67,16 @@ def episode(tokenizer: Any, prompt: list[dict], turns: list[tuple[str, str | Non
             "response_text": tokenizer.decode(response, skip_special_tokens=False)}
 
 
-def multi_turn_columns(episodes: list[dict], old_logprobs: list[list[float]]) -> dict[str, pa.Array]:
+def multi_turn_columns(episodes: list[dict], rollout_logprobs: list[list[float]]) -> dict[str, pa.Array]:
     """The contract's typed Arrow columns for ``episodes`` (old log-probs 0.0 where ``loss_mask`` is 0)."""
-    for e, lp in zip(episodes, old_logprobs):
+    for e, lp in zip(episodes, rollout_logprobs):
         assert len(lp) == len(e["response_ids"])
     return {
         "prompt_ids": pa.array([e["prompt_ids"] for e in episodes], pa.list_(pa.int32())),
         "response_ids": pa.array([e["response_ids"] for e in episodes], pa.list_(pa.int32())),
         "response_text": pa.array([e["response_text"] for e in episodes], pa.string()),
-        "old_logprobs": pa.array([[v if m else 0.0 for v, m in zip(lp, e["loss_mask"])]
-                                  for e, lp in zip(episodes, old_logprobs)], pa.list_(pa.float32())),
+        "rollout_logprobs": pa.array([[v if m else 0.0 for v, m in zip(lp, e["loss_mask"])]
+                                  for e, lp in zip(episodes, rollout_logprobs)], pa.list_(pa.float32())),
         "loss_mask": pa.array([e["loss_mask"] for e in episodes], pa.list_(pa.int8())),
         "turn_spans": pa.array([e["turn_spans"] for e in episodes], pa.list_(pa.int32())),
         "num_turns": pa.array([e["num_turns"] for e in episodes], pa.int32()),

@@ -301,7 +301,7 @@ def test_a_users_directory_without_a_chat_template_trains_on_the_plain_prompt_fo
     rows = [p for p in prompts for _ in range(2)]
     again = worker.compute_log_prob(rows, out.response_ids, 0.7)
     assert all(torch.allclose(torch.from_numpy(a), torch.tensor(b), atol=1e-4)
-               for a, b in zip(again, out.old_logprobs))
+               for a, b in zip(again, out.rollout_logprobs))
 
 
 def test_load_errors_are_one_line(tmp_path):

@@ -478,7 +478,7 @@ def _fake_iteration(store: RunStore, it: int, scores: list[float], texts: list[s
         "prompt": [json.dumps([{"role": "user", "content": f"question {j // 2}"}]) for j in range(n)],
         "prompt_ids": pa.array([[1, 2]] * n, pa.list_(pa.int32())),
         "response_ids": pa.array(resp, pa.list_(pa.int32())), "response_text": texts,
-        "old_logprobs": pa.array([[0.0] * len(r) for r in resp], pa.list_(pa.float32())),
+        "rollout_logprobs": pa.array([[0.0] * len(r) for r in resp], pa.list_(pa.float32())),
         "finish_reason": ["stop"] * n, "ground_truth": ["7"] * n, "data_source": ["toy"] * n,
         "extra_info": ["{}"] * n}), it - 1)
     store.write_stage(it, "reward", pa.table({

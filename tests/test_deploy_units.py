@@ -181,7 +181,7 @@ def test_update_batch_and_loss_mask_match_the_formulas():
 
     joined = pa.table({"sample_id": ["a", "b", "c"], "prompt_ids": [[1, 2], [1, 2], [3]],
                        "response_ids": [[5, 6, 7], [8], [9, 9]],
-                       "old_logprobs": [[-1.0, -1.0, -1.0], [-2.0], [-0.5, -0.5]],
+                       "rollout_logprobs": [[-1.0, -1.0, -1.0], [-2.0], [-0.5, -0.5]],
                        "advantages": [[0.5, 0.5, 0.5], [-1.0], [0.0, 0.0]],
                        "ref_logprobs": [[-1.1, -1.1, -1.1], [-2.1], [-0.6, -0.6]]})
     masked = with_loss_mask(joined, {"quarantined_sample_ids": ["b"]})

@@ -120,7 +120,7 @@ def _step(worker, seed=1):
     rows = [p for p in prompts for _ in range(2)]
     ref = worker.compute_ref_log_prob(rows, out.response_ids)
     adv = [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out.response_ids)]
-    batch = UpdateBatch(UpdateRows(rows, out.response_ids, out.old_logprobs, adv, ref_logprobs=ref),
+    batch = UpdateBatch(UpdateRows(rows, out.response_ids, out.rollout_logprobs, adv, ref_logprobs=ref),
                         UpdateSettings(4, shuffle_seed=seed, rng_seed=seed))
     return rows, out, ref, worker.update_actor(batch)
 
@@ -233,7 +233,7 @@ def test_separate_rollout_workers_get_the_merged_weights(tiny_model_dir):
     prompts = [PREFIX + [5, 6, 7], PREFIX + [44]]
     mine, theirs = own.generate(prompts, params), remote.generate(prompts, params)
     assert mine.response_ids == theirs.response_ids
-    for a, b in zip(mine.logprobs, theirs.old_logprobs):
+    for a, b in zip(mine.logprobs, theirs.rollout_logprobs):
         assert np.allclose(a, b, atol=TOL, rtol=0)
 
 

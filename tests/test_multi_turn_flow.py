@@ -48,12 +48,12 @@ def test_multi_turn_train_run_stores_episodes_and_audits_tools(eos_model, tmp_pa
     stopped = 0
     for row in t:
         n = len(row["response_ids"])
-        assert len(row["loss_mask"]) == len(row["old_logprobs"]) == n <= 96
+        assert len(row["loss_mask"]) == len(row["rollout_logprobs"]) == n <= 96
         spans = row["turn_spans"]
         assert len(spans) == 2 * row["num_turns"] and spans[0] == 0
         generated = sum(b - a for a, b in zip(spans[::2], spans[1::2]))
         assert sum(row["loss_mask"]) == generated
-        assert all(lp == 0.0 for lp, m in zip(row["old_logprobs"], row["loss_mask"]) if m == 0)
+        assert all(lp == 0.0 for lp, m in zip(row["rollout_logprobs"], row["loss_mask"]) if m == 0)
         assert row["finish_reason"] in ("stop", "length", "max_turns")
         if row["finish_reason"] == "stop":  # the script: calculator, unknown tool, done
             stopped += 1

@@ -89,7 +89,7 @@ def test_tool_call_episode_follows_the_row_contract(tok):
     obs = tok("\n<|im_start|>tool\n7006652<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert ep.response_ids == t1 + obs + t2
     assert ep.loss_mask == [1] * len(t1) + [0] * len(obs) + [1] * len(t2)
-    assert ep.old_logprobs == [-0.5] * len(t1) + [0.0] * len(obs) + [-0.5] * len(t2)
+    assert ep.rollout_logprobs == [-0.5] * len(t1) + [0.0] * len(obs) + [-0.5] * len(t2)
     assert ep.turn_spans == [0, len(t1), len(t1) + len(obs), len(t1) + len(obs) + len(t2)]
     assert [m["role"] for m in ep.messages] == ["assistant", "tool", "assistant"]
     assert '"expression": "1234 * 5678"' in ep.messages[0]["tool_calls"] and ep.messages[2]["tool_calls"] is None
@@ -159,7 +159,7 @@ def test_hf_engine_episodes_keep_sampled_tokens_and_logprobs(tiny_model_dir, tok
     multi = 0
     for ep in eps:
         assert ep.finish_reason in ("max_turns", "length")
-        assert len(ep.response_ids) == len(ep.loss_mask) == len(ep.old_logprobs) <= 96
+        assert len(ep.response_ids) == len(ep.loss_mask) == len(ep.rollout_logprobs) <= 96
         spans = list(zip(ep.turn_spans[::2], ep.turn_spans[1::2]))
         multi += len(spans) > 1
         for (a, b), nxt in zip(spans, spans[1:] + [(len(ep.response_ids), None)]):
@@ -172,8 +172,8 @@ def test_hf_engine_episodes_keep_sampled_tokens_and_logprobs(tiny_model_dir, tok
             logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
         tf = logp.gather(-1, ids[0, 1:, None])[:, 0][len(ep.prompt_ids) - 1:]
         mask = torch.tensor(ep.loss_mask, dtype=torch.bool)
-        assert torch.allclose(tf[mask], torch.tensor(ep.old_logprobs)[mask], atol=1e-4)
-        assert all(lp == 0.0 for lp, m in zip(ep.old_logprobs, ep.loss_mask) if m == 0)
+        assert torch.allclose(tf[mask], torch.tensor(ep.rollout_logprobs)[mask], atol=1e-4)
+        assert all(lp == 0.0 for lp, m in zip(ep.rollout_logprobs, ep.loss_mask) if m == 0)
     assert multi >= 2  # the check covered tokens after an observation
 
 

@@ -113,7 +113,7 @@ def test_sample_ids_continue_across_generation_batches_and_baseline_columns():
     assert sids == ["it000003-p0004-s0", "it000003-p0004-s1", "it000003-p0005-s0", "it000003-p0005-s1"]
     assert gids == ["it000003-p0004"] * 2 + ["it000003-p0005"] * 2
     greedy = Generation(response_ids=[[4, 2], [9]], response_text=["a", "b"], finish_reason=["stop", "stop"],
-                        old_logprobs=None, policy_version=0)
+                        rollout_logprobs=None, policy_version=0)
     cols = rollout_stage.baseline_columns([0, 0, 1, 1], greedy)
     assert cols["baseline_response_ids"].to_pylist() == [[4, 2], [4, 2], [9], [9]]
     assert cols["baseline_response_text"].to_pylist() == ["a", "a", "b", "b"]
@@ -147,7 +147,7 @@ def test_update_and_critic_batches_carry_the_new_options():
     from trajflow.config import load_config
 
     t = rollout([[5, 6], [7, 8, 9]], finish=["stop", "length"],
-                extra={"old_logprobs": pa.array([[-1.0, -2.0], [-1.0, -1.0, -1.0]], pa.list_(pa.float32())),
+                extra={"rollout_logprobs": pa.array([[-1.0, -2.0], [-1.0, -1.0, -1.0]], pa.list_(pa.float32())),
                        "advantages": pa.array([[0.5, 0.5], [-1.0, -1.0, -1.0]], pa.list_(pa.float32())),
                        "values": pa.array([[0.1, 0.2], [0.0, 0.0, 0.3]], pa.list_(pa.float32())),
                        "returns": pa.array([[1.0, 1.0], [0.0, 0.0, 0.0]], pa.list_(pa.float32()))})

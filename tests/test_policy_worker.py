@@ -38,7 +38,7 @@ def _rollout(worker, temperature=0.7):
 
 def _batch(rows, out, mini_rows, advantages=None):
     adv = advantages or [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out.response_ids)]
-    return UpdateBatch(UpdateRows(rows, out.response_ids, out.old_logprobs, adv), UpdateSettings(mini_rows))
+    return UpdateBatch(UpdateRows(rows, out.response_ids, out.rollout_logprobs, adv), UpdateSettings(mini_rows))
 
 
 def test_recomputed_old_logprobs_give_ratio_exactly_one(worker):
@@ -70,8 +70,8 @@ def test_rollout_logprobs_use_the_sampling_temperature(worker):
     rows, out = _rollout(worker, temperature=0.7)
     same = worker.compute_log_prob(rows, out.response_ids, 0.7)
     other = worker.compute_log_prob(rows, out.response_ids, 1.0)
-    assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(same, out.old_logprobs))
-    assert not all(np.allclose(a, b, atol=1e-2) for a, b in zip(other, out.old_logprobs))
+    assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(same, out.rollout_logprobs))
+    assert not all(np.allclose(a, b, atol=1e-2) for a, b in zip(other, out.rollout_logprobs))
 
 
 def test_generation_is_a_function_of_the_seed(worker):
@@ -168,4 +168,4 @@ def test_split_generations_merge_in_row_order():
                              {"timing_s/gen": 2.0, "timing_s/old_log_prob": 0.5})
     greedy = [Generation([[1]], ["a"], ["stop"], None, 0, {"timing_s/gen": 1.0}),
               Generation([[2]], ["b"], ["stop"], None, 0, {"timing_s/gen": 1.5})]
-    assert merge_split(greedy, [[0], [1]], [0, 0], 2).old_logprobs is None
+    assert merge_split(greedy, [[0], [1]], [0, 0], 2).rollout_logprobs is None

@@ -36,7 +36,7 @@ def _rollout_and_batch(worker):
     out = worker.generate_sequences(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=1))
     rows = [p for p in prompts for _ in range(2)]
     adv = [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out.response_ids)]
-    return rows, out, UpdateBatch(UpdateRows(rows, out.response_ids, out.old_logprobs, adv), UpdateSettings(4))
+    return rows, out, UpdateBatch(UpdateRows(rows, out.response_ids, out.rollout_logprobs, adv), UpdateSettings(4))
 
 
 # ---------------------------------------------------------------------------- master weights
@@ -304,4 +304,4 @@ def test_bf16_rollout_copy_holds_no_weights_during_the_update_and_samples_as_bef
     assert sum(p.numel() for p in eng.model.parameters()) == 0
     rebuilt = w.generate_sequences(prompts, params)
     assert rebuilt.response_ids == kept.response_ids
-    assert np.array_equal(np.concatenate(rebuilt.old_logprobs), np.concatenate(kept.old_logprobs))
+    assert np.array_equal(np.concatenate(rebuilt.rollout_logprobs), np.concatenate(kept.rollout_logprobs))

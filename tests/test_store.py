@@ -50,3 +50,43 @@ def test_duplicate_sample_ids_are_refused(tmp_path):
 def test_bad_run_id(tmp_path):
     with pytest.raises(StoreError, match="not a valid folder name"):
         RunStore(tmp_path, "../escape")
+
+
+def _rollout_v2(n=2):
+    """A rollout table as schema 2 wrote it: the behaviour log-probs as ``old_logprobs``, no sampling columns."""
+    return pa.table({"sample_id": [f"s{i}" for i in range(n)], "prompt_ids": pa.array([[1, 2]] * n, pa.list_(pa.int32())),
+                     "response_ids": pa.array([[5, 6]] * n, pa.list_(pa.int32())),
+                     "old_logprobs": pa.array([[-0.5, -1.5]] * n, pa.list_(pa.float32()))})
+
+
+def test_a_rollout_written_in_schema_2_reads_with_todays_names_and_the_configs_temperature(tmp_path):
+    from stages.policy_update import update_batch
+
+    store = RunStore(tmp_path, "old-run")
+    ref = store.write_stage(0, "rollout", _rollout_v2(), 0)
+    for table in (store.read_stage(0, "rollout"), store.read_ref(ref)):
+        assert "old_logprobs" not in table.column_names
+        assert table.column("rollout_logprobs").to_pylist() == [[-0.5, -1.5]] * 2
+    adv = pa.table({"sample_id": ["s0", "s1"], "advantages": pa.array([[1.0, 1.0], [-1.0, -1.0]], pa.list_(pa.float32()))})
+    from trajflow.batch import join_stages
+
+    joined = join_stages([store.read_ref(ref), adv])
+    batch = update_batch(joined, 0, seed=1, n=2, ppo_mini_batch_size=1, use_ref_logprobs=False, temperature=0.7)
+    assert batch.rows.rollout_logprobs == [[-0.5, -1.5]] * 2
+    assert batch.settings.temperature == 0.7  # nothing stored: the run config's applies
+
+
+def test_the_stored_sampling_temperature_wins_over_a_later_config():
+    from stages.policy_update import update_batch
+    from stages.rollout import SamplingParams, rollout_temperature, with_sampling_columns
+
+    t = _rollout_v2().rename_columns(["sample_id", "prompt_ids", "response_ids", "rollout_logprobs"])
+    t = with_sampling_columns(t, SamplingParams(temperature=0.6, top_p=0.9, top_k=5))
+    assert t.column("temperature").to_pylist() == [0.6, 0.6] and t.column("top_p").to_pylist() == [0.9, 0.9]
+    assert t.column("top_k").to_pylist() == [5, 5]
+    joined = t.append_column("advantages", pa.array([[1.0, 1.0]] * 2, pa.list_(pa.float32())))
+    assert update_batch(joined, 0, seed=1, n=2, ppo_mini_batch_size=1, use_ref_logprobs=False,
+                        temperature=1.3).settings.temperature == 0.6  # a replay's rollout.temperature=1.3 loses
+    mixed = t.set_column(t.column_names.index("temperature"), "temperature", pa.array([0.6, 1.0], pa.float64()))
+    with pytest.raises(ValueError, match="several temperatures"):
+        rollout_temperature(mixed, 1.0)

@@ -49,12 +49,13 @@ def test_each_stage_writes_only_its_columns(run):
     rollout = pq.read_table(d / "rollout.parquet")
     reward = pq.read_table(d / "reward.parquet")
     adv = pq.read_table(d / "advantage.parquet")
-    assert {"sample_id", "prompt_ids", "response_ids", "old_logprobs", "finish_reason", "policy_version"} <= set(rollout.column_names)
+    assert {"sample_id", "prompt_ids", "response_ids", "rollout_logprobs", "finish_reason", "policy_version",
+            "temperature", "top_p", "top_k"} <= set(rollout.column_names)
     assert set(reward.column_names) == {"sample_id", "score", "reward_extra", "reward_error", "token_rewards"}
     assert set(adv.column_names) == {"sample_id", "advantages", "returns"}
     assert rollout.column("sample_id").equals(reward.column("sample_id"))
     # Ragged columns line up with the responses, token by token.
-    for r, lp, a in zip(rollout.column("response_ids").to_pylist(), rollout.column("old_logprobs").to_pylist(),
+    for r, lp, a in zip(rollout.column("response_ids").to_pylist(), rollout.column("rollout_logprobs").to_pylist(),
                         adv.column("advantages").to_pylist()):
         assert len(r) == len(lp) == len(a)
     # GRPO outcome advantages are constant along a response.

@@ -234,7 +234,7 @@ def test_every_batch_of_a_dataset_gets_one_rollout_schema(tmp_path):
     tables = []
     for k, prompts in enumerate([data.train[:1], data.train[1:2], data.train[2:]]):
         gen = Generation(response_ids=[[1, 2]], response_text=["#### 5"], finish_reason=["stop"],
-                         old_logprobs=[[-0.1, -0.2]], policy_version=0)
+                         rollout_logprobs=[[-0.1, -0.2]], policy_version=0)
         tables.append(rollout_table(1, prompts, [[7, 8]], gen, 1, offset=k,
                                     extra_info_type=data.extra_info_type))
     assert len({t.schema for t in tables}) == 1

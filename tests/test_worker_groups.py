@@ -288,8 +288,8 @@ def test_separate_rollout_workers_get_weights_after_each_update(ray_local, tiny_
         sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
         out = policy.execute("generate_sequences", prompts, sampled)
         rows = [p for p in prompts for _ in range(2)]
-        assert [len(x) for x in out.old_logprobs] == [len(r) for r in out.response_ids]
-        batch = UpdateBatch(UpdateRows(rows, out.response_ids, [list(x) for x in out.old_logprobs],
+        assert [len(x) for x in out.rollout_logprobs] == [len(r) for r in out.response_ids]
+        batch = UpdateBatch(UpdateRows(rows, out.response_ids, [list(x) for x in out.rollout_logprobs],
                                        [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(out.response_ids)]),
                             UpdateSettings(mini_batch_rows=8))
         policy.execute("update_actor", batch)

@@ -1,7 +1,7 @@
 """The trajectory batch: Arrow tables of ragged columns, padded to tensors only inside workers.
 
 One row per sampled response. Ragged token columns (``prompt_ids``, ``response_ids``,
-``old_logprobs``, ...) are Arrow ``list<...>`` columns on disk; :func:`pad_ragged` turns one into a
+``rollout_logprobs``, ...) are Arrow ``list<...>`` columns on disk; :func:`pad_ragged` turns one into a
 padded ``(rows, max_len)`` tensor and :func:`to_ragged` goes back, keeping only the first
 ``lengths[i]`` entries of each row. Stage outputs are separate tables keyed by ``sample_id``;
 :func:`join_stages` lines them up into one table.
@@ -21,14 +21,21 @@ from trajflow.errors import BatchError
 if TYPE_CHECKING:  # torch is imported where tensors are made, not for Arrow-only callers
     import torch
 
+#: 3: the behaviour policy's log-probs are the rollout column ``rollout_logprobs`` (2 called it
+#: ``old_logprobs``; :func:`upgrade_stage_table` renames it on read) and every rollout row stores the
+#: ``temperature``, ``top_p`` and ``top_k`` it was sampled with (absent before 3: the run config's apply).
 #: 2: ``prompt`` and ``extra_info`` are Arrow lists/structs (1 stored them as JSON text; still read).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+
+#: Stored column names of earlier schemas -> today's (see :func:`upgrade_stage_table`).
+RENAMED_COLUMNS = {"old_logprobs": "rollout_logprobs"}
 
 #: The ``prompt`` column: chat messages, in verl's field order.
 PROMPT_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 # Columns each stage writes (the contract in design.md). `sample_id` keys every stage table.
-# Optional columns: rollout `rollout_logprobs` (engines that report log-probs), `baseline_response_ids`
+# `rollout_logprobs` holds the behaviour policy's (the rollout engine's) log-probs (empty rows for greedy
+# decoding); `temperature`/`top_p`/`top_k` the sampling settings. Optional columns: rollout `baseline_response_ids`
 # and `baseline_response_text` (ReMax), and the multi-turn columns of MULTI_TURN_COLUMNS; reward
 # `rule_score`/`rm_score` (reward model), `reward_baseline` (ReMax); advantage `staleness` int64 (the
 # trainer's policy version at the update minus the row's `policy_version`; trainer.max_staleness > 0).
@@ -39,8 +46,8 @@ PROMPT_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()
 #: `env_reward` float32 (the environment's own reward, nullable; see stages/multi_turn.py).
 MULTI_TURN_COLUMNS = ("loss_mask", "turn_spans", "num_turns", "messages", "tool_calls", "env_reward")
 ROLLOUT_COLUMNS = ("sample_id", "prompt_id", "group_id", "iteration", "policy_version", "prompt",
-                   "prompt_ids", "response_ids", "response_text", "old_logprobs", "finish_reason",
-                   "ground_truth", "data_source", "extra_info", "rollout_logprobs", "baseline_response_ids",
+                   "prompt_ids", "response_ids", "response_text", "rollout_logprobs", "finish_reason",
+                   "ground_truth", "data_source", "extra_info", "temperature", "top_p", "top_k", "baseline_response_ids",
                    "baseline_response_text", *MULTI_TURN_COLUMNS)
 REWARD_COLUMNS = ("sample_id", "score", "reward_extra", "reward_error", "token_rewards", "ref_logprobs",
                   "rule_score", "rm_score", "reward_baseline")
@@ -240,6 +247,18 @@ def decode_nested(value: Any) -> Any:
         except ValueError:
             return value
     return _drop_nulls(value)
+
+
+def upgrade_stage_table(table: pa.Table) -> pa.Table:
+    """A stage table read from disk, with the column names of today's schema (:data:`SCHEMA_VERSION`):
+    a file written by an earlier version reads as if written now (``old_logprobs`` of schema <= 2 is
+    ``rollout_logprobs``). Columns an older file lacks stay absent; their readers fall back (e.g.
+    :func:`stages.rollout.rollout_temperature`)."""
+    names = table.column_names
+    if not any(old in names and new not in names for old, new in RENAMED_COLUMNS.items()):
+        return table
+    return table.rename_columns([RENAMED_COLUMNS.get(n, n) if RENAMED_COLUMNS.get(n) not in names else n
+                                 for n in names])
 
 
 def join_stages(tables: Sequence[pa.Table]) -> pa.Table:

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from trajflow.errors import StoreError
 from stages.names import STORED_STAGES
-from trajflow.batch import SCHEMA_VERSION
+from trajflow.batch import SCHEMA_VERSION, upgrade_stage_table
 from trajflow.faults import fault_point
 
 log = logging.getLogger(__name__)
@@ -417,7 +417,7 @@ class RunStore:
             if ref is None:
                 raise StoreError(f"{path}: missing or does not match {self.manifest_path(iteration).name}")
         try:
-            return pq.read_table(path)
+            return upgrade_stage_table(pq.read_table(path))
         except Exception as e:
             raise StoreError(f"{path}: cannot be read as Parquet ({e})") from None
 
@@ -425,7 +425,7 @@ class RunStore:
         """Read the table behind a reference, checking its hash first."""
         if sha256_file(ref.path) != ref.sha256:
             raise StoreError(f"{ref.path}: changed since it was written (sha256 mismatch)")
-        return pq.read_table(ref.path)
+        return upgrade_stage_table(pq.read_table(ref.path))
 
     def copy_stage_from(self, source: "RunStore", iteration: int, stage: str) -> StageRef:
         """Copy a verified stage output of another run (a replay's parent) into this run, byte for byte.

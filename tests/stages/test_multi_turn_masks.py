@@ -28,7 +28,7 @@ TRAIN = torch.tensor([MASK, MASK], dtype=torch.bool)
 REWARD_CFG = {"reward_model": {"enable": False}, "overlong_buffer": {"enable": False}}
 
 
-def rollout(masks, finish=None, old_logprobs=None):
+def rollout(masks, finish=None, rollout_logprobs=None):
     """A rollout table of multi-turn rows (response tokens 10, 11, ...; int8 loss_mask)."""
     n = len(masks)
     return pa.table({
@@ -37,7 +37,7 @@ def rollout(masks, finish=None, old_logprobs=None):
         "iteration": pa.array([1] * n, pa.int64()),
         "prompt_ids": pa.array([[1, 2, 3]] * n, pa.list_(pa.int32())),
         "response_ids": pa.array([list(range(10, 10 + len(m))) for m in masks], pa.list_(pa.int32())),
-        "old_logprobs": pa.array(old_logprobs or [[-0.5 * k for k in m] for m in masks], pa.list_(pa.float32())),
+        "rollout_logprobs": pa.array(rollout_logprobs or [[-0.5 * k for k in m] for m in masks], pa.list_(pa.float32())),
         "loss_mask": pa.array(masks, pa.list_(pa.int8())),
         "finish_reason": finish or ["stop"] * n,
         "advantages": pa.array([[1.0] * len(m) for m in masks], pa.list_(pa.float32())),
@@ -66,7 +66,7 @@ def test_kl_in_reward_is_shaped_on_generated_tokens_only():
     # and critic/kl is the mean over rows of each row's mean over its 4 generated tokens.
     old = [[-1.0, -1.0, 0.0, 0.0, -1.0, -1.0]]
     ref = [np.array([-2.0, -1.5, -9.0, -9.0, -1.0, -3.0], np.float32)]
-    table = rollout([MASK], old_logprobs=old)
+    table = rollout([MASK], rollout_logprobs=old)
     out, metrics = reward_table(table, np.array([1.0]), [{}], ref_logprobs=ref, reward_cfg=REWARD_CFG,
                                 algorithm_cfg={"use_kl_in_reward": True, "kl_penalty": "kl"},
                                 max_new_tokens=16, kl_coef=0.1)

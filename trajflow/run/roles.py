@@ -50,7 +50,7 @@ def generate_on_rollout_workers(ctx: RunContext, prompts: list, params: Sampling
     pending = ctx.rollout.generate.remote(prompt_ids, params)
     fault_point("rollout", iteration)
     gen = wait(ctx, pending)
-    if not params.greedy and gen.old_logprobs is None:
+    if not params.greedy and gen.rollout_logprobs is None:
         raise RuntimeError(f"rollout.engine={cfg.rollout.engine!r} returned no log-probs: trainer.max_staleness > 0 "
                            f"needs the behaviour policy's log-probs from the engine")
     return prompt_ids, gen

@@ -63,8 +63,9 @@ def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_pr
 class _UpdateState:
     """What one :meth:`PolicyWorker.update_actor` call collects across its micro-batches."""
 
-    trainer_old: list[np.ndarray] | None  # the trainer's old log-probs (None: fully on-policy)
-    diffs: list[float] = field(default_factory=list)  # |trainer old - engine| per micro-batch
+    old_logprobs: list[np.ndarray] | None  # the proximal policy's: the trainer's before the update (None: fully on-policy)
+    temperature: float  # the rows' sampling temperature: every log-prob of the update is computed at it
+    diffs: list[float] = field(default_factory=list)  # |old - rollout| log-prob per micro-batch
     is_rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)  # rollout-IS inputs
     first_step_ratio_dev: float | None = None
     nonfinite_steps: int = 0  # optimizer steps skipped because the gradient norm was not finite
@@ -272,7 +273,7 @@ class PolicyWorker(Worker):
         (no second forward pass); ``recompute_log_prob`` recomputes them teacher-forced instead.
 
         Returns:
-            :class:`~stages.rollout.Generation`, rows prompt-major; ``old_logprobs`` is ``None`` for
+            :class:`~stages.rollout.Generation`, rows prompt-major; ``rollout_logprobs`` is ``None`` for
             greedy decoding; ``timing`` has ``timing_s/gen`` and, when recomputed,
             ``timing_s/old_log_prob`` (seconds).
         """
@@ -283,17 +284,17 @@ class PolicyWorker(Worker):
         t1 = time.perf_counter()
         text = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         timing = {"timing_s/gen": t1 - t0}
-        old_logprobs = None
+        rollout_logprobs = None
         if not params.greedy:
             if recompute_log_prob or out.logprobs is None:
                 rows = [p for p in prompt_ids for _ in range(params.n)]
-                old_logprobs = [x.tolist() for x in self.compute_log_prob(rows, out.response_ids, params.temperature)]
+                rollout_logprobs = [x.tolist() for x in self.compute_log_prob(rows, out.response_ids, params.temperature)]
                 timing["timing_s/old_log_prob"] = time.perf_counter() - t1
             else:
-                old_logprobs = out.logprobs
+                rollout_logprobs = out.logprobs
         self._release()  # the KV caches and logits of the rollout: the update allocates elsewhere
         return Generation(response_ids=out.response_ids, response_text=text, finish_reason=out.finish_reason,
-                          old_logprobs=old_logprobs, policy_version=self.policy_version, timing=timing)
+                          rollout_logprobs=rollout_logprobs, policy_version=self.policy_version, timing=timing)
 
     @dispatch("split", split_args=("rows",))
     def generate_episodes(self, rows: list[dict], params: SamplingParams,
@@ -305,7 +306,7 @@ class PolicyWorker(Worker):
 
         Returns:
             :class:`~stages.multi_turn.EpisodeGeneration` with the episodes in row order; the engine's
-            log-probs are the episodes' ``old_logprobs`` (0.0 everywhere for greedy decoding).
+            log-probs are the episodes' ``rollout_logprobs`` (0.0 everywhere for greedy decoding).
         """
         from trajflow.engines.episodes import EpisodeRunner
 
@@ -332,8 +333,10 @@ class PolicyWorker(Worker):
         return logp
 
     @dispatch("split", split_args=("prompt_ids", "response_ids"))
-    def compute_ref_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
-        """Per-token log-probs under the reference policy, for KL terms under LoRA (verl's
+    def compute_ref_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                             temperature: float | None = None) -> list[np.ndarray]:
+        """Per-token log-probs under the reference policy at ``temperature`` (the rows' sampling
+        temperature; None: ``rollout.temperature``), for KL terms under LoRA (verl's
         ``ref_in_actor``): this module with its adapters disabled is the frozen base model, the
         initial policy, so no reference worker or second copy of the weights exists. Same micro-batches
         as :class:`trajflow.workers.reference.ReferenceWorker` (``rollout.log_prob_micro_batch_size``).
@@ -347,7 +350,8 @@ class PolicyWorker(Worker):
         if not self.lora:
             raise RuntimeError("compute_ref_log_prob on the policy worker needs model.lora_rank > 0")
         with lora.reference_mode(self.model):
-            logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=self.rollout.temperature,
+            logp, _ = compute_log_probs(self.model, prompt_ids, response_ids,
+                                        temperature=self.rollout.temperature if temperature is None else temperature,
                                         micro_batch_size=int(self.rollout.log_prob_micro_batch_size),
                                         pad_id=self.pad_id, device=self.device, param_dtype=self.param_dtype)
         return logp
@@ -378,8 +382,9 @@ class PolicyWorker(Worker):
         """PPO-style policy update over one iteration's batch (:func:`stages.policy_update.update_batch`).
 
         The loss of each micro-batch is :func:`stages.policy_update.actor_loss` (policy gradient,
-        entropy bonus, KL loss), with the log-probs under ``rollout.temperature``. The behaviour
-        policy's log-probs in the PPO ratio are the trainer's own: when the whole batch is one
+        entropy bonus, KL loss), with the log-probs under ``settings.temperature`` (the rows' sampling
+        temperature; ``rollout.temperature`` when the batch does not say). The proximal policy's
+        log-probs in the PPO ratio (``old_logprobs``) are the trainer's own: when the whole batch is one
         optimizer step of one epoch (fully on-policy), they are the current forward's log-probs
         detached, so the ratio is exactly 1 and no extra forward pass is spent; otherwise they are
         recomputed before the first step with the same packing as the update. The engine's
@@ -417,12 +422,13 @@ class PolicyWorker(Worker):
             # Any draw inside the update (dropout, ...) depends on (seed, iteration) only, not on
             # whatever ran in this process before: a resumed run updates exactly as an uninterrupted one.
             torch.manual_seed(int(settings.rng_seed))
-        trainer_old = None
+        temperature = self.rollout.temperature if settings.temperature is None else settings.temperature
+        old_logprobs = None  # the proximal policy's (the trainer's before this update)
         if not (self.actor.ppo_epochs == 1 and mini_rows >= n_rows):
             t_old = time.perf_counter()
-            trainer_old = self.compute_log_prob(rows.prompt_ids, rows.response_ids, self.rollout.temperature)
+            old_logprobs = self.compute_log_prob(rows.prompt_ids, rows.response_ids, temperature)
             sums["timing_s/old_log_prob"] = [time.perf_counter() - t_old]
-        state = _UpdateState(trainer_old)
+        state = _UpdateState(old_logprobs, temperature)
         self.model.train()
         for epoch in range(self.actor.ppo_epochs):
             order = rng.permutation(n_rows) if self.actor.shuffle else np.arange(n_rows)
@@ -491,17 +497,18 @@ class PolicyWorker(Worker):
         T = packed.responses.shape[1]
         mask = packed.response_mask.float() * self._ragged(rows.loss_mask, ids, T) if rows.loss_mask is not None \
             else packed.response_mask.float()
-        logp, ent = self.backend.forward(packed, self.rollout.temperature, compute_entropy=True,
+        # logp: the current policy's; old: the proximal policy's; rollout_lp: the behaviour policy's.
+        logp, ent = self.backend.forward(packed, state.temperature, compute_entropy=True,
                                          entropy_grad=bool(loss_cfg.entropy_coeff))
-        if state.trainer_old is None:
+        if state.old_logprobs is None:
             old = logp.detach()
         else:
             old = torch.zeros_like(logp)
             for j, r in enumerate(ids):
-                old[j, :len(state.trainer_old[r])] = torch.from_numpy(state.trainer_old[r])
+                old[j, :len(state.old_logprobs[r])] = torch.from_numpy(state.old_logprobs[r])
         is_w = None
         if live:
-            rollout_lp = self._ragged(rows.old_logprobs, ids, T)
+            rollout_lp = self._ragged(rows.rollout_logprobs, ids, T)
             # The engine's log-probs exist only where it sampled: a multi-turn row stores 0.0 on its
             # tool/environment tokens, so engine and trainer are compared on the masked tokens only.
             m = packed.response_mask & (mask > 0)

@@ -45,10 +45,12 @@ class ReferenceWorker(Worker):
         self.rollout = rollout
 
     @dispatch("split", split_args=("prompt_ids", "response_ids"))
-    def compute_ref_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[np.ndarray]:
-        """Per-token log-probs of each response under the reference policy at ``rollout.temperature``,
-        float32 ragged."""
-        logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=self.rollout.temperature,
+    def compute_ref_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                             temperature: float | None = None) -> list[np.ndarray]:
+        """Per-token log-probs of each response under the reference policy at ``temperature`` (the
+        rows' sampling temperature, stored with the rollout; None: ``rollout.temperature``), float32 ragged."""
+        temperature = self.rollout.temperature if temperature is None else temperature
+        logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
                                     micro_batch_size=int(self.rollout.log_prob_micro_batch_size), pad_id=self.pad_id,
                                     device=self.device, param_dtype=self.param_dtype)
         return logp

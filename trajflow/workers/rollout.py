@@ -72,7 +72,7 @@ class RolloutWorker(Worker):
         """Sample ``params.n`` responses per prompt (prompt-major).
 
         Returns:
-            :class:`~stages.rollout.Generation` with the engine's log-probs as ``old_logprobs``
+            :class:`~stages.rollout.Generation` with the engine's log-probs as ``rollout_logprobs``
             (``None`` for greedy decoding), this engine's weight version as ``policy_version`` and
             ``timing_s/gen``.
         """
@@ -81,7 +81,7 @@ class RolloutWorker(Worker):
         timing = {"timing_s/gen": time.perf_counter() - t0}
         return Generation(response_ids=out.response_ids,
                           response_text=self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True),
-                          finish_reason=out.finish_reason, old_logprobs=None if params.greedy else out.logprobs,
+                          finish_reason=out.finish_reason, rollout_logprobs=None if params.greedy else out.logprobs,
                           policy_version=self.version, timing=timing)
 
     @dispatch("rank0")
@@ -137,8 +137,8 @@ class RemoteRolloutEngine:
                 for h, a, b in zip(self.handles, bounds[:-1], bounds[1:]) if b > a]
         outs: list[Generation] = ray.get(refs)
         logprobs = None
-        if outs and all(o.old_logprobs is not None for o in outs):
-            logprobs = [lp for o in outs for lp in o.old_logprobs]
+        if outs and all(o.rollout_logprobs is not None for o in outs):
+            logprobs = [lp for o in outs for lp in o.rollout_logprobs]
         return GenerationOutput(response_ids=[r for o in outs for r in o.response_ids],
                                 finish_reason=[f for o in outs for f in o.finish_reason], logprobs=logprobs,
                                 stats={"engine_versions": [o.policy_version for o in outs]})
