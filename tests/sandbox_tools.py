@@ -166,3 +166,27 @@ def temp_marker(name: str) -> str:
     before = sorted(os.listdir(d))
     open(os.path.join(d, name), "w").close()
     return f"{d} {before}"
+
+
+def new_namespace() -> str:
+    """unshare(CLONE_NEWUSER | CLONE_NEWNS): a way into the kernel's namespace code from inside the sandbox."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x10000000 | 0x00020000) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return "unshared"
+
+
+def subprocess_runs() -> str:
+    """A subprocess and a fork still work under the seccomp filter (clone without CLONE_NEW*)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "print('child')"], capture_output=True, text=True).stdout.strip()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    return f"{out} {os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}"

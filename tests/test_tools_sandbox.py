@@ -458,3 +458,12 @@ def test_a_worker_that_is_not_root_or_root_of_a_rootless_container(mapping, euid
                                   "the tool runs as the worker's uid 0"]
     else:
         assert got["missing"] == []
+
+
+def test_seccomp_denies_new_namespaces_but_not_processes():
+    sb = _strict([_tool("ns", "new_namespace", {}), _tool("sub", "subprocess_runs", {})])
+    if "seccomp: yes" not in sb.isolation:
+        pytest.skip(f"no seccomp table for this machine: {sb.isolation}")
+    r = sb.call(ToolCall("ns", {}, ""))
+    assert r.error == "exception: PermissionError: [Errno 1] Operation not permitted", r  # allowed without it
+    assert sb.call(ToolCall("sub", {}, "")).result == "child 7"

@@ -5,7 +5,7 @@ trajflow's sandbox modules and the tool: it shares no memory with the caller (no
 Ray state; a ``fork`` of a multi-threaded policy worker would also be unsafe). That interpreter is a
 trusted *supervisor*: it confines the tool in a process of its own (new user, network, PID and mount
 namespaces, uid ``nobody``, a private root, a memory cgroup, ``RLIMIT_CPU/AS/NPROC/FSIZE``, an
-environment allow-list, no capabilities, ``no_new_privs``; see :mod:`trajflow.envs.sandbox_worker`),
+environment allow-list, no capabilities, ``no_new_privs``, a seccomp deny-list; see :mod:`trajflow.envs.sandbox_worker`),
 reads the tool's framed answer with a deadline and a byte cap, kills every process of the call and
 writes one validated JSON answer on its stdout, which no tool process holds. This process reads that
 answer with a deadline and a cap of its own and validates it again, so nothing a tool writes, prints
@@ -93,9 +93,11 @@ def _probe() -> str:
 
 
 def describe(isolation: dict, missing: list[str]) -> str:
-    """One line saying what a call was isolated by, e.g. ``"user, net, pid, mount namespaces; memory: cgroup"``."""
+    """One line saying what a call was isolated by, e.g. ``"user, net, pid, mount namespaces; memory: cgroup;
+    seccomp: yes"``."""
     spaces = [k for k in ("user", "net", "pid", "mount") if k in isolation and "no user" not in str(isolation[k])]
-    line = f"{', '.join(spaces) or 'no'} namespaces; memory: {isolation.get('memory', 'per process')}"
+    line = (f"{', '.join(spaces) or 'no'} namespaces; memory: {isolation.get('memory', 'per process')}; "
+            f"seccomp: {'yes' if isolation.get('seccomp', 'none') != 'none' else 'no'}")
     return line + (f"; missing: {'; '.join(missing)}" if missing else "")
 
 

@@ -19,8 +19,8 @@ before it imports the tool (all of it trusted code, nothing the tool controls ye
 5. forks the process that becomes PID 1 of the new PID namespace (when it exits, the kernel kills
    every process the tool started), mounts that namespace's ``/proc``, sets ``RLIMIT_CPU``,
    ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE`` and ``RLIMIT_CORE``, replaces the environment by
-   an allow-list, drops every capability, sets ``no_new_privs`` and a parent-death signal, and only
-   then imports and calls the tool.
+   an allow-list, drops every capability, sets ``no_new_privs``, a parent-death signal and the
+   seccomp filter of :mod:`trajflow.envs.seccomp`, and only then imports and calls the tool.
 
 Where the kernel refuses a step (no user namespaces in a container, no cgroup), the call still runs
 with what could be set up, and the answer lists what is missing; :class:`Sandbox` refuses to run tools
@@ -43,6 +43,8 @@ import struct
 import sys
 import tempfile
 import time
+
+from trajflow.envs import seccomp
 
 NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -352,6 +354,8 @@ def _tool_main(req: dict, answer_w: int, alive_r: int) -> None:
         os._exit(1)
     os.close(alive_r)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if req["seccomp"]:
+        seccomp.install()
     try:
         value = import_callable(req["function"])(**req["arguments"], **req["options"])
         if isinstance(value, str):
@@ -387,6 +391,8 @@ def _tool_process(req: dict, cgroup: str | None, answer_w: int, report_w: int) -
         if "mount" not in got:
             req["tmp"] = req["fallback_tmp"]
         req["proc"] = "pid" in got and "mount" in got
+        req["seccomp"] = seccomp.supported()
+        got["seccomp"] = "unshare, setns, mount, ptrace, keys, bpf, ... denied" if req["seccomp"] else "none"
         alive_r, alive_w = os.pipe()
         child = os.fork()
         if child == 0:
