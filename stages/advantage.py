@@ -629,7 +629,7 @@ def advantage_table(joined: pa.Table, algorithm_cfg: dict, values: list[np.ndarr
         extra["reward_baselines"] = torch.as_tensor(reward_baselines, dtype=torch.float32)
     if algorithm_cfg["adv_estimator"] == "opd":  # the teacher's and the student's log-probs of the sampled tokens
         extra.update(teacher_log_probs=pad_ragged(joined.column("teacher_logprobs"), 0.0, torch.float32, length=T),
-                     rollout_log_probs=pad_ragged(joined.column("old_logprobs"), 0.0, torch.float32, length=T),
+                     rollout_log_probs=pad_ragged(joined.column("rollout_logprobs"), 0.0, torch.float32, length=T),
                      opd_coef=float(algorithm_cfg["opd_coef"]), opd_task_coef=float(algorithm_cfg["opd_task_coef"]))
     index = joined.column("group_id").to_pylist()
     adv, ret = compute_advantage(algorithm_cfg["adv_estimator"], rewards, mask, index, conf, **extra)

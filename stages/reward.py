@@ -466,7 +466,7 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
     if teacher_logprobs is not None:
         cols["teacher_logprobs"] = list_column(teacher_logprobs, pa.float32())
         teacher = pad_ragged(cols["teacher_logprobs"], 0.0, torch.float32, length=T)
-        student = pad_ragged(rollout.column("old_logprobs"), 0.0, torch.float32, length=T)
+        student = pad_ragged(rollout.column("rollout_logprobs"), 0.0, torch.float32, length=T)
         metrics.update(reverse_kl_metrics(teacher, student, mask))
     if reward_baselines is not None:
         cols["reward_baseline"] = pa.array(np.asarray(reward_baselines, dtype=np.float32), pa.float32())

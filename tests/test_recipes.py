@@ -340,7 +340,7 @@ def test_on_policy_distillation_with_a_teacher_worker(env, tmp_path_factory):
 
     temp = float(OmegaConf.load(d / "config.yaml").rollout.temperature)
     kl = []
-    for p, r, t_lp, s_lp in zip(rows["prompt_ids"], rows["response_ids"], rows["teacher_logprobs"], rows["old_logprobs"]):
+    for p, r, t_lp, s_lp in zip(rows["prompt_ids"], rows["response_ids"], rows["teacher_logprobs"], rows["rollout_logprobs"]):
         with torch.no_grad():
             logp = torch.log_softmax(teacher(input_ids=torch.tensor([p + r])).logits[0].double() / temp, -1)
         want = [float(logp[len(p) - 1 + j, tok]) for j, tok in enumerate(r)]
@@ -353,5 +353,5 @@ def test_on_policy_distillation_with_a_teacher_worker(env, tmp_path_factory):
         std = scores.std(ddof=1)
         for i in idx:
             g = 0.0 if std == 0 else (scores[idx.index(i)] - scores.mean()) / (std + 1e-6)
-            want = 2.0 * (np.array(rows["teacher_logprobs"][i]) - np.array(rows["old_logprobs"][i])) + 0.5 * g
+            want = 2.0 * (np.array(rows["teacher_logprobs"][i]) - np.array(rows["rollout_logprobs"][i])) + 0.5 * g
             np.testing.assert_allclose(rows["advantages"][i], want, rtol=1e-4, atol=1e-4)

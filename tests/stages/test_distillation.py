@@ -82,7 +82,7 @@ def test_tiny_teacher_and_student_give_the_hand_computed_reverse_kl(tiny_model_d
     rollout = pa.table({
         "sample_id": ["a", "b", "c"], "group_id": ["g0", "g0", "g1"],
         "prompt_ids": pa.array(prompts, pa.list_(pa.int32())), "response_ids": pa.array(responses, pa.list_(pa.int32())),
-        "old_logprobs": pa.array([x.astype(np.float32) for x in s_lp], pa.list_(pa.float32())),
+        "rollout_logprobs": pa.array([x.astype(np.float32) for x in s_lp], pa.list_(pa.float32())),
         "finish_reason": ["stop", "stop", "length"]})
     out, metrics = reward_table(rollout, np.array([1.0, 0.0, 0.0], np.float32), [{}, {}, {}], ref_logprobs=None,
                                 reward_cfg={"overlong_buffer": {"enable": False}}, algorithm_cfg={}, max_new_tokens=8,
