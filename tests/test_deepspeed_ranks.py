@@ -10,6 +10,7 @@ differences are ~5e-7).
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -135,3 +136,45 @@ def test_zero3_checkpoint_save_load_export(ray_local, tiny_model_dir, one_rank, 
         assert_close(fresh.execute("get_weights"), w2)
     finally:
         fresh.kill()
+
+
+def nan_batch(batch: UpdateBatch) -> UpdateBatch:
+    """``batch`` with one row's advantages NaN: the loss, hence every gradient, is not finite."""
+    adv = [list(a) for a in batch.rows.advantages]
+    adv[1] = [float("nan")] * len(adv[1])
+    return UpdateBatch(dataclasses.replace(batch.rows, advantages=adv), batch.settings)
+
+
+
+@pytest.fixture(scope="module")
+def one_rank_nan(tiny_model_dir, one_rank):
+    """The one-process worker on the batch whose first mini-batch has a NaN advantage: that step is
+    skipped (weights and AdamW state untouched), the second mini-batch's step is taken."""
+    from trajflow.workers.policy import PolicyWorker
+
+    w = PolicyWorker(str(tiny_model_dir), ActorConfig(**ACTOR), MODEL, ROLLOUT, seed=0, num_threads=1)
+    m = w.update_actor(nan_batch(one_rank["b1"]))
+    return {"w": w.get_weights(), "m": m}
+
+
+@pytest.mark.parametrize("zero_stage,dtype", [(0, "float32"), (3, "float32"), (0, "bfloat16")])
+def test_a_non_finite_gradient_skips_the_step_on_every_rank(ray_local, tiny_model_dir, one_rank, one_rank_nan,
+                                                            zero_stage, dtype):
+    # DeepSpeed checks for overflow only where its optimizer does (ZeRO-1/2, the bf16/fp16 optimizers):
+    # the plain ZeRO-0 fp32 step applied a NaN gradient while the metrics said it was skipped.
+    from trajflow.config import MixedPrecisionConfig
+
+    assert one_rank_nan["m"]["actor/grad_norm_nonfinite"] == 1.0
+    group = spawn_ds(tiny_model_dir, zero_stage=zero_stage, mixed_precision=MixedPrecisionConfig(param_dtype=dtype))
+    try:
+        m = group.execute("update_actor", nan_batch(one_rank["b1"]))
+        w = group.execute("get_weights")
+    finally:
+        group.kill()
+    assert m["actor/grad_norm_nonfinite"] == 1.0 and m["actor/nonfinite_steps_in_a_row"] == 0.0
+    assert all(np.isfinite(w[k]).all() for k in w)
+    if dtype == "float32":  # first step skipped, second taken: as the one-process update
+        assert_close(w, one_rank_nan["w"])
+    else:  # bf16 compute (DeepSpeed's bf16 optimizer): the second step was taken
+        assert np.isfinite(m["actor/grad_norm"])
+        assert max(float(np.abs(w[k] - one_rank["w0"][k]).max()) for k in w) > 1e-4

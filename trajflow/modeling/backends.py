@@ -403,11 +403,47 @@ class DeepSpeedBackend:
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
     def step(self, grad_clip: float) -> tuple[float, bool]:
+        """Clip and step through the engine; returns ``(grad_norm, stepped)``, the same on every rank.
+
+        DeepSpeed skips a step whose gradient norm is not finite only inside its ZeRO and fp16/bf16
+        optimizers. Its plain path (ZeRO-0 in fp32) clips and steps whatever the norm, which wrote NaN
+        into every weight, and reports no norm. There the gradients are averaged over the ranks here
+        (one flat all-reduce, what ``engine.step`` would do), the norm of the averaged gradient, the
+        same on every rank, is taken, and the step is skipped on every rank as the one-process
+        backend skips it.
+        """
+        if not (self.engine.zero_optimization() or self.engine.fp16_enabled() or self.engine.bfloat16_enabled()):
+            return self._plain_step()
         skipped = self.engine.skipped_steps
         self.engine.step()
         gn = self.engine.get_global_grad_norm()
         gn = float(gn) if gn is not None else float("nan")
         return gn, self.engine.skipped_steps == skipped
+
+    def _plain_step(self) -> tuple[float, bool]:
+        """:meth:`step` on DeepSpeed's plain (ZeRO-0, fp32) path: reduce, check the norm, then step."""
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.world_size
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            del flat
+        gn = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if not math.isfinite(gn):
+            self.engine.zero_grad()
+            return gn, False
+        self.engine.enable_backward_allreduce = False  # reduced above: step must not average twice
+        try:
+            self.engine.step()
+        finally:
+            self.engine.enable_backward_allreduce = True
+        return gn, True
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
