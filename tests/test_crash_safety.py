@@ -184,6 +184,25 @@ def test_rotation_keeps_the_newest_checkpoints(tmp_path):
     assert sorted(p.name for p in store.checkpoints_dir().iterdir()) == ["000006"]
 
 
+def test_rotation_after_resuming_from_an_older_checkpoint_keeps_the_new_one(tmp_path):
+    """Checkpoints 2 and 5, and 5 fails verification: resume goes back to 2. Saving 3 with
+    max_checkpoints=1 must keep 3 (the one just written, loadable) and delete 2; the broken 5 is
+    left alone until iteration 5 is saved again."""
+    store = RunStore(tmp_path, "run")
+    _save(store, 2, keep=0)
+    _save(store, 5, keep=0)
+    (ckpt.checkpoint_dir(store, 5) / "actor" / "w.bin").write_bytes(b"tampered")
+    latest, skipped = ckpt.newest_verified_checkpoint(store)
+    assert latest == 2 and [it for it, _ in skipped] == [5]
+    _save(store, 3, keep=1)
+    assert ckpt.list_checkpoints(store) == [3, 5]
+    assert ckpt.verify_checkpoint(store, 3) is None and ckpt.newest_verified_checkpoint(store)[0] == 3
+    _save(store, 4, keep=1)
+    assert ckpt.list_checkpoints(store) == [4, 5]
+    _save(store, 5, keep=1)  # reached again: the broken one is replaced whole
+    assert ckpt.list_checkpoints(store) == [5] and ckpt.verify_checkpoint(store, 5) is None
+
+
 def test_keep_best_keeps_the_best_validated_checkpoint_besides_the_newest(tmp_path):
     """trainer.keep_best: accuracies 0.2, 0.6, -, 0.5, 0.6, 0.1 at iterations 1..6 (3 not validated):
     with max_checkpoints=2 the newest two and the best (iteration 2: the first of the two 0.6s) stay."""

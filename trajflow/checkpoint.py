@@ -17,7 +17,8 @@ run code; one that fails its manifest is skipped on resume, with the file named.
 
 A checkpoint is written into a hidden temp folder and renamed into place only when complete, so a
 crash mid-write leaves no folder that looks like a checkpoint. Rotation keeps the newest
-``max_checkpoints`` (by iteration) and never deletes the newest one; a folder is renamed to a
+``max_checkpoints`` (by iteration) up to the one just written, never deletes that one, and leaves
+later ones (a resume went back past them) alone; a folder is renamed to a
 hidden name before it is deleted, so a crash mid-deletion leaves no half-deleted checkpoint that
 still looks complete. :func:`cleanup` removes the hidden leftovers of killed writers.
 
@@ -95,7 +96,7 @@ def save_checkpoint(store: RunStore, iteration: int, trainer_state: dict[str, An
     _fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    rotate(store, max_checkpoints, keep=[best_checkpoint(store, *keep_best)] if keep_best else ())
+    rotate(store, max_checkpoints, keep=[best_checkpoint(store, *keep_best)] if keep_best else (), through=iteration)
     return final
 
 
@@ -129,10 +130,17 @@ def best_checkpoint(store: RunStore, metric: str, mode: str = "max") -> int | No
     return max(sorted(scores), key=lambda it: sign * scores[it])  # max keeps the first (earliest) of equals
 
 
-def rotate(store: RunStore, max_checkpoints: int, keep: Any = ()) -> list[int]:
-    """Delete all but the newest ``max_checkpoints`` complete checkpoints and the iterations in ``keep``
-    (the best one, :func:`best_checkpoint`; ``None`` entries are ignored); return the deleted ones."""
-    done = list_checkpoints(store)
+def rotate(store: RunStore, max_checkpoints: int, keep: Any = (), through: int | None = None) -> list[int]:
+    """Delete all but the newest ``max_checkpoints`` complete checkpoints up to iteration ``through``
+    and the iterations in ``keep`` (the best one, :func:`best_checkpoint`; ``None`` entries are
+    ignored); return the deleted ones.
+
+    Checkpoints after ``through`` (the iteration just saved) are neither counted nor deleted: a run
+    that resumed from an older checkpoint (the newer ones failed verification) left them, and they
+    are replaced when the run reaches their iteration again. Counting them deleted the good
+    checkpoint just written and kept the broken one, leaving nothing loadable.
+    """
+    done = [it for it in list_checkpoints(store) if through is None or it <= through]
     if max_checkpoints <= 0 or len(done) <= max_checkpoints:
         return []
     kept = {int(k) for k in keep if k is not None}
