@@ -49,6 +49,7 @@ class Scripted:
     tok: object
     turns: list[list[str]]
     calls: int = 0
+    stop_ids: tuple = ()  # ids besides the tokenizer's EOS that end a turn ("stop")
 
     def generate(self, prompt_ids, params):
         out, lps, fin = [], [], []
@@ -58,24 +59,24 @@ class Scripted:
             ids = self.tok(text, add_special_tokens=False)["input_ids"][:params.max_new_tokens]
             out.append(ids)
             lps.append([-0.5] * len(ids))
-            fin.append("stop" if ids and ids[-1] == self.tok.eos_token_id else "length")
+            fin.append("stop" if ids and (ids[-1] == self.tok.eos_token_id or ids[-1] in self.stop_ids) else "length")
         self.calls += 1
         return GenerationOutput(response_ids=out, finish_reason=fin, logprobs=lps)
 
 
-def _scripted(tok, renderer, turns, env_name="tool_calculator", limits=None, sandbox=None):
+def _scripted(tok, renderer, turns, env_name="tool_calculator", limits=None, sandbox=None, eos_ids=None):
     sandbox = sandbox or Sandbox([BUILTIN_TOOLS["calculator"]], max_response_chars=64,
                                  allow_weaker=True)  # the loop, not the isolation, is tested here
     envs = [make_environment(env_name, EnvContext([], sandbox)) for _ in turns]
     rows = [{**ROW, "messages": [{"role": "user", "content": f"Problem {k}."}]} for k in range(len(turns))]
-    engine = Scripted(tok, turns)
+    engine = Scripted(tok, turns, stop_ids=tuple(eos_ids or ()))
     # Episodes are told apart by their prompt tokens (they differ only in the problem number).
     prompts = [renderer.prompt_ids(e.reset(r)) for e, r in zip(envs, rows)]
     engine.plen = len(prompts[0])
     engine.owner = {tuple(p): k for k, p in enumerate(prompts)}
     limits = limits or EpisodeLimits(total_tokens=512, max_assistant_turns=3, max_user_turns=3)
     return run_episodes(engine, renderer, envs, rows, SamplingParams(temperature=1.0, seed=1), limits,
-                        [tok.eos_token_id])
+                        list(eos_ids or [tok.eos_token_id]))
 
 
 def test_tool_call_episode_follows_the_row_contract(tok):
@@ -99,6 +100,28 @@ def test_tool_call_episode_follows_the_row_contract(tok):
     text = tok.decode(ep.prompt_ids)
     assert text.startswith("<|im_start|>system\n") and '"name": "calculator"' in text and "<tools>" in text
     assert text.endswith("<|im_start|>user\nProblem 0.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_turn_ended_by_another_end_token_keeps_the_templates_closing(tok):
+    """The model stops on <|endoftext|> (an end-of-turn id too) where ChatML closes turns with
+    <|im_end|>: only what the model wrote is taken off the closing, so <|im_end|> is still appended."""
+    other = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert other != tok.eos_token_id and tok.eos_token == "<|im_end|>"
+    eos_ids = [tok.eos_token_id, other]
+    renderer = ChatRenderer(tok, [BUILTIN_TOOLS["calculator"].schema()], eos_ids)
+    (ep,) = _scripted(tok, renderer, [[f"Let me compute. {CALL}<|endoftext|>", f"Answer: 7006652{tok.eos_token}"]],
+                      eos_ids=eos_ids)
+    t1 = tok(f"Let me compute. {CALL}<|endoftext|>", add_special_tokens=False)["input_ids"]
+    t2 = tok(f"Answer: 7006652{tok.eos_token}", add_special_tokens=False)["input_ids"]
+    assert t1[-1] == other
+    # ChatML by hand: the whole closing (<|im_end|> and the newline), the tool turn, the generation prompt.
+    obs = tok("<|im_end|>\n<|im_start|>tool\n7006652<|im_end|>\n<|im_start|>assistant\n",
+              add_special_tokens=False)["input_ids"]
+    assert ep.response_ids == t1 + obs + t2
+    # Ended on the template's own end of turn: only the newline is appended (unchanged).
+    direct = renderer.observation_ids([{"role": "user", "content": "hi"}], [{"role": "user", "content": "go on"}],
+                                      tok.eos_token_id)
+    assert tok.decode(direct) == "\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_errors_turns_and_budgets(tok):

@@ -116,7 +116,7 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
                     e.finish_reason = "length"  # cut by the turn or total budget: not a finished message
                 else:
                     stepping.append(i)
-                    ended[i] = ids[-1] in eos
+                    ended[i] = ids[-1] if ids[-1] in eos else None  # the end token the model wrote, if any
         with ThreadPoolExecutor(max_workers=max(1, min(step_workers, len(stepping) or 1))) as pool:
             results: list[StepResult] = list(pool.map(
                 lambda i: envs[i].step({"role": "assistant", "content": episodes[i].messages[-1]["content"]}),
@@ -136,7 +136,7 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
                 e.finish_reason = "max_turns"
                 continue
             before = convs[i]
-            obs_ids = renderer.observation_ids(before, res.observations, ended_with_eos=ended[i])
+            obs_ids = renderer.observation_ids(before, res.observations, ended_with=ended[i])
             convs[i] = before + [{"role": "assistant", "content": e.messages[-1]["content"]}] + \
                 [dict(m) for m in res.observations]
             e.messages.extend({"role": m["role"], "content": m["content"], "tool_calls": None}

@@ -77,15 +77,20 @@ class ChatRenderer:
         """The first messages rendered with the generation prompt: ``prompt_ids`` of the row."""
         return self.encode(self.text(self.with_tools(messages), add_generation_prompt=True))
 
-    def observation_ids(self, before: Sequence[dict], observations: Sequence[dict], ended_with_eos: bool) -> list[int]:
+    def observation_ids(self, before: Sequence[dict], observations: Sequence[dict],
+                        ended_with: int | bool | None) -> list[int]:
         """Tokens to append after an assistant turn: its closing, ``observations`` and the next generation prompt.
 
         Args:
             before: the conversation up to (not including) the assistant message, with the tools
                 (:meth:`with_tools`).
             observations: the environment's messages after the assistant message.
-            ended_with_eos: the assistant's tokens end with an EOS id (the closing's first text,
-                already written by the model, is then not repeated).
+            ended_with: the end-of-turn id the assistant's tokens end with, or ``None``. Only the text
+                of that token is taken off the front of the template's closing, and only if the
+                closing starts with it: a model that stops on ``<|endoftext|>`` where the template
+                closes turns with ``<|im_end|>`` still gets ``<|im_end|>`` in its context. (``True``
+                is read as the template's own end of turn, for callers that only know that the turn
+                ended on one of ``eos_ids``.)
 
         Raises:
             TemplatePrefixError: the template does not have the prefix property for this conversation.
@@ -101,11 +106,14 @@ class ChatRenderer:
                 "(or changes the assistant's content), so observation tokens cannot be appended without "
                 "re-tokenizing the model's own text; multi-turn rollouts do not support this template")
         closing = turn[len(head) + len(SENTINEL):]
-        if ended_with_eos:
-            for eos in self.eos_texts:
-                if eos and closing.startswith(eos):
-                    closing = closing[len(eos):]
-                    break
+        if ended_with is True:
+            generated = next((e for e in self.eos_texts if e and closing.startswith(e)), "")
+        elif ended_with is None or ended_with is False:
+            generated = ""
+        else:
+            generated = self.tokenizer.decode([int(ended_with)])
+        if generated and closing.startswith(generated):
+            closing = closing[len(generated):]
         return self.encode(closing + full[len(turn):])
 
 
