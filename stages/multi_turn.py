@@ -42,6 +42,9 @@ class Episode:
         tool_calls: ``{turn, name, arguments, result, error, duration_s}`` per call.
         finish_reason: ``stop``, ``length`` or ``max_turns``; ``None`` while running.
         env_reward: the environment's outcome reward, or ``None``.
+        env_reward_source: where ``env_reward`` came from: ``step`` (the last reward a step gave),
+            ``final`` (the environment's terminal ``final_reward`` call), ``default``
+            (``rollout.multi_turn.default_env_reward``), or ``None`` (no reward).
         user_turns: observation turns appended so far.
     """
 
@@ -55,6 +58,7 @@ class Episode:
     tool_calls: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     env_reward: float | None = None
+    env_reward_source: str | None = None
     user_turns: int = 0
 
     @property
@@ -133,6 +137,7 @@ def multi_turn_table(iteration: int, prompts: Sequence[Any], episodes: Sequence[
                                for m in e.messages] for e in episodes], MESSAGES_TYPE),
         "tool_calls": pa.array([e.tool_calls for e in episodes], TOOL_CALLS_TYPE),
         "env_reward": pa.array([e.env_reward for e in episodes], pa.float32()),
+        "env_reward_source": pa.array([e.env_reward_source for e in episodes], pa.string()),
     }
     return pa.table(cols)
 

@@ -111,9 +111,10 @@ def _require_env_rewards(uses_env: Sequence[bool], env_rewards: Sequence[float |
         if env_rewards is None:
             raise DataError(f"{key}: row {i}{pid} is single-turn, so it has no env_reward; the env scorer scores "
                             f"multi-turn episodes (rollout.multi_turn.enable=true) with their environment's reward")
-        raise DataError(f"{key}: row {i}{pid} has env_reward null: its environment's step returned no reward; "
-                        f"expected a number in StepResult(reward=...) by the end of every episode, also one cut "
-                        f"by a budget (the last reward given counts)")
+        raise DataError(f"{key}: row {i}{pid} has env_reward null: no step of its environment returned a reward "
+                        f"and its final_reward gave none; expected a number in StepResult(reward=...) or from "
+                        f"Environment.final_reward(messages, finish_reason), or set "
+                        f"rollout.multi_turn.default_env_reward")
 
 
 def check_env_rewards(data_sources: Sequence[str], env_rewards: Sequence[float | None] | None,

@@ -35,6 +35,38 @@ def _go_on(ctx: EnvContext) -> GoOn:
     return GoOn()
 
 
+class GradedAtTheEnd(Environment):
+    """Steps never reward; a message asking to go on ends after two assistant turns. The terminal
+    call rewards 0.25 per assistant message and records the finish reason it was told."""
+
+    def __init__(self):
+        self.turns, self.final_calls = 0, []
+
+    def step(self, message: dict) -> StepResult:
+        self.turns += 1
+        return StepResult(done=self.turns >= 2, observations=[{"role": "user", "content": "go on"}])
+
+    def final_reward(self, messages, finish_reason):
+        self.final_calls.append(finish_reason)
+        return 0.25 * sum(m["role"] == "assistant" for m in messages)
+
+
+class SilentToo(GradedAtTheEnd):
+    def final_reward(self, messages, finish_reason):
+        self.final_calls.append(finish_reason)
+        return None
+
+
+@ENVIRONMENTS.register("test_graded_at_the_end")
+def _graded(ctx: EnvContext) -> GradedAtTheEnd:
+    return GradedAtTheEnd()
+
+
+@ENVIRONMENTS.register("test_silent_too")
+def _silent(ctx: EnvContext) -> SilentToo:
+    return SilentToo()
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
     from transformers import AutoTokenizer
@@ -64,7 +96,8 @@ class Scripted:
         return GenerationOutput(response_ids=out, finish_reason=fin, logprobs=lps)
 
 
-def _scripted(tok, renderer, turns, env_name="tool_calculator", limits=None, sandbox=None, eos_ids=None):
+def _scripted(tok, renderer, turns, env_name="tool_calculator", limits=None, sandbox=None, eos_ids=None,
+              default_reward=None):
     sandbox = sandbox or Sandbox([BUILTIN_TOOLS["calculator"]], max_response_chars=64,
                                  allow_weaker=True)  # the loop, not the isolation, is tested here
     envs = [make_environment(env_name, EnvContext([], sandbox)) for _ in turns]
@@ -76,7 +109,7 @@ def _scripted(tok, renderer, turns, env_name="tool_calculator", limits=None, san
     engine.owner = {tuple(p): k for k, p in enumerate(prompts)}
     limits = limits or EpisodeLimits(total_tokens=512, max_assistant_turns=3, max_user_turns=3)
     return run_episodes(engine, renderer, envs, rows, SamplingParams(temperature=1.0, seed=1), limits,
-                        list(eos_ids or [tok.eos_token_id]))
+                        list(eos_ids or [tok.eos_token_id]), default_reward=default_reward)
 
 
 def test_tool_call_episode_follows_the_row_contract(tok):
@@ -122,6 +155,30 @@ def test_a_turn_ended_by_another_end_token_keeps_the_templates_closing(tok):
     direct = renderer.observation_ids([{"role": "user", "content": "hi"}], [{"role": "user", "content": "go on"}],
                                       tok.eos_token_id)
     assert tok.decode(direct) == "\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_episodes_no_step_rewarded_get_the_terminal_call_or_the_default(tok):
+    from types import SimpleNamespace
+
+    renderer = ChatRenderer(tok, [], [tok.eos_token_id])
+    eos = tok.eos_token
+    # Episode 0 ends after two answered turns (stop), episode 1's first turn is cut by the budget, so
+    # step is never called: both get final_reward, 0.25 per assistant message (2 and 1).
+    turns = [[f"one{eos}", f"two{eos}"], ["no end of turn here"]]
+    eps = _scripted(tok, renderer, turns, env_name="test_graded_at_the_end")
+    assert [e.finish_reason for e in eps] == ["stop", "length"]
+    assert [e.env_reward for e in eps] == [0.5, 0.25]
+    assert [e.env_reward_source for e in eps] == ["final", "final"]
+    # The environment gives nothing at the end either: the configured default, recorded as such.
+    eps = _scripted(tok, renderer, [[f"one{eos}", f"two{eos}"], ["cut"]], env_name="test_silent_too",
+                    default_reward=-1.0)
+    assert [e.env_reward for e in eps] == [-1.0, -1.0] and [e.env_reward_source for e in eps] == ["default"] * 2
+    # Neither: null, which the env scorer refuses naming the row (test_env_reward); rewarded steps win.
+    eps = _scripted(tok, renderer, [["cut"]], env_name="test_silent_too")
+    assert eps[0].env_reward is None and eps[0].env_reward_source is None
+    prompts = [SimpleNamespace(prompt_id="0", ground_truth="1", data_source="d", extra_info={})]
+    table = multi_turn_table(0, prompts, eps, ["x"], n=1, policy_version=0)
+    assert table.column("env_reward_source").to_pylist() == [None]
 
 
 def test_errors_turns_and_budgets(tok):

@@ -43,8 +43,10 @@ PROMPT_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()
 #: response token, 0 on tool/environment and template tokens; absent = all ones), `turn_spans`
 #: list<int32> (flat [start, end) offsets of each assistant turn in `response_ids`), `num_turns` int32,
 #: `messages` and `tool_calls` (list<struct>, for audit and display only; training never reads them),
-#: `env_reward` float32 (the environment's own reward, nullable; see stages/multi_turn.py).
-MULTI_TURN_COLUMNS = ("loss_mask", "turn_spans", "num_turns", "messages", "tool_calls", "env_reward")
+#: `env_reward` float32 (the environment's own reward, nullable) and `env_reward_source` string (`step`,
+#: `final`, `default` or null: where `env_reward` came from; see stages/multi_turn.py).
+MULTI_TURN_COLUMNS = ("loss_mask", "turn_spans", "num_turns", "messages", "tool_calls", "env_reward",
+                      "env_reward_source")
 ROLLOUT_COLUMNS = ("sample_id", "prompt_id", "group_id", "iteration", "policy_version", "prompt",
                    "prompt_ids", "response_ids", "response_text", "rollout_logprobs", "finish_reason",
                    "ground_truth", "data_source", "extra_info", "temperature", "top_p", "top_k", "baseline_response_ids",

@@ -133,6 +133,9 @@ class MultiTurnConfig:
     tool_workers: int = _f(4, "sandbox processes running tool calls at once", ge=1)
     allow_weaker_sandbox: bool = _f(False, "run tools even where the kernel refuses part of the sandbox's "
                                     "isolation (user/network/PID/mount namespaces); see docs/multi-turn.md")
+    default_env_reward: Optional[float] = _f(None, "env_reward of an episode that neither a step nor the "
+                                             "environment's final_reward rewarded (null = such an episode "
+                                             "is an error under reward.scorer=env)")
 
 
 @dataclass

@@ -13,6 +13,13 @@ at most ``turn_tokens`` (0 = what is left). A turn cut by a budget (no EOS), or 
 that would not fit, end the episode with ``length``; an episode whose environment is not done after
 ``max_assistant_turns`` turns, or that would need more than ``max_user_turns`` observation turns,
 ends with ``max_turns``; one whose environment says done ends with ``stop``.
+
+Every ended episode has an outcome for the ``env`` scorer where one exists: the last reward a step
+gave (``env_reward_source`` ``step``); else the environment's terminal call
+(:meth:`~trajflow.envs.registry.Environment.final_reward`, source ``final``), made once per episode
+that no step rewarded, also one whose first turn was cut before any step; else
+``rollout.multi_turn.default_env_reward`` (source ``default``); else none (``null``, which the
+``env`` scorer refuses, naming the row).
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ def turn_seed(seed: int, turn: int, budget: int) -> int:
 
 def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment], rows: Sequence[dict],
                  params: SamplingParams, limits: EpisodeLimits, eos_ids: Sequence[int], fmt: str = "hermes",
-                 decode: Any = None, step_workers: int = 8, max_prompt_length: int = 0) -> list[Episode]:
+                 decode: Any = None, step_workers: int = 8, max_prompt_length: int = 0,
+                 default_reward: float | None = None) -> list[Episode]:
     """Run one episode per ``(env, row)`` pair to its end.
 
     Args:
@@ -69,6 +77,7 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
         step_workers: environments stepped at once.
         max_prompt_length: ``data.max_prompt_length`` (0 = unchecked): the environment's ``reset`` may
             rewrite the dataset prompt, so its rendering is checked again here, as single-turn prompts are.
+        default_reward: ``env_reward`` of an episode that neither a step nor ``final_reward`` rewarded.
 
     Returns:
         The episodes, in ``envs`` order, each with a ``finish_reason``.
@@ -126,7 +135,7 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
             e.tool_calls.extend({"turn": turn, "name": r.name, "arguments": r.arguments, "result": r.result,
                                  "error": r.error, "duration_s": float(r.duration_s)} for r in res.tool_calls)
             if res.reward is not None:
-                e.env_reward = float(res.reward)
+                e.env_reward, e.env_reward_source = float(res.reward), "step"
             if res.done:
                 e.finish_reason = "stop"
                 continue
@@ -146,9 +155,15 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
                 continue
             e.add_observation(obs_ids)
             e.user_turns += 1
-    for e in episodes:
+    for i, e in enumerate(episodes):
         if e.finish_reason is None:
             e.finish_reason = "max_turns"
+        if e.env_reward is None:
+            final = envs[i].final_reward([dict(m) for m in e.messages], e.finish_reason)
+            if final is not None:
+                e.env_reward, e.env_reward_source = float(final), "final"
+            elif default_reward is not None:
+                e.env_reward, e.env_reward_source = float(default_reward), "default"
     return episodes
 
 
@@ -200,4 +215,5 @@ class EpisodeRunner:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         return run_episodes(engine, self.renderer, envs, rows, params, self.limits, self.eos_ids,
                             fmt=self.cfg.format, decode=decode, step_workers=max(1, int(self.cfg.tool_workers)),
+                            default_reward=getattr(self.cfg, "default_env_reward", None),
                             max_prompt_length=int(max_prompt_length))

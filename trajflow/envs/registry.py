@@ -71,6 +71,15 @@ class Environment:
         """Answer an assistant message ``{"role": "assistant", "content": str}``."""
         raise NotImplementedError
 
+    def final_reward(self, messages: list[dict], finish_reason: str) -> float | None:
+        """The terminal reward of an episode that ended without any step giving a reward (not
+        solved, or cut by a budget before a step was called): called once, after the episode
+        ended, with the whole conversation after the prompt (``messages``, the last assistant
+        message possibly cut) and the episode's ``finish_reason`` (``stop``, ``length``,
+        ``max_turns``). ``None`` (the default): no reward; ``rollout.multi_turn.default_env_reward``
+        applies then."""
+        return None
+
 
 class ToolEnvironment(Environment):
     """Runs the tool calls of each assistant message; the first message without a call ends the episode.
