@@ -424,7 +424,11 @@ class DeepSpeedBackend:
         """:meth:`step` on DeepSpeed's plain (ZeRO-0, fp32) path: reduce, check the norm, then step."""
         import torch.distributed as dist
 
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        for p in params:  # the same flat layout on every rank, even where a tensor got no gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
