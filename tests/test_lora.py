@@ -193,9 +193,40 @@ def test_full_weight_checkpoint_is_refused_by_a_lora_worker(tiny_model_dir, tmp_
         _worker(tiny_model_dir).load_checkpoint(str(tmp_path / "actor"))
 
 
+def test_rl_forwards_run_without_dropout(tiny_model_dir):
+    """A worker given lora_dropout=0.3 directly (the config refuses it) and a model whose attention
+    has dropout: the PPO ratio of the first step of a 2-mini-batch update compares the training
+    forward with log-probs recomputed without dropout, so it must be exactly 1 (deviation 0)."""
+    from trajflow.workers.policy import PolicyWorker
+
+    import dataclasses
+
+    cfg = dataclasses.replace(LORA, lora_dropout=0.3)
+    w = PolicyWorker(str(tiny_model_dir), ActorConfig(**ACTOR), cfg, RolloutConfig(micro_batch_size=4, temperature=0.7),
+                     seed=0, num_threads=1)
+    drops = [m for m in w.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(m.p == 0.0 for m in drops)  # peft built lora_dropout modules; they are off
+    _randomise_b(w.model)  # B != 0: the adapters' input (where the dropout sat) changes the output
+    rng = np.random.default_rng(0)
+    prompts = [PREFIX + [int(t)] for t in rng.integers(10, 2000, size=4)]
+    resps = [rng.integers(10, 2000, size=6).tolist() for _ in range(4)]
+    old = w.compute_log_prob(prompts, resps, 0.7)
+    batch = UpdateBatch(UpdateRows(prompts, resps, [x.tolist() for x in old], [[1.0] * 6, [-1.0] * 6] * 2),
+                        UpdateSettings(2, shuffle_seed=0, rng_seed=0))
+    m = w.update_actor(batch)
+    assert m["actor/ratio_first_step_max_abs_dev"] == pytest.approx(0.0, abs=1e-6)
+    from trajflow.models import disable_dropout
+
+    attn = next(m for m in w.model.modules() if hasattr(m, "attention_dropout"))
+    attn.attention_dropout = 0.2
+    assert disable_dropout(w.model) == 1 and attn.attention_dropout == 0.0
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.target_modules=[]"], "model.target_modules=[] must be 'all-linear' or a non-empty list"),
     (["model.target_modules=attention"], "model.target_modules='attention' must be 'all-linear'"),
+    (["model.lora_rank=4", "model.lora_dropout=0.1"], "model.lora_dropout=0.1 is refused: RL updates run without "
+                                                      "dropout"),
 ])
 def test_lora_config_errors_are_one_line(overrides, message):
     from trajflow.config import load_config

@@ -97,7 +97,8 @@ class ModelConfig:
                                "lora_alpha / sqrt(lora_rank), so their learning dynamics do not fade as the rank grows")
     target_modules: Any = _f("all-linear", "modules that get adapters: 'all-linear' (every linear layer but the "
                              "LM head) or a list of module names, e.g. [q_proj,v_proj]")
-    lora_dropout: float = _f(0.0, "dropout on the adapters' input (training forwards only)", ge=0.0, lt=1.0)
+    lora_dropout: float = _f(0.0, "dropout on the adapters' input: must be 0, RL updates run without dropout "
+                             "(as TRL's trainers do)", ge=0.0, lt=1.0)
 
 
 @dataclass
@@ -848,6 +849,10 @@ def resolve_auto_precision(cfg: DictConfig) -> str | None:
 
 def _check_lora(cfg: DictConfig, source: str) -> None:
     """LoRA's cross-field rules (``model.lora_rank > 0``)."""
+    if float(cfg.model.lora_dropout) != 0.0:
+        raise ConfigError(f"{source}: model.lora_dropout={cfg.model.lora_dropout} is refused: RL updates run without "
+                          f"dropout (the first PPO ratio would compare a dropped-out forward with log-probs computed "
+                          f"without it, and the clip would act on the noise); set model.lora_dropout=0")
     targets = cfg.model.target_modules
     names = list(targets) if isinstance(targets, ListConfig) else None
     if not (targets == "all-linear" or (names and all(isinstance(t, str) and t for t in names))):

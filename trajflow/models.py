@@ -424,3 +424,27 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu"
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{where}: transformers could not load it: {_first_line(e)}") from None
     return model.to(device)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Turn off every dropout of ``model`` in place (TRL's ``disable_dropout_in_model``, which its PPO
+    and GRPO trainers apply): ``nn.Dropout`` modules (the model's own and peft's ``lora_dropout``)
+    get ``p = 0``, and attention modules' ``attention_dropout`` rate, which transformers applies in
+    training mode only, becomes 0.
+
+    Why: an RL update compares a training-mode forward with log-probs (or values) computed without
+    dropout; with dropout the first PPO ratio is not 1 and the clip acts on the noise.
+
+    Returns:
+        The number of dropouts that were not already 0.
+    """
+    import torch
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p != 0.0:
+            module.p, changed = 0.0, changed + 1
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and not isinstance(rate, bool) and rate != 0.0:
+            module.attention_dropout, changed = 0.0, changed + 1
+    return changed

@@ -20,7 +20,7 @@ from trajflow.config import CriticConfig, ModelConfig
 from trajflow.modeling.backends import adamw
 from trajflow.modeling.packing import PackedBatch, micro_batch_slices, pack
 from trajflow.modeling.precision import autocast, cast_buffers, section_dtype
-from trajflow.models import load_causal_lm, load_tokenizer
+from trajflow.models import disable_dropout, load_causal_lm, load_tokenizer
 from trajflow.state_files import load_state, save_state
 from trajflow.workers.base import Worker
 
@@ -92,6 +92,7 @@ class CriticWorker(Worker):
         hidden = int(lm.config.hidden_size)
         self.model = ValueModel(lm.get_decoder(), hidden).to(device)
         del lm
+        disable_dropout(self.model)  # the value loss compares with values computed without dropout
         # fp32 master weights and AdamW state; forwards in critic.mixed_precision.param_dtype.
         self.param_dtype = section_dtype(critic)
         cast_buffers(self.model, str(getattr(getattr(critic, "mixed_precision", None), "buffer_dtype", "float32")))

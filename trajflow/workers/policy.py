@@ -30,7 +30,7 @@ from trajflow.modeling.flops import device_peak_tflops, mfu, train_flops
 from trajflow.modeling.forward import compute_log_probs
 from trajflow.modeling.packing import micro_batch_plan, pack
 from trajflow.modeling.precision import cast_buffers, section_dtype
-from trajflow.models import chat_prompt_ids, eos_token_ids, load_causal_lm, load_tokenizer
+from trajflow.models import chat_prompt_ids, disable_dropout, eos_token_ids, load_causal_lm, load_tokenizer
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
 from trajflow.workers.base import Worker
 from trajflow.workers.group import dispatch, free_address
@@ -109,6 +109,7 @@ class PolicyWorker(Worker):
         self.lora = lora.lora_enabled(model_cfg)
         if self.lora:
             self.model = lora.apply_lora(self.model, model_cfg)
+        disable_dropout(self.model)  # RL forwards run without dropout (the PPO ratio would compare noise)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.eos_ids = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None),
                                      model_cfg.prompt_format)
