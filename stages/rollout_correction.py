@@ -88,7 +88,9 @@ def rollout_is_weights(
     Returns:
         ``(weights, metrics)``: weights ``(batch, response_len)`` float32, no gradient, 0 outside the
         mask; metrics ``rollout_corr/rollout_is_mean|max|min`` (over valid tokens for ``token``, over
-        rows with a valid token for ``sequence``/``geometric``, before truncation for max/min),
+        rows with a valid token for ``sequence``/``geometric``; the mean after truncation at C, max/min
+        before), ``rollout_corr/rollout_is_raw_mean|raw_max`` (the raw weights before truncation: how
+        far off-policy the batch was, which the truncated mean hides),
         ``rollout_corr/rollout_is_clipfrac`` (share truncated at C) and
         ``rollout_corr/log_ratio_mean`` (mean of old - rollout over valid tokens: a k1 estimate of
         KL(pi_rollout || pi_old)).
@@ -117,10 +119,30 @@ def rollout_is_weights(
         "rollout_corr/rollout_is_mean": float(stats.clamp(max=float(threshold)).mean()) if stats.numel() else 1.0,
         "rollout_corr/rollout_is_max": float(stats.max()) if stats.numel() else 1.0,
         "rollout_corr/rollout_is_min": float(stats.min()) if stats.numel() else 1.0,
+        "rollout_corr/rollout_is_raw_mean": float(stats.mean()) if stats.numel() else 1.0,
+        "rollout_corr/rollout_is_raw_max": float(stats.max()) if stats.numel() else 1.0,
         "rollout_corr/rollout_is_clipfrac": float((stats > threshold).double().mean()) if stats.numel() else 0.0,
         "rollout_corr/log_ratio_mean": float(diff.sum() / n_tok) if n_tok else 0.0,
     }
     return weights, metrics
+
+
+def rollout_is_kept_metrics(weights: torch.Tensor, keep: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """The importance weights the loss applies once rejection has masked tokens out: mean and max of
+    the truncated weights over the valid tokens rejection kept (``rollout_corr/rollout_is_kept_mean``,
+    ``rollout_corr/rollout_is_kept_max``; 1.0 when none is kept). With :func:`rollout_is_weights`'
+    ``raw_*`` (before truncation and masking) and ``rollout_is_mean`` (after truncation) they show
+    each step from the raw ratios to the weights trained with.
+
+    Args:
+        weights: ``(batch, response_len)`` truncated weights from :func:`rollout_is_weights`.
+        keep: ``(batch, response_len)`` bool, the tokens :func:`rollout_rs_mask` kept.
+        response_mask: ``(batch, response_len)`` bool or 0/1, the valid tokens.
+    """
+    valid = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    kept = weights[valid & keep.bool()].double()
+    return {"rollout_corr/rollout_is_kept_mean": float(kept.mean()) if kept.numel() else 1.0,
+            "rollout_corr/rollout_is_kept_max": float(kept.max()) if kept.numel() else 1.0}
 
 
 def _row_log_ratio(diff: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:

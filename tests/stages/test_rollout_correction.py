@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stages.policy_losses import PolicyLossConfig, compute_policy_loss
-from stages.rollout_correction import rollout_is_weights, rollout_rs_mask
+from stages.rollout_correction import rollout_is_kept_metrics, rollout_is_weights, rollout_rs_mask
 
 # Row 0: old - rollout = [ln 1.5, ln 0.5, ln 4]   -> token weights 1.5, 0.5, min(4, 2) = 2
 # Row 1: old - rollout = [ln 3, (masked garbage)] -> token weight min(3, 2) = 2
@@ -27,6 +27,14 @@ def test_token_level_weights_by_hand():
     assert m["rollout_corr/rollout_is_max"] == pytest.approx(4.0)
     assert m["rollout_corr/rollout_is_min"] == pytest.approx(0.5)
     assert m["rollout_corr/rollout_is_clipfrac"] == pytest.approx(2 / 4)
+    # before truncation: ratios 0.3/0.2, 0.1/0.2, 0.8/0.2, 0.6/0.2 = 1.5, 0.5, 4, 3
+    assert m["rollout_corr/rollout_is_raw_mean"] == pytest.approx((1.5 + 0.5 + 4 + 3) / 4)
+    assert m["rollout_corr/rollout_is_raw_max"] == pytest.approx(4.0)
+    # after rejection masks out row 0's third token and row 1: the weights applied are 1.5 and 0.5
+    keep = torch.tensor([[True, True, False], [False, True, True]])
+    kept = rollout_is_kept_metrics(w, keep, MASK)
+    assert kept == {"rollout_corr/rollout_is_kept_mean": pytest.approx(1.0),
+                    "rollout_corr/rollout_is_kept_max": pytest.approx(1.5)}
     log_ratio_mean = (math.log(1.5) + math.log(0.5) + math.log(4) + math.log(3)) / 4
     assert m["rollout_corr/log_ratio_mean"] == pytest.approx(log_ratio_mean)
 

@@ -20,7 +20,8 @@ import torch
 from stages.multi_turn import EpisodeGeneration
 from stages.policy_update import ACTOR_LOSS_SHARES, ActorLossConfig, UpdateBatch, UpdateRows, UpdateSettings, actor_loss
 from stages.rollout import Generation, SamplingParams
-from stages.rollout_correction import rollout_is_weights, rollout_mismatch_metrics, rollout_rs_mask
+from stages.rollout_correction import (rollout_is_kept_metrics, rollout_is_weights, rollout_mismatch_metrics,
+                                       rollout_rs_mask)
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.infra.allocator import release_free_memory
@@ -574,11 +575,16 @@ class PolicyWorker(Worker):
             eng[i, :len(e)] = torch.from_numpy(e.astype(np.float64))
             mask[i, :len(k)] = torch.from_numpy(k.astype(bool))
         out = rollout_mismatch_metrics(old, eng, mask, threshold)
+        weights = keep = None
         if settings.rollout_is:
-            out.update(rollout_is_weights(old, eng, mask, settings.rollout_is, threshold)[1])
+            weights, m = rollout_is_weights(old, eng, mask, settings.rollout_is, threshold)
+            out.update(m)
         if settings.rollout_rs:
-            out.update(rollout_rs_mask(old, eng, mask, settings.rollout_rs, float(settings.rollout_rs_threshold),
-                                       settings.rollout_rs_threshold_lower)[1])
+            keep, m = rollout_rs_mask(old, eng, mask, settings.rollout_rs, float(settings.rollout_rs_threshold),
+                                      settings.rollout_rs_threshold_lower)
+            out.update(m)
+        if weights is not None and keep is not None:
+            out.update(rollout_is_kept_metrics(weights, keep, mask))
         return out
 
     # ------------------------------------------------------------------ checkpoints
