@@ -536,7 +536,9 @@ def supervise(req: dict) -> dict:
             return out
         done = report.line(time.monotonic() + 2.0) or {}
         status, cpu = int(done.get("status", -1)), float(done.get("cpu_s", 0.0))
-        if cpu >= int(req["cpu_s"]) - 0.05 or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU):
+        xcpu = (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU) or (
+            os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGXCPU)  # _tool_main's handler
+        if cpu >= int(req["cpu_s"]) - 0.05 or xcpu:
             out["value"] = f"cpu: the call used more than {req['cpu_s']} s of CPU time"
         elif os.WIFSIGNALED(status):
             out["value"] = f"crashed: killed ({signal.Signals(os.WTERMSIG(status)).name})"
