@@ -183,8 +183,8 @@ class TrajflowRun:
 def run_trajflow(overrides: Sequence[str], root: Path) -> TrajflowRun:
     """Run the real ``train`` flow in this process and collect per-iteration timings.
 
-    The flow is not changed: ``trajflow.run.lifecycle.log_iteration`` and ``trajflow.run.lifecycle.save``
-    are wrapped (module attributes, looked up by the flow at call time) to record when each
+    The flow is not changed: ``trajflow.run.log_iteration`` and ``trajflow.run.save`` are wrapped
+    (attributes of the package the flow calls ``run.<verb>`` on, looked up at call time) to record when each
     iteration's bookkeeping ends and how long checkpoint saves take.
 
     Args:
@@ -197,7 +197,7 @@ def run_trajflow(overrides: Sequence[str], root: Path) -> TrajflowRun:
     from mlflow.tracking import MlflowClient
 
     import flows.train as ftrain
-    from trajflow.run import lifecycle as session
+    from trajflow import run as session
     from trajflow.config import load_config
 
     overrides = [f"store.root={root}", *overrides]

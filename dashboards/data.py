@@ -79,7 +79,7 @@ def list_runs(client) -> list[dict]:
 # ----------------------------------------------------------------------------------------- gates
 
 def gate_reports(store_root: str | Path, run_id: str) -> list[dict]:
-    """Each iteration's gate result, from ``<run>/iterations/NNNNNN/gate.json`` (written by ``trajflow.gates.iteration``).
+    """Each iteration's gate result, from ``<run>/iterations/NNNNNN/gate.json`` (written by ``trajflow.run.gate``).
 
     Returns:
         One dict per iteration with a gate file, ascending: ``iteration``, ``success`` (bool),

@@ -16,7 +16,6 @@ from trajflow.infra.env import configure_environment
 configure_environment()
 
 import time  # noqa: E402
-import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
@@ -27,9 +26,9 @@ from flows.tasks import TASK_OPTS  # noqa: E402
 from trajflow import checkpoint as ckpt  # noqa: E402
 from trajflow.config import load_config  # noqa: E402
 from trajflow.errors import StoreError  # noqa: E402
-from trajflow.run.context import RunContext, get_context, register  # noqa: E402
+from trajflow import run  # noqa: E402
+from trajflow.run.context import get_context  # noqa: E402
 from trajflow.run.validation import run_validation  # noqa: E402
-from trajflow.infra.ray_cluster import start_ray  # noqa: E402
 from trajflow.run.recovery import ensure_workers, stage_guard  # noqa: E402
 from trajflow.run.workers import close  # noqa: E402
 from trajflow.store import RunStore, atomic_write_json, run_folders  # noqa: E402
@@ -121,8 +120,6 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
     Raises:
         StoreError: no such run or checkpoint. ConfigError: a bad override.
     """
-    from trajflow.prompts import data_spec, load_prompt_dataset
-    from trajflow.models import resolve_model_path
     from trajflow.tracking import Tracker
 
     store = find_run(store_root, run_id, recipe)
@@ -134,14 +131,8 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
     cfg = load_config(base=store.read_config(),
                       overrides=layers + list(overrides or []))
     rename_flow_run(f"evaluate-{store.run_id}-ckpt{step}")
-    # Its own registry key: an evaluation must not disturb a training run of the same id in this process.
-    ctx = RunContext(cfg=cfg, store=store, model_path=str(resolve_model_path(cfg.model.path, cfg.model.cache_dir)),
-                     datasets=load_prompt_dataset(data_spec(cfg.data)), context_id=f"eval-{uuid.uuid4().hex}")
-    ctx.state.policy_only = True
-    ctx.policy_version = int(ckpt.read_trainer_state(store, step)["policy_version"]) if step else 0
+    ctx = run.open_evaluation(cfg, store, step)
     eval_id = ctx.key
-    register(ctx)
-    ctx.started_ray = start_ray(cfg)
     tracker = None
     status = "FAILED"
     try:

@@ -34,9 +34,9 @@ from stages.seeds import Salt, iteration_seed
 from trajflow.batch import join_stages, lengths, trainable_lengths
 from trajflow.errors import NonFiniteError
 from trajflow.faults import fault_point
-from trajflow.gates import run_iteration_gate
 from trajflow.metrics import batch_metrics, timing_per_token_metrics
 from trajflow.run import roles
+from trajflow.run.gate import run_iteration_gate
 from trajflow.run.cache_keys import advantage_inputs, reward_inputs, rollout_inputs
 from trajflow.run.context import RunContext, get_context
 from trajflow.run.validation import run_validation

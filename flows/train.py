@@ -18,7 +18,7 @@ from prefect import flow  # noqa: E402
 
 from flows import tasks  # noqa: E402
 from flows.reporting import iteration_artifact, quiet_expected_errors, rename_flow_run  # noqa: E402
-from trajflow.run import lifecycle as run  # noqa: E402
+from trajflow import run  # noqa: E402
 from trajflow.run.recovery import stage_timeout as run_stage_timeout  # noqa: E402
 from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402
 from trajflow.infra.prefect_server import start_temporary_server  # noqa: E402

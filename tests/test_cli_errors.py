@@ -261,7 +261,7 @@ def test_prompts_of_a_tokenizer_without_chat_template_are_measured_in_the_plain_
     from trajflow.config import load_config
     from trajflow.errors import DataError
     from trajflow.prompts import load_prompt_dataset
-    from trajflow.run.lifecycle import check_prompt_lengths
+    from trajflow.run.preflight import check_prompt_lengths
 
     model = _copy_with_template(tmp_path, tiny_model_dir, "no-template", None)
     spec = _jsonl_spec(tmp_path, ["1+1?"])
@@ -279,7 +279,7 @@ def test_tokenizer_whose_chat_template_fails_is_one_line(tmp_path, tiny_model_di
     from trajflow.config import load_config
     from trajflow.errors import ModelLoadError
     from trajflow.prompts import load_prompt_dataset
-    from trajflow.run.lifecycle import check_prompt_lengths
+    from trajflow.run.preflight import check_prompt_lengths
 
     model = _copy_with_template(tmp_path, tiny_model_dir, "bad-template", "{{ raise_exception('no roles here') }}")
     spec = _jsonl_spec(tmp_path, ["1+1?"])

@@ -213,7 +213,7 @@ def test_gpu_requests_fail_with_one_clear_line():
 
     from trajflow.errors import DeviceError
     from trajflow.infra.devices import require_device, require_vllm
-    from trajflow.run.lifecycle import preflight
+    from trajflow.run.preflight import preflight
 
     assert not torch.cuda.is_available()  # this test documents the CPU-machine behaviour
     for overrides in (["trainer.device=cuda"], ["trainer.device=cuda", "rollout.engine=vllm"],

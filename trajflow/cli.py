@@ -398,7 +398,7 @@ def show_config(overrides: Optional[List[str]] = typer.Argument(None, help="conf
 
     cfg = _run(load_config, config, _with_store(overrides, store))
     if check:
-        from trajflow.run.lifecycle import preflight
+        from trajflow.run.preflight import preflight
 
         _run(preflight, cfg)
     typer.echo(to_yaml(cfg))

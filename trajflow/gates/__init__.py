@@ -2,13 +2,14 @@
 
 :func:`run_gate` checks one iteration's gate view against an expectation suite (:mod:`.suite`) and
 returns a :class:`GateReport`; :mod:`.summary` computes the per-iteration metrics, :mod:`.docs`
-writes JSON and HTML Data Docs, :mod:`.iteration` runs the gate inside a training run. How a gate
-run works: :mod:`trajflow.gates.validate`. Guide: ``docs/gates.md``.
+writes JSON and HTML Data Docs, :mod:`.iteration` re-checks stored runs (the gate step of a training
+run is :mod:`trajflow.run.gate`). How a gate run works: :mod:`trajflow.gates.validate`. Guide:
+``docs/gates.md``.
 """
 
 from trajflow.errors import GateFailed
 from trajflow.gates.docs import report_to_json, write_data_docs
-from trajflow.gates.iteration import gate_view, recheck_run, run_iteration_gate
+from trajflow.gates.iteration import gate_view, recheck_run
 from trajflow.gates.report import POLICIES, ExpectationOutcome, GateReport
 from trajflow.gates.runtime import TABLES
 from trajflow.gates.settings import PARAMETER_NAMES, resolve_settings
@@ -35,7 +36,6 @@ __all__ = [
     "report_to_json",
     "resolve_settings",
     "run_gate",
-    "run_iteration_gate",
     "summarize",
     "write_data_docs",
 ]

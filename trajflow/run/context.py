@@ -18,7 +18,7 @@ from trajflow.store import RunStore
 @dataclass(slots=True)
 class IterationState:
     """What one iteration's stages hand each other inside the driver; created by
-    :func:`trajflow.run.lifecycle.begin_iteration` and dropped when the iteration is recorded.
+    :func:`trajflow.run.iteration.begin_iteration` and dropped when the iteration is recorded.
 
     Attributes:
         iteration: the iteration number.

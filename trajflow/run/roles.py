@@ -1,5 +1,6 @@
 """The driver's calls into the role workers that the stage tasks share: tokenize and generate on the
-policy (or rollout) workers, and score responses on Ray tasks (rules) plus the reward-model worker.
+policy (or rollout) workers, move the policy's weights to the rollout workers (``trainer.max_staleness`` > 0),
+and score responses on Ray tasks (rules) plus the reward-model worker.
 
 Every wait is bounded by the running stage's deadline (:func:`trajflow.run.recovery.wait`).
 """
@@ -7,6 +8,7 @@ Every wait is bounded by the running stage's deadline (:func:`trajflow.run.recov
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -56,8 +58,36 @@ def generate_on_rollout_workers(ctx: RunContext, prompts: list, params: Sampling
     return prompt_ids, gen
 
 
+def sync_rollout_weights(ctx: RunContext, iteration: int) -> int:
+    """Push the policy's current weights to the rollout workers (``trainer.max_staleness`` > 0; no
+    rollout may be in flight on them); the copy's seconds go to ``iteration``'s
+    ``timing_s/weight_sync`` when it is live. Returns the version pushed."""
+    out = ray.get(ctx.actor.push_weights.remote())
+    if iteration in ctx.iterations:
+        ctx.iterations[iteration].timing["timing_s/weight_sync"] = float(out["timing_s/weight_sync"])
+    return int(out["policy_version"])
+
+
+def snapshot_rollout_weights(ctx: RunContext, iteration: int) -> tuple[int, Any]:
+    """Copy the policy's current weights into the Ray object store for a rollout submitted now but
+    started later, once the rollouts ahead of it on the rollout workers are done
+    (``trainer.max_staleness`` > 0; :func:`trajflow.run.roles.load_rollout_weights` loads it). The copy's seconds (what
+    the trainer waits) go to ``iteration``'s ``timing_s/weight_sync``.
+
+    Returns:
+        ``(policy_version, ref)``: the version copied and the ``ObjectRef`` of its weights (None when
+        no rank returned any).
+    """
+    out = ray.get(ctx.actor.snapshot_weights.remote())
+    if iteration in ctx.iterations:
+        ctx.iterations[iteration].timing["timing_s/weight_sync"] = float(out["timing_s/weight_sync"])
+    refs = out["weights"]
+    return int(out["policy_version"]), (refs[0] if refs else None)
+
+
+
 def load_rollout_weights(ctx: RunContext, weights, version: int) -> float:
-    """Load a weight snapshot (:func:`trajflow.run.lifecycle.snapshot_rollout_weights`) into every
+    """Load a weight snapshot (:func:`snapshot_rollout_weights`) into every
     rollout worker, tagged with its policy ``version``; no other rollout may be in flight on them.
 
     Returns:

@@ -1,0 +1,79 @@
+"""The gate step of an iteration: build the reward view, validate it, record and enforce the result.
+
+The expectations themselves are run by :mod:`trajflow.gates.validate` (Great Expectations); this module
+is the glue between them and a run: it stores ``gate.json`` beside the iteration, logs ``gate/*`` metrics
+and the validation result to MLflow, marks a failed iteration as ``gated`` in its manifest and stops
+the run with :class:`GateFailed` before the policy update may use the data. It lives with the run, not
+in :mod:`trajflow.gates`, so that the gates never import the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from trajflow.errors import GateFailed
+from trajflow.gates.docs import json_safe, write_data_docs
+from trajflow.gates.iteration import gate_view
+from trajflow.gates.validate import run_gate
+from trajflow.run.context import RunContext
+from trajflow.store import StageRef
+
+log = logging.getLogger(__name__)
+
+
+def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef) -> dict:
+    """Validate one iteration's rewards and store the result as the iteration's ``gate.json``.
+
+    Returns:
+        ``{"success", "quarantined_sample_ids", "metrics", "score_mean"}``; ``score_mean`` is the
+        iteration's mean finite score (:attr:`GateReport.score_mean`, None when undefined or the
+        gate is disabled), the entry to append to the drift check's score history.
+
+    Raises:
+        GateFailed: a ``fail`` expectation failed (the iteration is marked ``gated``; nothing written
+            so far is removed).
+    """
+    cfg = ctx.cfg
+    if not cfg.gates.enabled:
+        return {"success": True, "quarantined_sample_ids": [], "metrics": {}, "score_mean": None}
+
+    t0 = time.perf_counter()
+    view = gate_view(ctx.store.read_ref(rollout), ctx.store.read_ref(reward))
+    report = run_gate(view, cfg.gates, cfg.rollout.max_new_tokens,
+                      history=ctx.score_history[-cfg.gates.drift_window:])
+    metrics = dict(report.metrics())
+    metrics["timing_s/gate"] = time.perf_counter() - t0
+    docs = None
+    if not all(o.status in ("pass", "skipped") for o in report.results):  # a person will want GX's own page
+        try:
+            docs = write_data_docs(report, ctx.store.iteration_dir(iteration) / "data_docs")
+        except Exception as e:  # data docs are a convenience; the JSON result is stored regardless
+            log.warning("run %s: no gate data docs for iteration %d: %s", ctx.run_id, iteration, e)
+    result = {"success": bool(report.success), "quarantined_sample_ids": sorted(report.quarantined_sample_ids),
+              "quarantined_reason": {k: sorted(v) for k, v in report.quarantined_reason.items()},
+              "metrics": metrics, "failures": report.failure_message() if not report.success else "",
+              "expectations": [json_safe(o.to_json()) for o in report.results],
+              "data_docs": None if docs is None else str(Path(docs).relative_to(ctx.store.iteration_dir(iteration))),
+              "validation": report.gx_result_json}
+    path = ctx.store.write_iteration_json(iteration, "gate.json", result)
+    if ctx.tracker is not None:
+        ctx.tracker.log_metrics(metrics, step=iteration)
+        if not ctx.state.gate_thresholds_logged:
+            # What each expectation accepts, as tags (mutable: a resumed run may change gates.* settings),
+            # once per session: the suite and settings do not change within one.
+            ctx.state.gate_thresholds_logged = True
+            ctx.tracker.set_tags({f"trajflow.gate.{o.name}": f"{o.policy}: {o.details.get('threshold') or o.details.get('type')}"
+                                 for o in report.results})
+        ctx.tracker.log_artifact(path, f"gates/iteration_{iteration:06d}")
+        if docs is not None:
+            ctx.tracker.log_artifact(Path(docs).parent, f"gates/iteration_{iteration:06d}/data_docs")
+    if not report.success:
+        ctx.store.mark(iteration, "gated", gate=result["failures"])
+        # One line (the CLI's): each failed expectation, joined.
+        failures = "; ".join(line for line in report.failure_message().splitlines() if line.strip())
+        raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate: {failures}")
+    # The drift check's history: mean over finite scores of rows whose scorer did not raise.
+    score_mean = None if report.score_mean is None else float(report.score_mean)
+    return {**{k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}, "score_mean": score_mean}
