@@ -5,9 +5,10 @@ namespaces; this prints what that costs, and the isolation the calls got.
 
     python benchmarks/tool_sandbox.py [--calls N] [--workers W]
 
-Target (PASS/MISS): a sequential call costs at most 1.5x the start of a bare interpreter that imports
-the sandbox's modules (``python -c "import trajflow.envs.tools"``, measured in the same run): the
-confinement itself (namespaces, private root, cgroup, two forks) stays small next to the interpreter.
+Target (PASS/MISS): a sequential call costs at most 2x the start of a bare interpreter that imports
+the tool module's dependencies (``python -c "import trajflow.envs.tools"``, measured in the same run):
+the confinement itself (namespaces, private root, cgroup, seccomp, two forks) stays small next to the
+interpreter every call starts. (The unconfined sandbox of earlier versions measured 1.4-1.5x.)
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def main() -> None:
         print(f"confinement and the call without the interpreter start: "
               f"{1000 * (time.perf_counter() - t0) / (args.calls // 2):.1f} ms")
     ratio = 1 / seq / bare
-    print(f"{'PASS' if ratio <= 1.5 else 'MISS'}: a call costs <= 1.5x a bare interpreter start ({ratio:.2f}x)")
+    print(f"{'PASS' if ratio <= 2.0 else 'MISS'}: a call costs <= 2x a bare interpreter start ({ratio:.2f}x)")
 
 
 if __name__ == "__main__":
