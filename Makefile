@@ -54,7 +54,8 @@ system-packages:
 
 test: $(STAMP) $(VLLM_STAMP) system-packages check-vllm-extra
 	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
-	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -p no:logging tests/vllm
+	# Its own Prefect home: its Prefect (3.7, for vLLM's fastapi pin) cannot read a newer one's database.
+	PREFECT_HOME=$(abspath $(VLLM_VENV))/prefect-home $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider -p no:logging tests/vllm
 
 bench: $(STAMP)
 	$(PY) benchmarks/iteration.py
