@@ -54,7 +54,7 @@ def test_multi_turn_episodes_keep_sampled_tokens_masks_and_logprobs(engine, hf_m
     multi, diffs = 0, []
     for ep in eps:
         assert ep.finish_reason in ("max_turns", "length")
-        assert len(ep.response_ids) == len(ep.loss_mask) == len(ep.old_logprobs) <= 160
+        assert len(ep.response_ids) == len(ep.loss_mask) == len(ep.rollout_logprobs) <= 160
         spans = list(zip(ep.turn_spans[::2], ep.turn_spans[1::2]))
         multi += len(spans) > 1
         for (a, b), nxt in zip(spans, spans[1:] + [(len(ep.response_ids), None)]):
@@ -67,8 +67,8 @@ def test_multi_turn_episodes_keep_sampled_tokens_masks_and_logprobs(engine, hf_m
         # The engine's log-probs at the model's tokens equal teacher-forced ones over the whole sequence.
         tf = teacher_forced(hf_model, ep.prompt_ids, ep.response_ids, 1.0)
         mask = torch.tensor(ep.loss_mask, dtype=torch.bool)
-        diffs.append((tf[mask] - torch.tensor(ep.old_logprobs)[mask]).abs())
-        assert all(lp == 0.0 for lp, m in zip(ep.old_logprobs, ep.loss_mask) if m == 0)
+        diffs.append((tf[mask] - torch.tensor(ep.rollout_logprobs)[mask]).abs())
+        assert all(lp == 0.0 for lp, m in zip(ep.rollout_logprobs, ep.loss_mask) if m == 0)
     d = torch.cat(diffs)
     assert d.mean() < BF16_MEAN and d.max() < BF16_MAX, (d.mean(), d.max())
     assert multi >= 2  # the check covered tokens after an observation
