@@ -194,7 +194,7 @@ def measure(arch: str, path: str) -> dict:
         srows = [p for p in prompts for _ in range(2)]
         diff = 0.0
         with torch.no_grad():
-            for p, r, lp in zip(srows, sampled.response_ids, sampled.logprobs):
+            for p, r, lp in zip(srows, sampled.response_ids, sampled.rollout_logprobs):
                 z = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:len(p) + len(r) - 1].float() / TEMP
                 want_lp = torch.log_softmax(z, -1).gather(-1, torch.tensor(r)[:, None])[:, 0]
                 diff = max(diff, (torch.tensor(lp) - want_lp).abs().max().item())

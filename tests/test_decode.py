@@ -56,7 +56,7 @@ def test_greedy_rows_that_stop_early_leave_the_batch_without_changing_the_others
     assert min(map(len, expected)) < MAX_NEW == max(map(len, expected))
     engine = HFRolloutEngine(model, pad_id=tok.pad_token_id, eos_ids=eos, micro_batch_size=6)
     out = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=MAX_NEW, seed=0))
-    assert out.logprobs is None
+    assert out.rollout_logprobs is None
     for i, ref in enumerate(expected):
         assert out.response_ids[2 * i] == out.response_ids[2 * i + 1] == ref
         reason = "stop" if ref[-1] in eos else "length"
@@ -83,7 +83,7 @@ def test_sampled_rows_that_stop_early_change_nothing_else_and_keep_teacher_force
     rows = [p for p in prompts for _ in range(4)]
     forced, _ = compute_log_probs(model, rows, out.response_ids, temperature=0.8, micro_batch_size=12,
                                   pad_id=tok.pad_token_id)
-    for got, want in zip(out.logprobs, forced):
+    for got, want in zip(out.rollout_logprobs, forced):
         assert torch.allclose(torch.tensor(got), torch.as_tensor(want), atol=1e-4)
     # Same seed, same samples; another seed, other samples.
     assert engine.generate(prompts, params).response_ids == out.response_ids
@@ -148,5 +148,5 @@ def test_continuous_batching_samples_what_each_group_alone_samples_with_teacher_
     rows = [p for p in prompts for _ in range(2)]
     forced, _ = compute_log_probs(model, rows, out.response_ids, temperature=0.9, micro_batch_size=10,
                                   pad_id=tok.pad_token_id)
-    for got, want in zip(out.logprobs, forced):
+    for got, want in zip(out.rollout_logprobs, forced):
         assert torch.allclose(torch.tensor(got), torch.as_tensor(want), atol=1e-4)

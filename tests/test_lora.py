@@ -80,7 +80,7 @@ def test_decode_loop_and_shared_prefill_through_adapters(peft_model):
     prompts = [PREFIX + [5, 6, 7], PREFIX + [44, 2, 9]]
     out = engine.generate(prompts, SamplingParams(n=2, temperature=0.8, max_new_tokens=6, seed=3))
     rows = [p for p in prompts for _ in range(2)]
-    for p, r, got in zip(rows, out.response_ids, out.logprobs):
+    for p, r, got in zip(rows, out.response_ids, out.rollout_logprobs):
         want, _ = _plain_logprobs(peft_model, p, r, 0.8)
         assert np.allclose(np.asarray(got), want.numpy(), atol=TOL, rtol=0)
     greedy = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=6, seed=0))
@@ -251,20 +251,26 @@ def test_separate_rollout_workers_get_the_merged_weights(tiny_model_dir):
     _randomise_b(policy.model, seed=5)
     remote = RolloutWorker(str(tiny_model_dir), RolloutConfig(micro_batch_size=4), LORA, seed=0, num_threads=1)
 
-    class ToWorker:  # RemoteRolloutEngine's interface, without Ray in between
-        rank0_push = True
+    from trajflow.engines.base import RolloutEngine, WeightSync
+
+    class ToWorker(RolloutEngine):  # RemoteRolloutEngine's contract, without Ray in between
+        weight_sync = (WeightSync.FULL,)
+        weights_from_rank0 = True
+
+        def generate(self, prompt_ids, params):
+            raise NotImplementedError
 
         def update_weights(self, state, version=None):
             remote.update_weights(state, version)
 
     own = policy.engine
-    policy.engine = ToWorker()
+    policy._set_engine(ToWorker())
     policy._push_weights()
     params = SamplingParams(n=2, temperature=0.8, max_new_tokens=5, seed=2)
     prompts = [PREFIX + [5, 6, 7], PREFIX + [44]]
     mine, theirs = own.generate(prompts, params), remote.generate(prompts, params)
     assert mine.response_ids == theirs.response_ids
-    for a, b in zip(mine.logprobs, theirs.rollout_logprobs):
+    for a, b in zip(mine.rollout_logprobs, theirs.rollout_logprobs):
         assert np.allclose(a, b, atol=TOL, rtol=0)
 
 

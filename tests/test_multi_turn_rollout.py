@@ -93,7 +93,7 @@ class Scripted:
             lps.append([-0.5] * len(ids))
             fin.append("stop" if ids and (ids[-1] == self.tok.eos_token_id or ids[-1] in self.stop_ids) else "length")
         self.calls += 1
-        return GenerationOutput(response_ids=out, finish_reason=fin, logprobs=lps)
+        return GenerationOutput(response_ids=out, finish_reason=fin, rollout_logprobs=lps)
 
 
 def _scripted(tok, renderer, turns, env_name="tool_calculator", limits=None, sandbox=None, eos_ids=None,

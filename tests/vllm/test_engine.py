@@ -28,9 +28,9 @@ def rows(prompts, n):
 def test_generation_from_token_ids_with_tempered_unfiltered_logprobs(engine, hf_model):
     params = SamplingParams(n=4, temperature=0.7, max_new_tokens=12, seed=5)
     out = engine.generate(PROMPTS, params)
-    assert len(out.response_ids) == len(out.finish_reason) == len(out.logprobs) == 8
+    assert len(out.response_ids) == len(out.finish_reason) == len(out.rollout_logprobs) == 8
     diffs, raw_diffs = [], []
-    for prompt, ids, lps in zip(rows(PROMPTS, 4), out.response_ids, out.logprobs):
+    for prompt, ids, lps in zip(rows(PROMPTS, 4), out.response_ids, out.rollout_logprobs):
         assert 1 <= len(ids) <= 12 and len(lps) == len(ids)
         tempered = teacher_forced(hf_model, prompt, ids, 0.7)
         raw = teacher_forced(hf_model, prompt, ids, 1.0)
@@ -46,16 +46,16 @@ def test_generation_from_token_ids_with_tempered_unfiltered_logprobs(engine, hf_
 
 def test_filtered_sampling_returns_no_logprobs_so_the_policy_recomputes(engine):
     out = engine.generate(PROMPTS[:1], SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=4, seed=0))
-    assert out.logprobs is None and len(out.response_ids) == 2
+    assert out.rollout_logprobs is None and len(out.response_ids) == 2
     out = engine.generate(PROMPTS[:1], SamplingParams(n=2, temperature=1.0, top_k=20, max_new_tokens=4, seed=0))
-    assert out.logprobs is None
+    assert out.rollout_logprobs is None
 
 
 def test_n_samples_distinct_and_seeds_reproduce(engine):
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=11)
     a = engine.generate(PROMPTS, params)
     b = engine.generate(PROMPTS, params)
-    assert a.response_ids == b.response_ids and a.logprobs == b.logprobs  # same seed, same samples
+    assert a.response_ids == b.response_ids and a.rollout_logprobs == b.rollout_logprobs  # same seed, same samples
     for k in range(2):
         group = [tuple(x) for x in a.response_ids[4 * k:4 * k + 4]]
         assert len(set(group)) == 4  # each sample of a prompt its own seed
@@ -71,14 +71,14 @@ def test_a_batch_of_prompts_larger_than_a_step_with_seeds(engine, tok):
     on a CPU fails on seeded requests ("CPU Generator does not use offset"); the engine turns it off."""
     long = [[1] + [(7 * k + 13 * i) % 40000 + 100 for i in range(599)] for k in range(16)]
     out = engine.generate(long, SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=0))
-    assert len(out.response_ids) == 32 and all(len(lp) == len(r) for lp, r in zip(out.logprobs, out.response_ids))
+    assert len(out.response_ids) == 32 and all(len(lp) == len(r) for lp, r in zip(out.rollout_logprobs, out.response_ids))
 
 
 def test_stop_tokens_end_rows_with_the_token_and_finish_reasons(engine):
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=10, seed=0)
     assert greedy.greedy
     free = engine.generate(PROMPTS, greedy)
-    assert free.logprobs is None and free.finish_reason == ["length", "length"]
+    assert free.rollout_logprobs is None and free.finish_reason == ["length", "length"]
     assert all(len(x) == 10 for x in free.response_ids)
     stop = free.response_ids[0][3]
     first = free.response_ids[0].index(stop)
@@ -125,7 +125,7 @@ def test_weight_sync_after_an_update(engine, hf_model, vllm_model_dir):
         assert (after - new).abs().max() < BF16_MAX and (after - new).abs().mean() < BF16_MEAN, (after, new)
         # Sampling uses the new weights too: its reported log-probs are the new model's.
         out = engine.generate([prompt], SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
-        for ids, lps in zip(out.response_ids, out.logprobs):
+        for ids, lps in zip(out.response_ids, out.rollout_logprobs):
             assert torch.allclose(torch.tensor(lps), teacher_forced(trainer, prompt, ids, 1.0), atol=BF16_MAX)
     finally:
         engine.update_weights({k: v.detach() for k, v in hf_model.state_dict().items()})  # the session's model

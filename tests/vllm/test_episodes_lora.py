@@ -110,7 +110,7 @@ def test_lora_adapter_sync_without_merging(lora_engine, vllm_model_dir):
     after = torch.tensor(_score(lora_engine, prompt, cont))
     assert (after - new).abs().mean() < BF16_MEAN and (after - new).abs().max() < BF16_MAX, (after, new)
     out = lora_engine.generate([prompt], SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
-    for ids, lps in zip(out.response_ids, out.logprobs):
+    for ids, lps in zip(out.response_ids, out.rollout_logprobs):
         assert torch.allclose(torch.tensor(lps), teacher_forced(model, prompt, ids, 1.0), atol=BF16_MAX)
     # A second version replaces the first (a new LoRA id; the base weights in vLLM never change).
     with torch.no_grad():

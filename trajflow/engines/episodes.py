@@ -117,7 +117,7 @@ def run_episodes(engine: Any, renderer: ChatRenderer, envs: Sequence[Environment
             for j, i in enumerate(idx):
                 ids = list(out.response_ids[j])
                 e = episodes[i]
-                e.add_generated(ids, out.logprobs[j] if out.logprobs is not None else None)
+                e.add_generated(ids, out.rollout_logprobs[j] if out.rollout_logprobs is not None else None)
                 text = decode(ids)
                 calls = parse_tool_calls(text, fmt)
                 e.messages.append({"role": "assistant", "content": text, "tool_calls": tool_calls_json(calls)})

