@@ -37,7 +37,8 @@ from trajflow.faults import fault_point
 from trajflow.metrics import batch_metrics, timing_per_token_metrics
 from trajflow.run import roles
 from trajflow.run.gate import run_iteration_gate
-from trajflow.run.cache_keys import advantage_inputs, reward_inputs, rollout_inputs
+from trajflow.run.cache_keys import (AdvantageSettings, RewardSettings, RolloutSettings, advantage_inputs,
+                                     reward_inputs, rollout_inputs)
 from trajflow.run.context import RunContext, get_context
 from trajflow.run.validation import run_validation
 from trajflow.run.recovery import ensure_workers, retry_on_transient, stage_guard, stage_timeout, wait
@@ -136,7 +137,7 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
     """
     cfg, state = ctx.cfg, ctx.iteration(iteration)
     _rewind_data_cursor(ctx, iteration)
-    params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, iteration, Salt.ROLLOUT))
+    params = RolloutSettings.of(ctx, iteration).sampling
     if cfg.algorithm.filter_groups.enable:
         table, policy_version = _dynamic_sampling(ctx, iteration)
     elif cfg.rollout.multi_turn.enable:
@@ -229,12 +230,12 @@ def restore_reward_metrics(ctx: RunContext, iteration: int) -> None:
 def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: dict) -> StageRef:
     """Score the responses (rules on Ray tasks, plus the reward model when enabled); add reference
     log-probs and KL shaping when configured, and ReMax's baseline score."""
-    cfg, state = ctx.cfg, ctx.iteration(iteration)
+    cfg, state, s = ctx.cfg, ctx.iteration(iteration), RewardSettings.of(ctx)
     table = ctx.store.read_ref(rollout)
-    reward_cfg = ctx.reward_settings()
+    reward_cfg = s.reward
     ref_future = None
     ref_role = ctx.actor if ctx.reference_in_actor() else ctx.reference
-    temperature = rollout_temperature(table, cfg.rollout.temperature)  # the rows' own, whatever the config says now
+    temperature = rollout_temperature(table, s.temperature)  # the rows' own, whatever the config says now
     if ref_role is not None:
         ref_future = ref_role.compute_ref_log_prob.remote(
             table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(), temperature)
@@ -253,13 +254,13 @@ def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: 
     if "baseline_response_text" in table.column_names:  # ReMax: the greedy response's final score
         b_rule, _, _, b_rm = roles.score(ctx, table, "baseline_response_text")
         baselines, _ = final_scores(b_rule, b_rm, lengths(table.column("baseline_response_ids")), reward_cfg,
-                                    cfg.rollout.max_new_tokens)
+                                    s.max_new_tokens)
     ref_lp = wait(ctx, ref_future) if ref_future is not None else None
     teacher_lp = wait(ctx, teacher_future) if teacher_future is not None else None
-    kl_coef = float(ctx.kl_ctrl.value) if ctx.kl_ctrl is not None else 0.0
     out, metrics = reward_table(table, scores, extras, ref_logprobs=ref_lp, reward_cfg=reward_cfg,
-                                algorithm_cfg=ctx.plain("algorithm"), max_new_tokens=cfg.rollout.max_new_tokens,
-                                kl_coef=kl_coef, rm_scores=rm, reward_baselines=baselines, teacher_logprobs=teacher_lp)
+                                algorithm_cfg=s.algorithm(), max_new_tokens=s.max_new_tokens,
+                                kl_coef=s.kl_coef or 0.0, rm_scores=rm, reward_baselines=baselines,
+                                teacher_logprobs=teacher_lp)
     state.reward_metrics = metrics
     state.prescored = {}
     return ctx.store.write_stage(iteration, Stage.REWARD.value, out, ctx.policy_version, inputs=inputs,
@@ -293,6 +294,7 @@ def advantage_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: 
     shift a group's baseline), and their advantages are stored as zeros.
     """
     fault_point("after_reward", iteration)
+    s = AdvantageSettings.of(ctx)
     joined = join_stages([ctx.store.read_ref(rollout), ctx.store.read_ref(reward)])
     dropped = set(gate.get("quarantined_sample_ids") or ())
     keep = np.array([sid not in dropped for sid in joined.column("sample_id").to_pylist()])
@@ -309,11 +311,11 @@ def advantage_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: 
         if "reward_baseline" in kept.column_names:  # ReMax: the greedy response's score
             baselines = kept.column("reward_baseline").to_numpy(zero_copy_only=False)
         compute = ray.remote(num_cpus=0)(advantage_table)
-        out = wait(ctx, compute.remote(kept, ctx.plain("algorithm"), values, baselines))
+        out = wait(ctx, compute.remote(kept, dict(s.algorithm), values, baselines))
     out = fill_dropped_rows(joined, out)
-    if ctx.cfg.trainer.max_staleness:  # off-policy rows: how far behind the trainer each one is
+    if s.trainer_version is not None:  # off-policy rows: how far behind the trainer each one is
         versions = dict(zip(joined.column("sample_id").to_pylist(), joined.column("policy_version").to_pylist()))
-        stale = row_staleness([versions[sid] for sid in out.column("sample_id").to_pylist()], ctx.policy_version)
+        stale = row_staleness([versions[sid] for sid in out.column("sample_id").to_pylist()], s.trainer_version)
         out = out.append_column("staleness", pa.array(stale, pa.int64()))
     return ctx.store.write_stage(iteration, Stage.ADVANTAGE.value, out, ctx.policy_version, inputs=inputs)
 
