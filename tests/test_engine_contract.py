@@ -90,7 +90,7 @@ class _Recording(RolloutEngine):
     def sleep(self):
         self.calls.append("sleep")
 
-    def wake_up(self):
+    def wake_up(self, gathered=None):
         self.calls.append("wake_up")
 
 

@@ -19,9 +19,10 @@ What an engine declares:
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Mapping, Sequence
 
 from stages.rollout import SamplingParams
 
@@ -31,8 +32,8 @@ class WeightSync(str, enum.Enum):
 
     Attributes:
         SHARED: the engine samples from the trained module itself, in this process: nothing travels.
-            After an update the worker calls :meth:`RolloutEngine.refresh` (with the parameters
-            gathered under ZeRO-3), so an engine that keeps a cast copy re-casts it.
+            After an update the worker calls :meth:`RolloutEngine.refresh`, so an engine that keeps
+            a cast copy re-casts it.
         FULL: :meth:`RolloutEngine.update_weights` with every tensor, Hugging Face names (the merged
             weights under LoRA).
         ADAPTER: :meth:`RolloutEngine.update_adapter` with the LoRA adapter's tensors only (the
@@ -116,9 +117,11 @@ class RolloutEngine(abc.ABC):
         """
 
     # ------------------------------------------------------------ weight updates (declared above)
-    def refresh(self) -> None:
+    def refresh(self, gathered: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         """:attr:`WeightSync.SHARED`: the trained module changed; re-read it (re-cast a copy held in
-        another dtype). The default does nothing: the engine samples from the module itself."""
+        another dtype) inside ``gathered()``, in which the module's parameters are whole (ZeRO-3
+        shards them; entering it is a collective, so enter it only to read them). The default does
+        nothing: the engine samples from the module itself."""
 
     def update_weights(self, named_tensors: Mapping[str, Any], version: int | None = None) -> None:
         """:attr:`WeightSync.FULL`: load ``{name: tensor}`` (Hugging Face names, any device).
@@ -143,8 +146,9 @@ class RolloutEngine(abc.ABC):
         """Release what the engine holds in device memory (weights, KV cache, a cast copy) until
         :meth:`wake_up`; called after every generation call and before every update. Idempotent."""
 
-    def wake_up(self) -> None:
-        """Restore what :meth:`sleep` released; called before every generation call. Idempotent."""
+    def wake_up(self, gathered: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        """Restore what :meth:`sleep` released; called before every generation call. Idempotent.
+        ``gathered`` as in :meth:`refresh` (for an engine that restores from the trained module)."""
 
     def on_sharded_module(self, world_size: int) -> None:
         """The trained module's parameters are sharded across ``world_size`` data-parallel ranks

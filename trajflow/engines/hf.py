@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Sequence
 
@@ -125,19 +126,22 @@ class HFRolloutEngine(RolloutEngine):
         self._released = True
 
     # ------------------------------------------------------------ contract
-    def refresh(self) -> None:
-        """WeightSync.SHARED: the trained module changed; re-cast the copy (:meth:`sync`)."""
-        self.sync()
+    def refresh(self, gathered=contextlib.nullcontext) -> None:
+        """WeightSync.SHARED: the trained module changed; re-cast the copy (:meth:`sync`, inside
+        ``gathered()``); nothing when the module is shared."""
+        if self.own_copy:
+            with gathered():
+                self.sync()
 
     def sleep(self) -> None:
         """Free the cast copy's storage (:meth:`release`); nothing when the module is shared."""
         self.release()
 
-    def wake_up(self) -> None:
-        """Re-cast a released copy from the trained module (its parameters must be whole: gathered
-        under ZeRO-3)."""
+    def wake_up(self, gathered=contextlib.nullcontext) -> None:
+        """Re-cast a released copy from the trained module (inside ``gathered()``: whole parameters)."""
         if self._released:
-            self.sync()
+            with gathered():
+                self.sync()
 
     def on_sharded_module(self, world_size: int) -> None:
         """Sharded parameters (ZeRO-3) read in place: every decoding step gathers them, so the ranks

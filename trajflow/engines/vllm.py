@@ -193,8 +193,9 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.sleep(level=1)
             self.asleep = True
 
-    def wake_up(self) -> None:
-        """Restore the weights and the KV cache :meth:`sleep` released."""
+    def wake_up(self, gathered=None) -> None:
+        """Restore the weights and the KV cache :meth:`sleep` released (``gathered`` is not needed:
+        the engine holds its own weights)."""
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
