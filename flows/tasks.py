@@ -26,7 +26,8 @@ from stages.advantage import advantage_table, fill_dropped_rows
 from stages.dynamic_sampling import GenerationBatch, dynamic_sampling, sampling_metrics
 from stages.multi_turn import multi_turn_table
 from stages.names import Stage
-from stages.policy_update import critic_batch, update_batch, update_batch_options, with_loss_mask
+from stages.critic_update import critic_batch
+from stages.policy_update import update_batch, update_batch_options, with_loss_mask
 from stages.reward import final_scores, reward_table
 from stages.rollout import rollout_table, rollout_temperature, sampling_params, with_sampling_columns
 from stages.staleness import row_staleness, staleness_metrics

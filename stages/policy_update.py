@@ -2,10 +2,9 @@
 
 :func:`actor_loss` is the whole per-micro-batch actor objective (policy gradient - entropy bonus +
 KL loss) the policy worker backpropagates; the policy-gradient losses themselves are
-:mod:`stages.policy_losses`. :func:`update_batch` and :func:`critic_batch` turn one iteration's
-stored stage tables into the typed :class:`UpdateBatch` / :class:`CriticBatch` the workers'
-``update_actor`` / ``update_critic`` take (verl's ``DataProto``, typed: per-row ragged lists plus
-update settings). Shapes: per-token tensors are ``(batch, response_len)``.
+:mod:`stages.policy_losses`. :func:`update_batch` turns one iteration's stored stage tables into
+the typed :class:`UpdateBatch` the policy worker's ``update_actor`` takes (verl's ``DataProto``,
+typed: per-row ragged lists plus update settings; the critic's is :mod:`stages.critic_update`). Shapes: per-token tensors are ``(batch, response_len)``.
 """
 
 from __future__ import annotations
@@ -27,15 +26,11 @@ from trajflow.batch import lengths, trainable_mask
 __all__ = [
     "ACTOR_LOSS_SHARES",
     "ActorLossConfig",
-    "CriticBatch",
-    "CriticRows",
-    "CriticSettings",
     "UpdateBatch",
     "UpdateRows",
     "UpdateSettings",
     "actor_loss",
     "actor_loss_mask",
-    "critic_batch",
     "update_batch",
     "update_batch_options",
     "with_loss_mask",
@@ -323,7 +318,8 @@ def actor_loss(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_rows(rows: Any, names: Sequence[str]) -> None:
+def check_rows(rows: Any, names: Sequence[str]) -> None:
+    """Raise ValueError unless every field of ``rows`` named in ``names`` (None skipped) has one entry per row."""
     counts = {n: len(getattr(rows, n)) for n in names if getattr(rows, n) is not None}
     if len(set(counts.values())) > 1:
         raise ValueError(f"{type(rows).__name__}: every field needs one entry per row, got {counts}")
@@ -336,8 +332,7 @@ class UpdateRows:
     Attributes:
         prompt_ids: token ids of each row's prompt.
         response_ids: token ids of each row's response.
-        rollout_logprobs: the behaviour policy's log-prob of each response token (the rollout engine's,
-            stored column ``rollout_logprobs``).
+        rollout_logprobs: the behaviour policy's (the rollout engine's) log-prob of each response token.
         advantages: one advantage per response token.
         loss_mask: optional 0/1 per response token (0: the token is out of the policy loss: tool and
             environment tokens of a multi-turn row, and every token of a quarantined or truncated
@@ -358,7 +353,7 @@ class UpdateRows:
     ref_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
-        _check_rows(self, ("prompt_ids", "response_ids", "rollout_logprobs", "advantages", "loss_mask", "ref_logprobs"))
+        check_rows(self, ("prompt_ids", "response_ids", "rollout_logprobs", "advantages", "loss_mask", "ref_logprobs"))
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -386,10 +381,8 @@ class UpdateSettings:
             ``None``: a known GPU's bf16 dense peak, else no MFU.
         defer_weight_sync: do not push the new weights to separate rollout workers at the end of the
             update (``trainer.max_staleness`` > 0: the driver pushes them when no rollout is in flight).
-        temperature: the temperature the rows were sampled at (stored with the rollout,
-            :func:`update_batch` reads it): the trainer's log-probs (proximal and current policy) are
-            computed under ``softmax(logits / temperature)``, so the first on-policy ratio is 1;
-            ``None``: the worker's ``rollout.temperature`` (callers that build a batch by hand).
+        temperature: the rows' sampling temperature (stored with the rollout), at which the trainer's
+            log-probs are computed; ``None``: the worker's ``rollout.temperature`` (hand-built batches).
     """
 
     mini_batch_rows: int | None = None
@@ -411,56 +404,6 @@ class UpdateBatch:
 
     rows: UpdateRows
     settings: UpdateSettings = field(default_factory=UpdateSettings)
-
-
-@dataclass(frozen=True)
-class CriticRows:
-    """The rows of a critic update (ragged lists, row-aligned).
-
-    Attributes:
-        prompt_ids, response_ids: as :class:`UpdateRows`.
-        values: the critic's value of each response token before the update.
-        returns: the regression target of each response token (e.g. GAE returns).
-        loss_mask: optional 0/1 per response token (quarantined rows); ``None``: every token counts.
-
-    Raises:
-        ValueError: the fields have different numbers of rows.
-    """
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    values: list[list[float]]
-    returns: list[list[float]]
-    loss_mask: list[list[float]] | None = None
-
-    def __post_init__(self) -> None:
-        _check_rows(self, ("prompt_ids", "response_ids", "values", "returns", "loss_mask"))
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-
-@dataclass(frozen=True)
-class CriticSettings:
-    """How a critic update walks its rows.
-
-    Attributes:
-        mini_batch_rows: rows per optimizer step; ``None``: the whole batch.
-        shuffle: shuffle the rows between mini-batches (``actor.shuffle``).
-        shuffle_seed: seed of that order.
-    """
-
-    mini_batch_rows: int | None = None
-    shuffle: bool = False
-    shuffle_seed: int = 0
-
-
-@dataclass(frozen=True)
-class CriticBatch:
-    """The input of ``CriticWorker.update_critic`` (see :func:`critic_batch`)."""
-
-    rows: CriticRows
-    settings: CriticSettings = field(default_factory=CriticSettings)
 
 
 def actor_loss_mask(joined: pa.Table, mask_truncated: bool) -> tuple[list[list[float]] | None, dict[str, float]]:
@@ -521,8 +464,8 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
                  use_ref_logprobs: bool, mask_truncated: bool = False, rollout_is: str | None = None,
                  rollout_is_threshold: float = 2.0, rollout_rs: str | None = None,
                  rollout_rs_threshold: float | None = None, rollout_rs_threshold_lower: float | None = None,
-                 peak_tflops: float | None = None, defer_weight_sync: bool = False,
-                 temperature: float = 1.0) -> UpdateBatch:
+                 peak_tflops: float | None = None, defer_weight_sync: bool = False, temperature: float = 1.0
+                 ) -> UpdateBatch:
     """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
 
     The same stored tables always give the same batch (the shuffle seed derives from the
@@ -547,18 +490,15 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         peak_tflops: ``trainer.device_peak_tflops`` (``perf/mfu/actor``).
         defer_weight_sync: the worker does not push the new weights to the rollout workers; the
             driver does, when no rollout is in flight (``trainer.max_staleness`` > 0).
-        temperature: ``rollout.temperature``, used only for a rollout stored before schema 3; the
-            rows' stored ``temperature`` wins (:func:`stages.rollout.rollout_temperature`).
+        temperature: ``rollout.temperature``, for a rollout stored before schema 3 (a stored one wins).
 
     Returns:
         :class:`UpdateBatch`: rows ``prompt_ids``, ``response_ids``, ``rollout_logprobs``,
         ``advantages``, optional ``loss_mask`` and ``ref_logprobs``; settings ``mini_batch_rows``,
         ``shuffle_seed`` (salt 1), ``rng_seed`` (salt 5: the worker seeds torch with it before
         updating, so no draw depends on what ran before) and, with rollout IS, ``rollout_is`` and
-        ``rollout_is_threshold``, and the rows' sampling ``temperature``.
-
-    Raises:
-        ValueError: the rows were sampled at several temperatures.
+        ``rollout_is_threshold``, and the rows' sampling ``temperature``. Raises ``ValueError`` when
+        the rows were sampled at several temperatures (:func:`stages.rollout.rollout_temperature`).
     """
     cols = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "rollout_logprobs", "advantages")}
     loss_mask, _ = actor_loss_mask(joined, mask_truncated)
@@ -595,19 +535,3 @@ def update_batch_options(cfg: Any) -> dict[str, Any]:
                 peak_tflops=cfg.trainer.get("device_peak_tflops"),
                 defer_weight_sync=int(cfg.trainer.max_staleness) > 0,
                 temperature=float(cfg.rollout.temperature))
-
-
-def critic_batch(joined: pa.Table, iteration: int, cfg: Any) -> CriticBatch:
-    """The critic worker's ``update_critic`` batch for one iteration, from its stored stages.
-
-    Rows: ``prompt_ids``, ``response_ids``, ``values`` (the critic's values before the update),
-    ``returns``, optional ``loss_mask`` (quarantined rows); settings: the actor's mini-batch size
-    and shuffle flag, and a shuffle seed of its own (salt 4). Deterministic, so a recreated critic
-    replays it exactly.
-    """
-    cols = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "values", "returns")}
-    loss_mask = joined.column("loss_mask").to_pylist() if "loss_mask" in joined.column_names else None
-    settings = CriticSettings(mini_batch_rows=int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n),
-                              shuffle=bool(cfg.actor.shuffle),
-                              shuffle_seed=iteration_seed(int(cfg.trainer.seed), iteration, Salt.CRITIC_SHUFFLE))
-    return CriticBatch(CriticRows(**cols, loss_mask=loss_mask), settings)

@@ -131,7 +131,8 @@ def test_critic_fits_generated_tokens_only(tiny_model_dir):
     import pyarrow as pa
     from omegaconf import OmegaConf
 
-    from stages.policy_update import critic_batch, with_loss_mask
+    from stages.critic_update import critic_batch
+    from stages.policy_update import with_loss_mask
     from trajflow.config import CriticConfig
     from trajflow.workers.critic import CriticWorker
 

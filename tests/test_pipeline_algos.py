@@ -12,7 +12,8 @@ from stages import advantage as advantage_stage
 from stages import dynamic_sampling, seeds
 from stages import reward as reward_stage
 from stages import rollout as rollout_stage
-from stages.policy_update import actor_loss_mask, critic_batch, update_batch, update_batch_options
+from stages.critic_update import critic_batch
+from stages.policy_update import actor_loss_mask, update_batch, update_batch_options
 from stages.rollout import Generation
 
 ALGO = {"adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True,

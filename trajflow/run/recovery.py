@@ -246,7 +246,7 @@ def restore_critic(ctx: RunContext, through: int) -> int:
     Raises:
         trajflow.errors.StoreError: an iteration to re-apply lacks verified stage outputs.
     """
-    from stages.policy_update import critic_batch
+    from stages.critic_update import critic_batch
     from trajflow import checkpoint as ckpt
 
     base = _newest_checkpoint(ctx, through)

@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.policy_update import CriticBatch, CriticRows, explained_variance, value_loss
+from stages.critic_update import CriticBatch, CriticRows
+from stages.policy_update import explained_variance, value_loss
 from trajflow.config import CriticConfig, ModelConfig
 from trajflow.modeling.backends import adamw
 from trajflow.modeling.packing import PackedBatch, micro_batch_slices, pack
@@ -121,7 +122,7 @@ class CriticWorker(Worker):
 
     # ------------------------------------------------------------------ update
     def update_critic(self, batch: CriticBatch) -> dict:
-        """Clipped value-loss regression of V onto the returns (:func:`stages.policy_update.critic_batch`).
+        """Clipped value-loss regression of V onto the returns (:func:`stages.critic_update.critic_batch`).
 
         The loss is :func:`stages.policy_update.value_loss` with ``critic.cliprange_value``,
         token-mean over each mini-batch of ``settings.mini_batch_rows`` rows (exact under
