@@ -15,6 +15,7 @@ from trajflow.infra.env import configure_environment
 
 configure_environment()
 
+import io  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
@@ -84,6 +85,45 @@ def pick_checkpoint(store: RunStore, checkpoint: int | None) -> int:
                      f"{', '.join(map(str, done)) or 'none'} (0 = the initial model)")
 
 
+def prepare_evaluation(store_root: str | Path, run_id: str | None = None, checkpoint: int | None = None,
+                       recipe: str | None = None, overrides: Optional[list[str]] = None,
+                       quiet: bool = False) -> tuple[RunStore, int, "DictConfig"]:
+    """Check an evaluation request and build its config; starts nothing (the CLI calls it before
+    Prefect, the flow again inside).
+
+    The run folder names neither the code imported nor where results go: its stored reward function
+    and environment need the caller's consent (:func:`trajflow.trust.screen_stored_config`), its
+    tracking URI is not used unless the caller names it again (a one-line note says so, unless
+    ``quiet``).
+
+    Returns:
+        ``(store, checkpoint, cfg)``.
+
+    Raises:
+        StoreError: no such run or checkpoint, or the checkpoint does not verify against its manifest
+            (a truncated, missing or changed file, named). ConfigError: a bad override, stored code not
+            consented to, a reward function that does not import, an unreachable tracking server.
+    """
+    from trajflow.run.preflight import check_reward_and_gates
+    from trajflow.tracking import check_tracking_server
+    from trajflow.trust import screen_stored_config
+
+    store = find_run(store_root, run_id, recipe)
+    step = pick_checkpoint(store, checkpoint)
+    if step:
+        why = ckpt.verify_checkpoint(store, step)
+        if why is not None:
+            raise StoreError(f"run {store.run_id!r} checkpoint {step}: {why}; evaluate another checkpoint "
+                             f"(--checkpoint)")
+    layers = [f"store.root={store.root}"] + list(overrides or [])
+    base = screen_stored_config(store.read_config(), layers, store.config_path,
+                                report=io.StringIO() if quiet else None)
+    cfg = load_config(base=base, overrides=layers)
+    check_reward_and_gates(cfg)  # imports the (consented) reward function: a bad one is one line, before Ray
+    check_tracking_server(cfg)
+    return store, step, cfg
+
+
 @task(name="validate-checkpoint", task_run_name="validate-{run_id}-ckpt{checkpoint}", **TASK_OPTS)
 def validate_checkpoint(eval_id: str, run_id: str, checkpoint: int) -> dict:
     """Load the checkpoint into a policy worker (recreated if one died) and score the held-out prompts."""
@@ -118,18 +158,12 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
         and ``path`` (the stored JSON result).
 
     Raises:
-        StoreError: no such run or checkpoint. ConfigError: a bad override.
+        See :func:`prepare_evaluation`.
     """
-    from trajflow.tracking import Tracker
+    from trajflow.tracking import Tracker, tracking_uri
 
-    store = find_run(store_root, run_id, recipe)
-    step = pick_checkpoint(store, checkpoint)
+    store, step, cfg = prepare_evaluation(store_root, run_id, checkpoint, recipe, overrides)
     meta = store.read_run_meta()
-    layers = [f"store.root={store.root}"]
-    if meta.get("tracking_uri"):
-        layers.append(f"tracking.uri={meta['tracking_uri']}")
-    cfg = load_config(base=store.read_config(),
-                      overrides=layers + list(overrides or []))
     rename_flow_run(f"evaluate-{store.run_id}-ckpt{step}")
     ctx = run.open_evaluation(cfg, store, step)
     eval_id = ctx.key
@@ -139,8 +173,8 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
         metrics = validate_checkpoint(eval_id, store.run_id, step)
         tags = {"trajflow.kind": "evaluation", "trajflow.evaluated_run_id": store.run_id,
                 "trajflow.checkpoint": str(step), "trajflow.policy_version": str(ctx.policy_version)}
-        if meta.get("mlflow_run_id"):
-            tags["mlflow.parentRunId"] = str(meta["mlflow_run_id"])
+        if meta.get("mlflow_run_id") and meta.get("tracking_uri") == tracking_uri(cfg):
+            tags["mlflow.parentRunId"] = str(meta["mlflow_run_id"])  # the training run is in this store
         tracker = Tracker(cfg, f"eval-{store.run_id}-ckpt{step:06d}", tags=tags)
         tracker.log_metrics(metrics, step=step)
         result = {"run_id": store.run_id, "checkpoint": step, "policy_version": ctx.policy_version,

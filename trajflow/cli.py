@@ -208,9 +208,11 @@ def evaluate(run_id: str = typer.Argument(..., help="the run whose checkpoint is
 
     def go():
         _console(verbose)
-        from flows.evaluate import evaluate_flow
+        from flows.evaluate import evaluate_flow, prepare_evaluation
         from trajflow.infra.prefect_server import start_temporary_server
 
+        # Bad input (stored code not consented to, a checkpoint that does not verify) before Prefect and Ray.
+        prepare_evaluation(_store_root(store), run_id, checkpoint, overrides=list(overrides or []), quiet=True)
         start_temporary_server()
         return evaluate_flow(run_id=run_id, checkpoint=checkpoint, store_root=_store_root(store),
                              overrides=list(overrides or []))

@@ -88,6 +88,39 @@ def tracking_uri(cfg: DictConfig) -> str:
     return store_tracking_uri(root)
 
 
+#: Seconds an http(s) tracking server gets to answer before a run starts.
+TRACKING_PROBE_TIMEOUT_S = 5.0
+
+
+def check_tracking_server(cfg: DictConfig, timeout_s: float = TRACKING_PROBE_TIMEOUT_S) -> None:
+    """An http(s) ``tracking.uri`` answers within ``timeout_s``: MLflow's client retries an
+    unreachable server with back-off for minutes, silently, after Ray and the workers started.
+
+    Any HTTP answer counts (an auth error is the server's to explain); SQLite and file stores are
+    not probed.
+
+    Raises:
+        trajflow.errors.ConfigError: no answer (names the URI, the reason and the fix).
+    """
+    import urllib.error
+    import urllib.request
+
+    from trajflow.errors import ConfigError
+
+    uri = str(cfg.tracking.uri or "")
+    if not uri.lower().startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        why = getattr(e, "reason", None) or e
+        raise ConfigError(f"tracking.uri={uri!r}: no answer from the MLflow server within {timeout_s:g} s "
+                          f"({why}); start it, or leave tracking.uri unset to log to the SQLite store under "
+                          f"store.root") from None
+
+
 def git_commit() -> str | None:
     """The source tree's commit, if it is a git checkout."""
     try:

@@ -181,7 +181,11 @@ class RewardConfig:
     custom_function: Optional[str] = _f(None, "user scorer 'path/to/file.py:name' with verl's "
                                         "signature (data_source, solution_str, ground_truth, extra_info)")
     trust_changed_custom_function: bool = _f(False, "resume/replay even when reward.custom_function's file "
-                                             "differs from the one the run recorded")
+                                             "differs from the one the run recorded (command line only: "
+                                             "never read from a run folder)")
+    custom_function_sha256: Optional[str] = _f(None, "import reward.custom_function only if its file has this "
+                                               "sha256; on resume/replay/evaluate, confirms the function the "
+                                               "run's stored config names (command line only)")
     scorer: Optional[str] = _f(None, "scorer for every row, overriding the choice by data_source ('env': "
                                "a multi-turn episode's env_reward)", choices_from="scorer")
     default_scorer: Optional[str] = _f(None, "scorer for data sources with no built-in mapping")

@@ -59,7 +59,15 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None,
     if not store.exists():
         raise StoreError(f"no run {run_id!r} under {store.root}")
     overrides = [f"gates.suite={suite}"] if suite else []
-    cfg = load_config(base=store.read_config(), overrides=overrides)
+    import io
+
+    from trajflow.trust import screen_stored_config
+
+    # The gate runs no stored code: whatever the stored config names is dropped before validation
+    # (which would import an environment factory), never imported.
+    base = screen_stored_config(store.read_config(), overrides, store.config_path, needs_code=False,
+                                report=io.StringIO())
+    cfg = load_config(base=base, overrides=overrides)
     if iteration is not None and iteration not in store.iterations():
         raise StoreError(f"run {run_id!r} has no iteration {iteration} (has {store.iterations()})")
     its, skipped = [], []

@@ -32,13 +32,16 @@ def preflight(cfg: DictConfig) -> None:
             iteration than the dataset has (see :func:`check_batch_size`); a tool sandbox weaker than
             ``rollout.multi_turn.allow_weaker_sandbox`` allows.
         StoreError: ``store.root`` is not a writable folder.
+        trajflow.errors.ConfigError: an http(s) ``tracking.uri`` does not answer within seconds.
     """
     from trajflow.prompts import data_spec, load_prompt_dataset, load_spec
     from trajflow.models import resolve_model_path
     from trajflow.infra.devices import preflight_devices
+    from trajflow.tracking import check_tracking_server
 
     preflight_devices(cfg)
     check_store_root(cfg)
+    check_tracking_server(cfg)
     check_reward_and_gates(cfg)
     if cfg.rollout.multi_turn.enable:  # a sandbox weaker than allowed: refused here, before Ray
         from trajflow.envs.sandbox import tool_sandbox_record
@@ -191,7 +194,9 @@ def check_reward_and_gates(cfg: DictConfig) -> None:
 
     if cfg.reward.custom_function:
         from stages.scorers import load_custom_function
+        from trajflow.trust import check_custom_function_hash
 
+        check_custom_function_hash(cfg)  # reward.custom_function_sha256: hashed before anything is imported
         try:
             load_custom_function(str(cfg.reward.custom_function))
         except Exception as e:  # the user's file: a SyntaxError or any import-time error
@@ -245,9 +250,11 @@ def custom_function_record(cfg: DictConfig) -> dict | None:
 def check_custom_function(cfg: DictConfig, meta: dict, what: str, same_spec_only: bool = False) -> None:
     """Say which reward code a resume or replay will import, and refuse code the run did not record.
 
-    ``config.yaml`` lives in the run folder, so anyone who can write there could point
-    ``reward.custom_function`` at a file of theirs: the code imported must be the file (path and
-    sha256) the run recorded when it started, unless ``reward.trust_changed_custom_function=true``.
+    The stored config's function is used only when the caller named it again (or confirmed its
+    sha256), see :mod:`trajflow.trust`; this adds that the file must still be the one (path and
+    sha256) the run recorded when it started, unless the caller passes
+    ``reward.trust_changed_custom_function=true`` or ``reward.custom_function_sha256=<its sha256>``.
+    The record lives in the run folder too, so it can only refuse, never permit.
 
     Args:
         cfg: the config about to run.
@@ -264,7 +271,9 @@ def check_custom_function(cfg: DictConfig, meta: dict, what: str, same_spec_only
     if now is not None:
         print(f"reward.custom_function: importing {now['path']} (sha256 {str(now['sha256'])[:16]})", flush=True)
     if "custom_function" not in meta or cfg.reward.trust_changed_custom_function:
-        return
+        return  # (a stored consent flag never gets here: trajflow.trust resets it)
+    if now is not None and cfg.reward.custom_function_sha256 and cfg.reward.custom_function_sha256 == now["sha256"]:
+        return  # the caller confirmed this exact file
     rec = meta["custom_function"]
     if same_spec_only and (rec or {}).get("spec") != (now or {}).get("spec"):
         return
@@ -276,4 +285,5 @@ def check_custom_function(cfg: DictConfig, meta: dict, what: str, same_spec_only
 
         raise ConfigError(f"{what}: reward.custom_function is {show(now)}, but the run recorded {show(rec)}; "
                           f"refusing to import code the run did not start with. Pass "
-                          f"reward.trust_changed_custom_function=true if you changed it on purpose")
+                          f"reward.trust_changed_custom_function=true (or reward.custom_function_sha256="
+                          f"{(now or {}).get('sha256')}) if you changed it on purpose")

@@ -189,13 +189,18 @@ def prepare(parent_run_id: str, from_stage: str, iteration: int | None, iteratio
     """Check a replay request and build its config; starts nothing.
 
     Raises:
-        ReplayError, trajflow.config.ConfigError, trajflow.errors.RunExistsError,
+        ReplayError, trajflow.config.ConfigError (also: code the parent's stored config names that
+        the overrides do not name again), trajflow.errors.RunExistsError,
         trajflow.prompts.DataError, trajflow.models.ModelLoadError.
     """
     first, last = parse_iterations(iteration, iterations)
     parent = RunStore(store_root_from(overrides), parent_run_id)
     plan_ = plan(parent, first, last, from_stage)
-    cfg = load_config(base=parent.read_config(), overrides=list(overrides))
+    from trajflow.trust import screen_stored_config
+
+    # Before load_config: validating a config imports its environment factory and tool functions.
+    base = screen_stored_config(parent.read_config(), overrides, parent.config_path)
+    cfg = load_config(base=base, overrides=list(overrides))
     check_custom_function(cfg, parent.read_run_meta(), f"replay of run {parent_run_id!r}", same_spec_only=True)
     preflight(cfg)
     run_id = run_id or replay_run_id(parent_run_id, first, last, from_stage)

@@ -36,13 +36,17 @@ def resume_config(run_id: str, overrides: Sequence[str] = ()) -> DictConfig:
     Raises:
         StoreError: no such run, a replay run (see :func:`check_resumable`), or a damaged stored
             config (see :meth:`RunStore.read_config`).
-        trajflow.config.ConfigError: a bad override.
+        trajflow.config.ConfigError: a bad override; code named by the stored config that the
+            overrides do not name again (:func:`trajflow.trust.screen_stored_config`).
     """
     from trajflow.config import load_config
+    from trajflow.trust import screen_stored_config
 
     store = RunStore(store_root_from(overrides), run_id)
     check_resumable(store)
-    return load_config(base=store.read_config(), overrides=list(overrides))
+    # Before load_config: validating a config imports its environment factory and tool functions.
+    base = screen_stored_config(store.read_config(), overrides, store.config_path)
+    return load_config(base=base, overrides=list(overrides))
 
 
 def check_resumable(store: RunStore) -> None:
