@@ -195,6 +195,37 @@ def _store(store_root: str | Path, run_id: str) -> RunStore:
     return store
 
 
+def _stage_file(store: RunStore, it: int, stage: str) -> Path | None:
+    """The iteration's stored stage file if there is one, refused unless it is a regular file.
+
+    A run folder is data someone else may have written: a symlink could point the dashboard at any
+    file of the machine (or at a FIFO or ``/dev/zero``, which never ends).
+
+    Raises:
+        DashboardError: the path is a symlink or not a regular file (names it).
+    """
+    path = store.stage_path(it, stage)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise DashboardError(f"{path} is {'a symlink' if path.is_symlink() else 'not a regular file'}; the "
+                             f"dashboard reads only the run's own files: replace it with the stage's Parquet file")
+    return path if path.exists() else None
+
+
+def _read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """``pq.read_table`` with a damaged file named in one line.
+
+    Raises:
+        DashboardError: not Parquet, truncated, or without the columns asked for.
+    """
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path, columns=columns)
+    except (OSError, pa.ArrowException, ValueError) as e:
+        raise DashboardError(f"{path}: cannot be read as Parquet ({str(e).splitlines()[0] if str(e) else e}); "
+                             f"the stored file is damaged") from None
+
+
 def _audit_query():
     """``trajflow.audit.query_audit`` if that module exists, else None."""
     try:
@@ -227,18 +258,19 @@ def _iteration_rows(store: RunStore, it: int) -> pa.Table | None:
     from trajflow.audit import tool_columns
     from trajflow.batch import join_stages, lengths
 
-    if not store.stage_path(it, "rollout").exists():
+    path = _stage_file(store, it, "rollout")
+    if path is None:
         return None
-    rollout = store.read_stage(it, "rollout", verify=False)
+    rollout = _read_parquet(path)
     multi = [c for c in ("num_turns", "tool_calls") if c in rollout.column_names]
     tables = [rollout.select(
         ["sample_id", "iteration", "group_id", "prompt_id", "data_source", "prompt", "response_text", "ground_truth",
          "finish_reason", "response_ids", "policy_version"] + multi)]
-    if store.stage_path(it, "reward").exists():
-        tables.append(store.read_stage(it, "reward", verify=False).select(["sample_id", "score", "reward_extra",
-                                                                          "reward_error"]))
-    if store.stage_path(it, "advantage").exists():
-        tables.append(store.read_stage(it, "advantage", verify=False).select(["sample_id", "advantages"]))
+    reward, advantage = _stage_file(store, it, "reward"), _stage_file(store, it, "advantage")
+    if reward is not None:
+        tables.append(_read_parquet(reward, ["sample_id", "score", "reward_extra", "reward_error"]))
+    if advantage is not None:
+        tables.append(_read_parquet(advantage, ["sample_id", "advantages"]))
     t = join_stages(tables) if len(tables) > 1 else tables[0]
     n = t.num_rows
 
@@ -406,22 +438,23 @@ def trajectory_facets(store_root: str | Path, run_id: str) -> dict:
     Returns:
         ``{"iterations": [...], "data_sources": [...], "finish_reasons": [...], "score_min": float | None,
         "score_max": float | None}``.
-    """
-    import pyarrow.parquet as pq
 
+    Raises:
+        DashboardError: unknown run; a stored file that is a symlink or not Parquet (named).
+    """
     store = _store(store_root, run_id)
     its, sources, reasons, scores = [], set(), set(), []
     for it in store.iterations():
-        p = store.stage_path(it, "rollout")
-        if not p.exists():
+        p = _stage_file(store, it, "rollout")
+        if p is None:
             continue
         its.append(it)
-        t = pq.read_table(p, columns=["data_source", "finish_reason"])
+        t = _read_parquet(p, ["data_source", "finish_reason"])
         sources.update(x for x in t.column("data_source").to_pylist() if x is not None)
         reasons.update(x for x in t.column("finish_reason").to_pylist() if x is not None)
-        r = store.stage_path(it, "reward")
-        if r.exists():
-            scores += [x for x in pq.read_table(r, columns=["score"]).column("score").to_pylist() if x is not None]
+        r = _stage_file(store, it, "reward")
+        if r is not None:
+            scores += [x for x in _read_parquet(r, ["score"]).column("score").to_pylist() if x is not None]
     return {"iterations": its, "data_sources": sorted(sources), "finish_reasons": sorted(reasons),
             "score_min": min(scores) if scores else None, "score_max": max(scores) if scores else None}
 
@@ -507,13 +540,17 @@ def episode_messages(store_root: str | Path, run_id: str, iteration: int, sample
     import pyarrow.parquet as pq
 
     store = _store(store_root, run_id)
-    path = store.stage_path(int(iteration), "rollout")
-    if not path.exists():
+    path = _stage_file(store, int(iteration), "rollout")
+    if path is None:
         return []
-    names = pq.read_schema(path).names
+    try:
+        names = pq.read_schema(path).names
+    except (OSError, pa.ArrowException) as e:
+        raise DashboardError(f"{path}: cannot be read as Parquet ({str(e).splitlines()[0] if str(e) else e}); "
+                             f"the stored file is damaged") from None
     if "messages" not in names:
         return []
-    t = pq.read_table(path, columns=[c for c in ("sample_id", "messages", "tool_calls") if c in names])
+    t = _read_parquet(path, [c for c in ("sample_id", "messages", "tool_calls") if c in names])
     t = t.filter(pc.equal(t.column("sample_id"), sample_id))
     if not t.num_rows:
         return []

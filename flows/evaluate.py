@@ -115,6 +115,7 @@ def prepare_evaluation(store_root: str | Path, run_id: str | None = None, checkp
         if why is not None:
             raise StoreError(f"run {store.run_id!r} checkpoint {step}: {why}; evaluate another checkpoint "
                              f"(--checkpoint)")
+        check_safetensors(ckpt.checkpoint_dir(store, step))
     layers = [f"store.root={store.root}"] + list(overrides or [])
     base = screen_stored_config(store.read_config(), layers, store.config_path,
                                 report=io.StringIO() if quiet else None)
@@ -122,6 +123,24 @@ def prepare_evaluation(store_root: str | Path, run_id: str | None = None, checkp
     check_reward_and_gates(cfg)  # imports the (consented) reward function: a bad one is one line, before Ray
     check_tracking_server(cfg)
     return store, step, cfg
+
+
+def check_safetensors(folder: Path) -> None:
+    """Every safetensors file under a checkpoint opens (its header parses): a manifest is an integrity
+    check that someone who can write the folder can recompute, so the files are read as well.
+
+    Raises:
+        StoreError: names the file and what the reader said.
+    """
+    from safetensors import safe_open
+
+    for f in sorted(Path(folder).rglob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                st.keys()
+        except Exception as e:  # safetensors' own SafetensorError, or OSError
+            raise StoreError(f"{f} is not a readable safetensors file ({str(e).splitlines()[0] if str(e) else e}); "
+                             f"evaluate another checkpoint (--checkpoint)") from None
 
 
 @task(name="validate-checkpoint", task_run_name="validate-{run_id}-ckpt{checkpoint}", **TASK_OPTS)

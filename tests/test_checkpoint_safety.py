@@ -145,12 +145,15 @@ def test_resume_refuses_a_custom_reward_function_the_run_did_not_record(tiny_mod
 
     assert meta["custom_function"]["sha256"] == hashlib.sha256(fn.read_bytes()).hexdigest()
     fn.write_text(REWARD.replace("{}", "1.0"))  # someone changed the code after the run started
+    with pytest.raises(ConfigError, match=r"names reward\.custom_function=.*reward\.py:score.*code named by a run "
+                                          r"folder is not imported"):
+        resume("fn", [f"store.root={tmp_path}", "trainer.total_iterations=3"])  # not named again: refused
+    named = [f"store.root={tmp_path}", "trainer.total_iterations=3", f"reward.custom_function={fn}:score"]
     with pytest.raises(ConfigError, match=r"reward\.custom_function is .*reward\.py .* but the run recorded .*"
                                           r"reward\.trust_changed_custom_function=true"):
-        resume("fn", [f"store.root={tmp_path}", "trainer.total_iterations=3"])
+        resume("fn", named)  # named again, but the file is not the one the run started with
     capfd.readouterr()
-    resumed = resume("fn", [f"store.root={tmp_path}", "trainer.total_iterations=3",
-                            "reward.trust_changed_custom_function=true"])
+    resumed = resume("fn", named + ["reward.trust_changed_custom_function=true"])
     assert f"reward.custom_function: importing {fn}" in capfd.readouterr().out
     assert resumed["trained_iterations"] == [3]
 

@@ -134,6 +134,7 @@ def test_stage_deadline_drops_a_stuck_worker_and_keeps_a_healthy_one(tmp_path, r
     import ray
 
     import trajflow.run.recovery as runtime
+    from trajflow.errors import StageTimeoutError
     from trajflow.run.context import RunContext
     from trajflow.run.recovery import stage_guard, wait
     from trajflow.store import RunStore
@@ -161,12 +162,15 @@ def test_stage_deadline_drops_a_stuck_worker_and_keeps_a_healthy_one(tmp_path, r
     runtime.PING_TIMEOUT_S = 2.0
     t0 = time.monotonic()
     try:
-        with pytest.raises(ray.exceptions.GetTimeoutError):
+        # One line naming the stage, the limit and its key (a TimeoutError still: the task is retried)
+        with pytest.raises(StageTimeoutError, match=r"stage reward did not finish within 1\.5 s "
+                                                    r"\(trainer\.stage_timeouts\.reward") as e:
             with stage_guard(ctx, "reward"):
                 wait(ctx, ctx.reference.work.remote(60.0))
     finally:
         runtime.PING_TIMEOUT_S = old
     assert time.monotonic() - t0 < 20  # 1.5 s deadline + 2 s ping, not the 60 s call
+    assert isinstance(e.value, TimeoutError) and "\n" not in str(e.value)
     assert ctx.reference is None and ctx.state.workers_lost == ["reference"]
     with pytest.raises(ray.exceptions.RayActorError):  # it was killed, not left computing
         ray.get(stuck.pid.remote(), timeout=30)

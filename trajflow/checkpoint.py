@@ -194,7 +194,10 @@ def verify_checkpoint(store: RunStore, iteration: int) -> str | None:
     """Why checkpoint ``iteration`` must not be loaded, or None when every file matches its manifest.
 
     Checks that ``trainer_state.json`` parses and that every file the manifest lists exists with its
-    size and sha256 (a checkpoint written before manifests existed has none and is trusted as is).
+    size and sha256, and no other file is there (a checkpoint written before manifests existed has
+    none). The manifest is an integrity check, not authentication (anyone who can write the folder
+    can rewrite it), so the contents are checked as data as well: the policy's weights are there,
+    every safetensors header and JSON file parses, ``policy_version`` is an integer.
     """
     d = checkpoint_dir(store, iteration)
     try:
@@ -207,11 +210,13 @@ def verify_checkpoint(store: RunStore, iteration: int) -> str | None:
         old = sorted(d.glob("*/*_state.pt"))
         if old:  # written by a trajflow that stored optimizer/RNG state as torch pickles
             return f"{old[0]} is a pickle (an older checkpoint format); it is not loaded, since a pickle can run code"
-        return None
+        return _check_contents(d, state, sorted(_file_hashes(d)))  # no manifest: still checked as data
     try:
         listed = json.loads((d / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{d / MANIFEST} is unreadable ({type(e).__name__})"
+    if not isinstance(listed, dict) or not all(isinstance(v, dict) for v in listed.values()):
+        return f"{d / MANIFEST} is not a checkpoint manifest (expected files: {{path: {{sha256, bytes}}}})"
     actual = _file_hashes(d)
     for rel, want in sorted(listed.items()):
         got = actual.get(rel)
@@ -219,6 +224,34 @@ def verify_checkpoint(store: RunStore, iteration: int) -> str | None:
             return f"{d / rel} is missing"
         if got != want:
             return f"{d / rel} does not match the checkpoint's manifest (truncated or changed)"
+    # A manifest is an integrity check, not authentication: whoever can write the folder can rewrite
+    # it to match their files. So what the workers will load is checked as data too.
+    unlisted = sorted(set(actual) - set(listed) - {MANIFEST, STATE_FILE})
+    if unlisted:
+        return f"{d / unlisted[0]} is not in the checkpoint's manifest"
+    return _check_contents(d, state, sorted(listed))
+
+
+def _check_contents(d: Path, state: dict, files: list[str]) -> str | None:
+    """Why the files of checkpoint folder ``d`` cannot be what trajflow wrote, or None: the policy's
+    weights and state are there, every safetensors header and JSON file parses, the trainer
+    state's versions are integers."""
+    from safetensors import safe_open
+
+    if not isinstance(state.get("policy_version"), int) or isinstance(state.get("policy_version"), bool):
+        return f"{d / STATE_FILE}: policy_version={state.get('policy_version')!r} is not an integer"
+    if not any(f in files for f in ("actor/model.safetensors", "actor/adapter.safetensors")):
+        return f"{d / 'actor'} holds no policy weights (model.safetensors or adapter.safetensors)"
+    for rel in files:
+        path = d / rel
+        try:
+            if rel.endswith(".safetensors"):
+                with safe_open(str(path), framework="pt") as st:
+                    st.keys()
+            elif rel.endswith(".json") and not isinstance(json.loads(path.read_text()), dict):
+                return f"{path} does not hold a JSON object"
+        except Exception as e:  # safetensors' SafetensorError, a JSON error, an OSError
+            return f"{path} is not readable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     return None
 
 

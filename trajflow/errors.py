@@ -73,3 +73,8 @@ class NonFiniteError(TrajflowError, RuntimeError):
 class GateFailed(TrajflowError, RuntimeError):
     """A ``fail``-policy expectation of a reward gate failed; the message names each one, its observed
     value and rows. The iteration is marked ``gated``; nothing written before it is removed."""
+
+
+class StageTimeoutError(TrajflowError, TimeoutError):
+    """A stage did not finish within its time limit (``trainer.stage_timeouts``); the message names
+    the stage, the limit and the key. A ``TimeoutError``, so a retry still follows."""

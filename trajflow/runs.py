@@ -8,6 +8,7 @@ failing the listing.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,33 @@ def _last_validation(meta: dict) -> tuple[int | None, str | None, float | None]:
     return None, None, None
 
 
+def driver_holds_lock(store: RunStore) -> bool | None:
+    """Whether a driver on this machine holds the run's lock (``trajflow.store.run_lock``); None when
+    that cannot be known (the holder was on another host, or there is no record of one).
+
+    Read-only: the kernel's lock table (``/proc/locks``) is searched for the lock file's inode, so
+    listing never takes the lock a starting driver is about to take. A SIGKILLed driver's lock is
+    released by the kernel, so its run shows as not held.
+    """
+    try:
+        holder = json.loads((store.run_dir / ".lock.json").read_text())
+        inode = (store.run_dir / ".lock").stat().st_ino
+        table = open("/proc/locks").read()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
+        return None
+    suffix = f":{inode}"
+    return any(field.endswith(suffix) and field.count(":") == 2 for line in table.splitlines()
+               for field in line.split())
+
+
 def list_runs(root: str | Path) -> list[dict[str, Any]]:
     """One row per run folder under ``root`` (a folder holding ``config.yaml``), oldest first.
 
     Each row: ``run_id``, ``kind`` (``train`` or ``replay``), ``parent_run_id`` (replays), ``recipe``,
-    ``status`` (``run.json``'s: running, finished, failed, interrupted; ``unreadable`` for a damaged
-    file), ``iterations`` (stored iteration folders), ``checkpoints`` (complete ones, ascending),
+    ``status`` (``run.json``'s: running, finished, failed, interrupted; ``killed`` when it says
+    running but no driver on this machine holds the run's lock; ``unreadable`` for a damaged file), ``iterations`` (stored iteration folders), ``checkpoints`` (complete ones, ascending),
     ``policy_version``, ``created`` (Unix seconds, or None), and the newest validation as
     ``val_iteration``, ``val_metric`` and ``val_value``.
 
@@ -50,9 +72,11 @@ def list_runs(root: str | Path) -> list[dict[str, Any]]:
         store = RunStore(root, d.name)
         try:
             meta = store.read_run_meta()
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        except (StoreError, OSError):
             meta = None
         status = str(meta.get("status", "unknown")) if isinstance(meta, dict) else "unreadable"
+        if status == "running" and driver_holds_lock(store) is False:
+            status = "killed"  # run.json says running, but no driver holds its lock: it died without a word
         meta = meta if isinstance(meta, dict) else {}
         val_it, val_metric, val_value = _last_validation(meta)
         created = meta.get("created")

@@ -179,7 +179,11 @@ def run_lock(store: "RunStore") -> Iterator[None]:
 
     store.run_dir.mkdir(parents=True, exist_ok=True)
     holder_path = store.run_dir / ".lock.json"
-    lock = FileLock(str(store.run_dir / ".lock"), thread_local=False)
+    lock_path = store.run_dir / ".lock"
+    if lock_path.exists() and not lock_path.is_file():
+        raise StoreError(f"{lock_path}: the run's lock is a {'folder' if lock_path.is_dir() else 'special file'}, "
+                         f"not a file; remove it (no trajflow process made it), then run this again")
+    lock = FileLock(str(lock_path), thread_local=False)
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -191,6 +195,9 @@ def run_lock(store: "RunStore") -> Iterator[None]:
             who = "another process"
         raise StoreError(f"run {store.run_id!r} is in use by {who} (lock {store.run_dir / '.lock'}); wait "
                          f"for it to finish or stop it, then run this again") from None
+    except OSError as e:  # not the lock being held (that is Timeout): the file cannot be opened at all
+        raise StoreError(f"{lock_path}: cannot open the run's lock ({e.strerror or e}); check the folder's "
+                         f"permissions, then run this again") from None
     try:
         atomic_write_json(holder_path, {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
         yield
@@ -212,6 +219,9 @@ class RunStore:
     def __init__(self, root: str | Path, run_id: str) -> None:
         if not run_id or "/" in run_id or run_id in (".", "..") or run_id.startswith("."):
             raise StoreError(f"run id {run_id!r} is not a valid folder name")
+        if not run_id.isprintable():  # a newline or other control character: a folder no listing shows right
+            raise StoreError(f"run id {run_id!r} holds a control character (newline, tab, ...); use letters, "
+                             f"digits, '-', '_' and '.'")
         if len(run_id.encode()) > MAX_RUN_ID_BYTES:
             raise StoreError(f"run id {run_id[:40]}... is {len(run_id.encode())} bytes long; at most "
                              f"{MAX_RUN_ID_BYTES} (it is a folder name, and derived names such as replays' "
@@ -278,8 +288,24 @@ class RunStore:
         return OmegaConf.create(data)
 
     def read_run_meta(self) -> dict:
+        """``run.json`` as a dict (``{}`` when there is none).
+
+        Raises:
+            StoreError: it is not UTF-8 JSON holding an object (names the file); nothing falls back
+                to an empty record, which :meth:`update_run_meta` would write over the damaged one.
+        """
         p = self.run_dir / "run.json"
-        return json.loads(p.read_text()) if p.exists() else {}
+        if not p.exists():
+            return {}
+        try:
+            meta = json.loads(p.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise StoreError(f"{p}: not valid JSON ({str(e).splitlines()[0]}); the run's record is damaged: "
+                             f"restore it from a backup, or delete it to let trajflow write a new one") from None
+        if not isinstance(meta, dict):
+            raise StoreError(f"{p}: holds a JSON {type(meta).__name__}, not an object; the run's record is "
+                             f"damaged: restore it from a backup, or delete it to let trajflow write a new one")
+        return meta
 
     def update_run_meta(self, **fields: Any) -> dict:
         meta = self.read_run_meta()

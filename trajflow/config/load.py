@@ -151,6 +151,19 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
             some = dataclasses.fields(f.default_factory)[0].name
             raise ConfigError(f"override {o!r}: {key} is a config section, not a value; set one of its keys "
                               f"(e.g. {key}.{some}=...; trajflow config lists them)")
+    import yaml
+
+    for o in overrides:  # one at a time: the error names the override whose value YAML cannot read
+        try:
+            OmegaConf.from_dotlist([o])
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at column {mark.column + 1} of the value" if mark is not None else ""
+            raise ConfigError(f"override {o!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}"
+                              f"{at}); write mappings with a space after each colon, e.g. "
+                              f"resources.pools='{{a: {{devices_per_node: 1}}}}'") from None
+        except OmegaConfBaseException:
+            break  # reported below as before
     try:
         layers.append(("override", OmegaConf.from_dotlist(list(overrides))))
     except OmegaConfBaseException as e:

@@ -175,12 +175,12 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
                               f"only multi-turn episodes have: set rollout.multi_turn.enable=true, or choose a text "
                               f"scorer")
     if mt.enable:
-        from trajflow.envs.registry import ENVIRONMENTS, environment_factory, load_builtin_environments
+        from trajflow.envs.registry import ENVIRONMENTS, check_environment, load_builtin_environments
 
         load_builtin_environments()
         if ":" in str(mt.environment):
             try:
-                environment_factory(str(mt.environment))
+                check_environment(str(mt.environment))
             except ValueError as e:
                 raise ConfigError(f"{source}: rollout.multi_turn.environment={mt.environment!r}: {e}") from None
         elif mt.environment not in ENVIRONMENTS:

@@ -339,7 +339,7 @@ class TrainerConfig:
     save_freq: int = _f(10, "checkpoint every this many iterations (0 = only at the end)", ge=0)
     test_freq: int = _f(5, "validate every this many iterations (0 = no validation)", ge=0)
     val_before_train: bool = _f(True, "validate before the first iteration (when test_freq > 0)")
-    seed: int = _f(42, "seed for data order, sampling and initialisation", ge=0)
+    seed: int = _f(42, "seed for data order, sampling and initialisation", ge=0, le=2**32 - 1)
     max_checkpoints: int = _f(2, "checkpoints kept (0 = keep all); the newest is never deleted", ge=0)
     keep_best: Optional[str] = _f(None, "also keep the best checkpoint by this validation metric (e.g. "
                                   "val-core/reasoning_gym/basic_arithmetic/acc/mean@1), scored by the validation of "

@@ -121,10 +121,38 @@ def environment_factory(name: str):
     """
     load_builtin_environments()
     if ":" in name and name not in ENVIRONMENTS:
+        import inspect
+
         from trajflow.envs.tools import import_callable
 
-        return import_callable(name)
+        factory = import_callable(name)
+        # An environment factory is Python code of the user's: a class or a function. A builtin such
+        # as os:system would be called with the episode's context, never a sensible environment.
+        if not (inspect.isclass(factory) or inspect.isfunction(factory) or inspect.ismethod(factory)):
+            raise ValueError(f"{name!r} is a {type(factory).__name__}, not a Python function or class that "
+                             f"takes an EnvContext and returns an Environment")
+        return factory
     return ENVIRONMENTS.get(name)
+
+
+def check_environment(name: str, tools: Sequence[Tool] = (), fmt: str = "hermes") -> None:
+    """Build one environment of ``name`` without a sandbox, as the workers will (their first build
+    is :class:`EpisodeRunner`'s, asking for its tools): a factory that raises or returns something
+    other than an :class:`Environment` is found before Ray starts.
+
+    Raises:
+        ValueError: not registered or not importable, the factory raised (names the exception), or
+            it returned another type.
+    """
+    factory = environment_factory(name)
+    try:
+        env = factory(EnvContext(list(tools), None, fmt))
+    except Exception as e:  # the user's factory: anything
+        raise ValueError(f"its factory raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                         f"(called with an EnvContext whose sandbox is None, as when trajflow asks for its "
+                         f"tools)") from None
+    if not isinstance(env, Environment):
+        raise ValueError(f"its factory returned a {type(env).__name__}, not a trajflow.envs.Environment")
 
 
 def load_builtin_environments() -> None:

@@ -34,6 +34,39 @@ def gate_view(rollout: pa.Table, reward: pa.Table) -> pa.Table:
     })
 
 
+def check_finite_scores(reward: pa.Table, iteration: int, run_id: str) -> None:
+    """The one check that runs with ``gates.enabled=false``: every score is finite. A NaN or
+    infinite reward would otherwise flow into the advantages and the policy update.
+
+    Raises:
+        DataError: names the rows and the fix; nothing stored is changed.
+    """
+    import numpy as np
+
+    from trajflow.errors import DataError
+
+    scores = reward.column("score").to_numpy(zero_copy_only=False).astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(scores))
+    if bad.size:
+        sids = reward.column("sample_id").to_pylist()
+        shown = ", ".join(f"{sids[i]} ({scores[i]})" for i in bad[:3])
+        raise DataError(f"iteration {iteration} of run {run_id}: the reward is NaN or infinite on {bad.size} of "
+                        f"{len(scores)} rows (e.g. {shown}); with gates.enabled=false nothing else stops it "
+                        f"reaching the policy update: make the scorer return finite numbers, or enable the gates")
+
+
+def scorer_errors(view: pa.Table) -> str:
+    """``"; the scorer raised on N of M rows, e.g. ValueError: ..."``: what the scorer said, for a
+    failed gate's message (the expectations count the rows, the user needs the exception), or ``""``."""
+    errors = [e for e in view.column("reward_error").to_pylist() if e]
+    if not errors:
+        return ""
+    first = str(errors[0]).splitlines()[0] if str(errors[0]).strip() else repr(errors[0])
+    distinct = len(set(errors))
+    more = f" ({distinct} different errors; all in reward.parquet's reward_error)" if distinct > 1 else ""
+    return f"; the scorer raised on {len(errors)} of {view.num_rows} rows, e.g. {first[:300]}{more}"
+
+
 def recheck_run(store_root: str, run_id: str, iteration: int | None = None,
                 suite: str | None = None) -> tuple[list, list[tuple[int, str]]]:
     """Re-run the gate over stored reward outputs (``trajflow gate``); nothing is written.

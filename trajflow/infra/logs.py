@@ -58,6 +58,15 @@ _DATEFMT = "%Y-%m-%d %H:%M:%S"
 _state: dict = {"configured": False, "verbose": False, "handler": None}
 
 
+class _RunLogFile(logging.FileHandler):
+    """The log file itself. When it cannot be written (the store's disk is full) it drops records
+    quietly: logging's default prints a traceback per record to stderr, dozens around the one line
+    that says the disk is full (trajflow.store reports the failed write that matters)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failed = True
+
+
 class RunLogHandler(logging.Handler):
     """Writes records to ``<run_dir>/logs/driver.log``; before a folder is attached, keeps them in
     memory (the newest :data:`BUFFER_RECORDS`) and writes them when it is."""
@@ -89,7 +98,7 @@ class RunLogHandler(logging.Handler):
             if self.path == path:
                 return path
             path.parent.mkdir(parents=True, exist_ok=True)
-            new = logging.FileHandler(path, mode="a", encoding="utf-8")
+            new = _RunLogFile(path, mode="a", encoding="utf-8")
             new.setFormatter(self.formatter)
             old, self.file, self.path = self.file, new, path
             while self.buffer:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trajflow.errors import GateFailed
 from trajflow.gates.docs import json_safe, write_data_docs
-from trajflow.gates.iteration import gate_view
+from trajflow.gates.iteration import check_finite_scores, gate_view, scorer_errors
 from trajflow.gates.validate import run_gate
 from trajflow.run.context import RunContext
 from trajflow.store import StageRef
@@ -33,10 +33,13 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
 
     Raises:
         GateFailed: a ``fail`` expectation failed (the iteration is marked ``gated``; nothing written
-            so far is removed).
+            so far is removed); the message ends with what the scorer raised, if it raised.
+        DataError: with the gate off, a score is NaN or infinite
+            (:func:`trajflow.gates.iteration.check_finite_scores`).
     """
     cfg = ctx.cfg
     if not cfg.gates.enabled:
+        check_finite_scores(ctx.store.read_ref(reward), iteration, ctx.run_id)
         return {"success": True, "quarantined_sample_ids": [], "metrics": {}, "score_mean": None}
 
     t0 = time.perf_counter()
@@ -73,7 +76,8 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
         ctx.store.mark(iteration, "gated", gate=result["failures"])
         # One line (the CLI's): each failed expectation, joined.
         failures = "; ".join(line for line in report.failure_message().splitlines() if line.strip())
-        raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate: {failures}")
+        raise GateFailed(f"iteration {iteration} of run {ctx.run_id} failed its reward gate: {failures}"
+                         f"{scorer_errors(view)}")
     # The drift check's history: mean over finite scores of rows whose scorer did not raise.
     score_mean = None if report.score_mean is None else float(report.score_mean)
     return {**{k: result[k] for k in ("success", "quarantined_sample_ids", "metrics")}, "score_mean": score_mean}

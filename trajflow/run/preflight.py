@@ -180,6 +180,13 @@ def check_store_root(cfg: DictConfig) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise StoreError(f"store.root={cfg.store.root!r}: {probe} is not writable by this user; point "
                          f"store.root at a writable folder")
+    import tempfile
+
+    try:  # access() says yes to root everywhere, /proc and read-only mounts included: try it
+        tempfile.TemporaryDirectory(prefix=".trajflow-probe-", dir=probe).cleanup()
+    except OSError as e:
+        raise StoreError(f"store.root={cfg.store.root!r}: cannot create a folder in {probe} "
+                         f"({e.strerror or e}); point store.root at a folder on a writable disk") from None
 
 
 def check_reward_and_gates(cfg: DictConfig) -> None:
@@ -226,7 +233,13 @@ def check_model_weights(model_dir: Path) -> None:
     from trajflow.errors import ModelLoadError
     from trajflow.models import check_causal_lm
 
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
+    weights = sorted(Path(model_dir).glob("*.safetensors"))
+    pickles = sorted(p for ext in ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt") for p in Path(model_dir).glob(ext))
+    if not weights and pickles:
+        raise ModelLoadError(f"model.path: {model_dir} holds only {pickles[0].name} (a pickle), no safetensors "
+                             f"weights; trajflow does not load pickles (they can run code): convert it with "
+                             f"transformers' save_pretrained(dir, safe_serialization=True)")
+    for f in weights:
         try:
             with safe_open(str(f), framework="pt") as st:
                 st.keys()

@@ -42,6 +42,14 @@ def is_transient(exc: BaseException | None) -> bool:
     return isinstance(exc, transient_errors())
 
 
+def timed_out(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a stage's timeout: a ``TimeoutError`` (Ray's ``GetTimeoutError`` is one),
+    or the ``SystemError`` CPython raises when an asynchronous timeout lands inside a C call."""
+    if isinstance(exc, TimeoutError):
+        return True
+    return isinstance(exc, SystemError) and isinstance(exc.__cause__ or exc.__context__, TimeoutError)
+
+
 def retry_on_transient(task: Any, task_run: Any, state: Any) -> bool:
     """Prefect ``retry_condition_fn``: retry a stage only after a transient failure.
 
@@ -77,6 +85,20 @@ def stage_guard(ctx: RunContext, stage: str) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
+        if timed_out(e):
+            # Ray's GetTimeoutError, or Prefect's timeout landing inside a Ray call (then a SystemError
+            # around it): the same event, said once, with the key that sets the limit.
+            from trajflow.errors import StageTimeoutError
+
+            key = f"trainer.stage_timeouts.{stage}"
+            shown = f"{limit:g} s" if limit else "its time limit"
+            drop = drop_unresponsive_workers(ctx)
+            if drop:
+                ctx.state.workers_lost = drop
+            raise StageTimeoutError(f"run {ctx.run_id}: stage {stage} did not finish within {shown} ({key}, else "
+                                    f"trainer.stage_timeout_s); a worker or the scorer is stuck or slower than "
+                                    f"that: raise it ({key}=SECONDS, 0 = no limit) or see the run's "
+                                    f"logs/driver.log") from None
         if is_transient(e):
             dropped = drop_unresponsive_workers(ctx)
             if dropped:

@@ -108,6 +108,10 @@ def plan(parent: RunStore, first: int, last: int, from_stage: str) -> ReplayPlan
                                   f"iteration {it} cannot be replayed from stage {from_stage!r}")
     start = first - 1 if first > 1 else None
     have = start is None or start in ckpt.list_checkpoints(parent)
+    if have and start is not None:
+        why = ckpt.verify_checkpoint(parent, start)  # before Ray: the update would start from it
+        if why is not None:
+            raise ReplayError(f"checkpoint {start:06d} of run {parent.run_id!r} cannot be loaded: {why}")
     note = ""
     if not have:
         kept = ", ".join(f"{i:06d}" for i in ckpt.list_checkpoints(parent)) or "none"
