@@ -9,7 +9,11 @@ count; exits 1 if any case is not clean.
     .venv/bin/python benchmarks/bad_inputs.py -k gate,audit   # the cases naming gate or audit
 
 It trains one tiny run first (a 2-layer model with SmolLM2's tokenizer, ~1 min) for the cases that
-need a stored run (resume, replay, audit, gate, compare).
+need a stored run (resume, replay, audit, gate, compare, evaluate); tampered copies of it (a forged
+checkpoint manifest, a garbage ``run.json``, code planted in its ``config.yaml``, ...) live under their
+own store roots. A planted reward function writes a marker file if it is ever imported: a case that
+lets it run is not clean. Three cases run a real flow to its reward stage (a timeout, a NaN reward,
+a scorer that raises under the gate).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MARKER = Path(tempfile.gettempdir()) / "trajflow-bad-inputs-MARKER"
 TRAJFLOW = str(Path(sys.executable).parent / "trajflow")
 
 
@@ -43,7 +48,65 @@ def _tiny_overrides(model: Path, root: Path) -> list[str]:
             "rollout.n=2", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=2",
             "actor.ppo_micro_batch_size=2", "trainer.total_iterations=2", "trainer.save_freq=1",
             "trainer.test_freq=0", "trainer.progress=false", "tracking.log_model=false",
-            "tracking.system_metrics=false"]
+            "tracking.system_metrics=false", "reward.overlong_buffer.enable=false",
+            "actor.mixed_precision.param_dtype=float32", "rollout.dtype=float32"]
+
+
+#: Environment factories and scorers of a user's own, on PYTHONPATH for the cases (see :func:`main`).
+USER_CODE = {
+    "user_envs.py": "from trajflow.envs.registry import ToolEnvironment\n\n"
+                    "def raises(ctx):\n    raise RuntimeError('no such dataset')\n\n"
+                    "def wrong_type(ctx):\n    return {'not': 'an environment'}\n",
+    "slow.py": "import time\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+               "    time.sleep(60)\n    return 0.0\n",
+    "nan.py": "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n",
+    "raises.py": "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    raise KeyError('answer')\n",
+    "planted.py": "import pathlib, tempfile\n"
+                  "pathlib.Path(tempfile.gettempdir(), 'trajflow-bad-inputs-MARKER').write_text('ran')\n"
+                  "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n",
+}
+
+#: The dashboard's data layer as the app calls it: a DashboardError is what the page shows (one line).
+DASHBOARD = ("import sys\nfrom dashboards.data import find_trajectories, trajectory_facets\n"
+             "from trajflow.errors import DashboardError\ntry:\n    find_trajectories(sys.argv[1], sys.argv[2])\n"
+             "    trajectory_facets(sys.argv[1], sys.argv[2])\nexcept DashboardError as e:\n"
+             "    print(f'error: {e}', file=sys.stderr)\n    sys.exit(2)\n")
+
+
+def _tampered(store: Path, run: str, tmp: Path, name: str, change) -> Path:
+    """A copy of the stored run under its own store root, changed by ``change(run_dir)``."""
+    root = tmp / "tampered" / name.replace("/", "-").replace(" ", "-")
+    shutil.copytree(store / run, root / run, symlinks=True)
+    change(root / run)
+    return root
+
+
+def _forge_manifest(run_dir: Path) -> None:
+    """Garbage weights in checkpoint 1, its manifest rewritten to match them."""
+    import hashlib
+
+    d = run_dir / "checkpoints" / "000001"
+    (d / "actor" / "model.safetensors").write_bytes(b"\x00garbage" * 64)
+    files = {str(p.relative_to(d)): {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "bytes": p.stat().st_size}
+             for p in sorted(d.rglob("*")) if p.is_file() and p.name not in ("manifest.json", "trainer_state.json")}
+    (d / "manifest.json").write_text(json.dumps({"files": files}))
+
+
+def _plant(run_dir: Path, key: str, value: str) -> None:
+    """Point ``key`` of the stored config at code of someone else's (``a.b.c``)."""
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    *path, last = key.split(".")
+    node = cfg
+    for k in path:
+        node = node[k]
+    node[last] = value
+    if key.startswith("rollout.multi_turn."):
+        cfg["rollout"]["multi_turn"]["enable"] = True
+    cfg["reward"]["trust_changed_custom_function"] = True  # a consent flag in the same file grants nothing
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
 
 
 def _files(tmp: Path, model: Path) -> dict[str, Path]:
@@ -86,6 +149,15 @@ def _files(tmp: Path, model: Path) -> dict[str, Path]:
     (no_config / "config.json").unlink()
     f["no-config-model"] = no_config
     f["a_file"] = write("a_file", "not a folder")
+    pickled = tmp / "pickle-model"
+    pickled.mkdir()
+    shutil.copy(model / "config.json", pickled / "config.json")
+    import torch
+
+    torch.save({"w": torch.zeros(2)}, pickled / "pytorch_model.bin")
+    f["pickle-model"] = pickled
+    for name, text in USER_CODE.items():
+        write(name, text)
     return f
 
 
@@ -187,6 +259,64 @@ def cases(tmp: Path, model: Path, store: Path, run: str) -> list[Case]:
         Case("compare/no store", ["compare", "x", "--store", str(tmp / "no-store"), "--out", str(tmp / "cmp")],
              ["no-store"]),
         Case("config/unknown key", ["config", "actor.lrr=1"], ["actor.lrr"]),
+        # config values
+        train("malformed YAML override value", "resources.pools={a:{b:1}}", needles=["resources.pools", "YAML"]),
+        train("seed as a float", "trainer.seed=1e23", needles=["trainer.seed"]),
+        train("seed too large", "trainer.seed=100000000000000000000000", needles=["trainer.seed"]),
+        train("run id with a newline", "--run-id", "a\nb", needles=["control character"]),
+        train("store root under /proc", "store.root=/proc/trajflow-runs",
+              base=[x for x in t if not x.startswith("store.root=")], needles=["store.root", "/proc"]),
+        train("model holding only a pickle", f"model.path={f['pickle-model']}", needles=["pytorch_model.bin"]),
+        # environment factories
+        *[train(f"environment {name}", "rollout.multi_turn.enable=true", "model.prompt_format=auto",
+                f"rollout.multi_turn.environment={factory}", needles=[factory])
+          for name, factory in (("os:system", "os:system"), ("factory raises", "user_envs:raises"),
+                                ("factory returns the wrong type", "user_envs:wrong_type"))],
+        # the reward stage, in a real run (Ray, Prefect): each ends with one line
+        train("reward timeout", f"reward.custom_function={tmp / 'slow.py'}:score", "trainer.stage_timeouts={reward: 3}",
+              "trainer.stage_retries=0", base=_tiny_overrides(model, tmp / "flow-store"),
+              needles=["trainer.stage_timeouts.reward"]),
+        train("NaN reward with the gate off", f"reward.custom_function={tmp / 'nan.py'}:score", "gates.enabled=false",
+              base=_tiny_overrides(model, tmp / "flow-store"), needles=["NaN"]),
+        Case("train/gate stop names the scorer's exception",
+             ["train", *_tiny_overrides(model, tmp / "flow-store"), f"reward.custom_function={tmp / 'raises.py'}:score",
+              "gates.enabled=true"], ["KeyError", "answer"], rc=3),
+        # tampered run folders
+        Case("evaluate/truncated checkpoint weights",
+             ["evaluate", run, "--checkpoint", "1", "--store", str(_tampered(store, run, tmp, "trunc", lambda d: (
+                 d / "checkpoints/000001/actor/model.safetensors").write_bytes(b"\x00" * 100)))],
+             ["model.safetensors", "manifest"]),
+        Case("evaluate/missing checkpoint weights",
+             ["evaluate", run, "--checkpoint", "1", "--store", str(_tampered(store, run, tmp, "missing", lambda d: (
+                 d / "checkpoints/000001/actor/model.safetensors").unlink()))], ["model.safetensors", "missing"]),
+        Case("evaluate/forged checkpoint manifest",
+             ["evaluate", run, "--checkpoint", "1", "--store", str(_tampered(store, run, tmp, "forged", _forge_manifest))],
+             ["model.safetensors"]),
+        Case("replay/forged checkpoint manifest",
+             ["replay", run, "--iteration", "2", "--from-stage", "update",
+              f"store.root={_tampered(store, run, tmp, 'forged-replay', _forge_manifest)}"], ["model.safetensors"]),
+        Case("resume/garbage run.json",
+             ["resume", run, f"store.root={_tampered(store, run, tmp, 'meta', lambda d: (d / 'run.json').write_text('{x'))}"],
+             ["run.json"]),
+        Case("resume/lock is a folder",
+             ["resume", run, f"store.root={_tampered(store, run, tmp, 'lockdir', lambda d: (d / '.lock').mkdir())}"],
+             [".lock"]),
+        Case("audit/run id with a newline", ["audit", "a\nb", "--store", str(store)], ["control character"]),
+        *[Case(f"{cmd}/planted {what}", [*args(_tampered(store, run, tmp, f"plant-{cmd}-{what}",
+                                                         lambda d, k=key, v=value: _plant(d, k, v)))],
+               ["code named by a run folder"])
+          for what, key, value in (("reward function", "reward.custom_function", f"{tmp / 'planted.py'}:score"),
+                                   ("environment", "rollout.multi_turn.environment", "planted:score"))
+          for cmd, args in (("resume", lambda r: ["resume", run, f"store.root={r}"]),
+                            ("replay", lambda r: ["replay", run, "-i", "1", "--from-stage", "reward", f"store.root={r}"]),
+                            ("evaluate", lambda r: ["evaluate", run, "--checkpoint", "0", "--store", str(r)]))],
+        Case("dashboard/corrupt Parquet", [sys.executable, "-c", DASHBOARD, str(_tampered(
+            store, run, tmp, "corrupt", lambda d: (d / "iterations/000001/reward.parquet").write_bytes(b"PAR1x"))), run],
+             ["reward.parquet"]),
+        Case("dashboard/symlinked Parquet", [sys.executable, "-c", DASHBOARD, str(_tampered(
+            store, run, tmp, "symlink", lambda d: ((d / "iterations/000001/reward.parquet").unlink(),
+                                                   (d / "iterations/000001/reward.parquet").symlink_to("/dev/zero")))),
+            run], ["reward.parquet", "symlink"]),
     ]
     return out
 
@@ -227,14 +357,16 @@ class Result:
 def run_case(case: Case, env: dict, fresh: Path) -> Result:
     before = set(os.listdir(fresh)) if fresh.is_dir() else set()
     t0 = time.perf_counter()
+    argv = case.args if case.args[0] == sys.executable else [TRAJFLOW, *case.args]
     try:
-        p = subprocess.run([TRAJFLOW, *case.args], capture_output=True, text=True, timeout=300, env=env,
-                           cwd=str(REPO))
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=str(REPO))
         rc, err = p.returncode, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, err = -1, f"timed out after 300 s\n{e.stderr or ''}"
     after = set(os.listdir(fresh)) if fresh.is_dir() else set()
     leftover = sorted(x for x in after - before if x not in ("mlflow.db", "mlartifacts"))
+    if MARKER.exists():  # code named by a run folder ran
+        leftover.append(f"{MARKER} (planted code ran)")
     return Result(case, rc, err, time.perf_counter() - t0, leftover)
 
 
@@ -247,7 +379,9 @@ def main() -> int:
     from tests.conftest import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="trajflow-bad-inputs-"))
-    env = dict(os.environ, PREFECT_HOME=str(tmp / "prefect"), TRAJFLOW_CACHE=str(tmp / "cache"))
+    env = dict(os.environ, PREFECT_HOME=str(tmp / "prefect"), TRAJFLOW_CACHE=str(tmp / "cache"),
+               PYTHONPATH=os.pathsep.join([str(tmp), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    MARKER.unlink(missing_ok=True)
     try:
         model = make_tiny_model(tmp / "model")
         store = tmp / "store"

@@ -341,3 +341,28 @@ def test_dashboard_names_a_damaged_or_symlinked_parquet_file(stored_run, tmp_pat
             read()
         assert "\n" not in str(e.value)
     assert time.monotonic() - t0 < 30  # /dev/zero is never read
+
+
+# ------------------------------------------------------------------ a full disk
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_does_not_print_a_traceback_per_log_record(tmp_path, capfd):
+    """The run's log file on a full disk (``/dev/full`` fails every write with ENOSPC) drops records
+    quietly: the store's own write reports the full disk, once (its StoreError, one line)."""
+    import logging
+
+    from trajflow.infra.logs import LOG_FILE, RunLogHandler
+
+    (tmp_path / LOG_FILE).parent.mkdir(parents=True)
+    (tmp_path / LOG_FILE).symlink_to("/dev/full")
+    handler = RunLogHandler()
+    handler.attach(tmp_path)
+    log = logging.getLogger("trajflow.test_full_disk")
+    log.addHandler(handler)
+    try:
+        for i in range(5):
+            log.warning("record %d", i)
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+    assert capfd.readouterr().err == ""  # before: "--- Logging error ---" and a traceback per record

@@ -66,6 +66,18 @@ class _RunLogFile(logging.FileHandler):
     def handleError(self, record: logging.LogRecord) -> None:
         self.failed = True
 
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError:
+            self.failed = True
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the last flush of what the full disk refused
+            self.failed = True
+
 
 class RunLogHandler(logging.Handler):
     """Writes records to ``<run_dir>/logs/driver.log``; before a folder is attached, keeps them in
