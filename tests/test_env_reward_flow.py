@@ -57,7 +57,8 @@ def test_env_reward_is_the_score_and_replay_recomputes_it(eos_model, tmp_path):
     val = [v for k, v in m.items() if k.startswith("val-core/") and k.endswith("/acc/mean@1")]
     assert val and all(v >= 0.5 for v in val)
 
-    again = replay(summary["run_id"], "reward", iteration=1, overrides=[f"store.root={root}"])
+    again = replay(summary["run_id"], "reward", iteration=1,  # the stored environment, named again
+                   overrides=[f"store.root={root}", "rollout.multi_turn.environment=tests.mt_envs:rewarded_turns"])
     replayed = {r["sample_id"]: r["score"] for r in
                 pq.read_table(Path(again["run_dir"]) / "iterations" / "000001" / "reward.parquet").to_pylist()}
     assert replayed == scores

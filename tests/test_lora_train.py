@@ -36,7 +36,8 @@ def runs(tiny_model_dir, ray_local, tmp_path_factory):
     from flows.replay import replay
 
     # Iteration 2 again from checkpoint 1: reference log-probs from the reloaded adapter's base, then the update.
-    replayed = replay("full", "reward", iteration=2, overrides=[f"store.root={root}"], run_id="full-replay")
+    named = f"reward.custom_function={root / 'hash_scorer.py'}:compute_score"  # a stored function is named again
+    replayed = replay("full", "reward", iteration=2, overrides=[f"store.root={root}", named], run_id="full-replay")
     return {"full": full, "resumed": resumed, "no_kl": no_kl, "replay": replayed}
 
 

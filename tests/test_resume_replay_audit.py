@@ -138,6 +138,10 @@ class Lab:
         base.update(extra)
         return [f"{k}={v}" for k, v in base.items()]
 
+    def named_reward(self) -> str:
+        """The reward function named on the command line again, as ``resume``/``replay`` require."""
+        return f"reward.custom_function={self.reward}:score"
+
     def cli(self, name: str, *args: str, fault: str | None = None, timeout: float = 900) -> Step:
         """Run ``python -m trajflow.cli ARGS``; after a SIGKILL, wait for its Ray processes to go."""
         mark = f"{name}-{uuid.uuid4().hex[:8]}"
@@ -224,21 +228,22 @@ def scenario_reference(lab: Lab) -> dict:
     """The uninterrupted run, then replays of it, then a replay request that must be refused."""
     store = lab.store("ref")
     root = f"store.root={store}"
+    fn = lab.named_reward()  # a run folder's reward function is imported only when named again
     out = {"store": store}
     out["train"] = lab.cli("ref-train", "train", *lab.overrides(store), "--run-id", "ref")
     out["replay_same"] = lab.cli("ref-replay-same", "replay", "ref", "--iteration", "2", "--from-stage", "reward",
-                                 root, "--run-id", "ref-same")
+                                 root, fn, "--run-id", "ref-same")
     out["replay_rloo"] = lab.cli("ref-replay-rloo", "replay", "ref", "--iteration", "2", "--from-stage", "advantage",
-                                 root, "algorithm.adv_estimator=rloo", "--run-id", "ref-rloo")
+                                 root, fn, "algorithm.adv_estimator=rloo", "--run-id", "ref-rloo")
     out["replay_all"] = lab.cli("ref-replay-all", "replay", "ref", "--iterations", "1:3", "--from-stage", "reward",
-                                root, "--run-id", "ref-all")
+                                root, fn, "--run-id", "ref-all")
     out["replay_bad"] = lab.cli("ref-replay-bad", "replay", "ref", "--iteration", "9", "--from-stage", "reward", root)
     # The same run without checkpoint 1: replaying iteration 2 from the advantages still works, the
     # update (which needs the policy that generated iteration 2) is skipped with a note.
     shutil.copytree(store / "ref", store / "refcut")
     shutil.rmtree(store / "refcut" / "checkpoints" / "000001")
     out["replay_cut"] = lab.cli("ref-replay-cut", "replay", "refcut", "--iteration", "2", "--from-stage", "advantage",
-                                root, "algorithm.adv_estimator=rloo", "trainer.test_freq=1", "--run-id", "refcut-rloo")
+                                root, fn, "algorithm.adv_estimator=rloo", "trainer.test_freq=1", "--run-id", "refcut-rloo")
     return out
 
 
@@ -246,16 +251,17 @@ def scenario_chain(lab: Lab) -> dict:
     """Kill the run at every fault point in turn, resuming in between (see the module docstring)."""
     store = lab.store("chain")
     root = f"store.root={store}"
+    fn = lab.named_reward()
     run = store / "k"
     out: dict = {"store": store, "steps": []}
     steps = out["steps"]
     steps.append(lab.cli("k1", "train", *lab.overrides(store, shared_ray=False, **{"trainer.max_checkpoints": 2}),
                          "--run-id", "k",
                          fault="rollout:1"))
-    steps.append(lab.cli("k2", "resume", "k", root, fault="after_reward:2"))
-    steps.append(lab.cli("k3", "resume", "k", root, fault="checkpoint:2"))
+    steps.append(lab.cli("k2", "resume", "k", root, fn, fault="after_reward:2"))
+    steps.append(lab.cli("k3", "resume", "k", root, fn, fault="checkpoint:2"))
     out["tmp_after_k3"] = sorted(p.name for p in (run / "checkpoints").iterdir())
-    steps.append(lab.cli("k4", "resume", "k", root, fault="update:3"))
+    steps.append(lab.cli("k4", "resume", "k", root, fn, fault="update:3"))
     out["tmp_after_k4"] = sorted(p.name for p in (run / "checkpoints").iterdir())
     it3 = run / "iterations" / "000003"
     out["it3_files_before"] = sorted(p.name for p in it3.iterdir())
@@ -265,7 +271,7 @@ def scenario_chain(lab: Lab) -> dict:
     out["corrupted"] = reward
     out["stat_before"] = {n: (os.stat(it3 / n).st_ino, os.stat(it3 / n).st_mtime_ns)
                           for n in ("rollout.parquet", "advantage.parquet")}
-    steps.append(lab.cli("k5", "resume", "k", root))
+    steps.append(lab.cli("k5", "resume", "k", root, fn))
     out["stat_after"] = {n: (os.stat(it3 / n).st_ino, os.stat(it3 / n).st_mtime_ns)
                          for n in ("rollout.parquet", "advantage.parquet")}
     return out
@@ -281,7 +287,7 @@ def scenario_epoch(lab: Lab) -> dict:
                            "--run-id", "ep")
     out["auto"] = lab.cli("ep2", "train", *lab.overrides(store, **ov, **{"trainer.total_iterations": 4}),
                           "trainer.run_id=ep", "trainer.resume=auto")
-    out["again"] = lab.cli("ep3", "resume", "ep", f"store.root={store}")
+    out["again"] = lab.cli("ep3", "resume", "ep", f"store.root={store}", lab.named_reward())
     out["unknown"] = lab.cli("ep4", "resume", "nope", f"store.root={store}")
     return out
 
