@@ -129,3 +129,31 @@ def _score(engine, prompt, continuation):
                                  VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False,
                                  **kw)
     return [float(step[t].logprob) for step, t in zip(req.prompt_logprobs[len(prompt):], continuation)]
+
+
+def test_rslora_adapter_is_scaled_by_alpha_over_sqrt_rank_in_vllm(lora_engine, vllm_model_dir):
+    """model.lora_use_rslora: the adapter_config.json the engine writes carries use_rslora, and vLLM scales
+    the adapter by alpha / sqrt(r) = 16 / sqrt(8) (Kalajdzievski 2023), as peft does in training, not by
+    plain LoRA's alpha / r = 2: vLLM's log-probs match the rsLoRA model and not the same tensors at alpha / r."""
+    from transformers import AutoModelForCausalLM
+
+    from trajflow.config import ModelConfig
+    from trajflow.modeling import lora
+
+    prompt, cont = PROMPTS[1], [28, 253, 1789, 30, 216, 2683]
+    models = {}
+    for rs in (True, False):
+        base = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype="float32").eval()
+        m = lora.apply_lora(base, ModelConfig(lora_rank=8, lora_alpha=16.0, lora_use_rslora=rs))
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.02)
+        models[rs] = m.eval()
+    rs_lp = teacher_forced(models[True], prompt, cont, 1.0)
+    plain_lp = teacher_forced(models[False], prompt, cont, 1.0)
+    assert (rs_lp - plain_lp).abs().mean() > 0.1  # the two scales really differ here
+    lora_engine.update_adapter(lora.adapter_state(models[True]), models[True].peft_config[lora.ADAPTER], version=11)
+    served = torch.tensor(_score(lora_engine, prompt, cont))
+    assert (served - rs_lp).abs().mean() < BF16_MEAN and (served - rs_lp).abs().max() < BF16_MAX, (served, rs_lp)
