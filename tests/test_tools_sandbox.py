@@ -319,9 +319,15 @@ def test_a_killed_supervisor_takes_the_tools_processes_with_it(monkeypatch):
     marker = f"trajflow-test-{uuid.uuid4().hex}"
     sb = _strict([_tool("hang", "spawn_and_hang", {"marker": {"type": "string"}}, timeout_s=30.0)])
     monkeypatch.setattr(sandbox, "SUPERVISOR_GRACE_S", -28.5)  # the caller gives up first, after 1.5 s
+    import glob
+    import tempfile
+
+    pattern = os.path.join(tempfile.gettempdir(), "trajflow-tool-*")
+    before = set(glob.glob(pattern))
     r = sb.call(ToolCall("hang", {"marker": marker}, ""))
     assert r.error == "crashed: the sandbox's supervisor did not answer in time", r.error
     assert _gone(marker) == []  # the supervisor's death reached the tool (parent-death signal, PID 1)
+    assert set(glob.glob(pattern)) - before == set()  # its temp directory was removed by the caller
 
 
 def test_answers_are_capped_in_characters_whatever_their_bytes():

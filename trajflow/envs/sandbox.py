@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from trajflow.envs.sandbox_worker import ENV_ALLOWED
+from trajflow.envs.sandbox_worker import ENV_ALLOWED, remove_leftovers
 from trajflow.envs.tools import Tool, check_arguments
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,7 @@ class Sandbox:
         proc = subprocess.Popen([sys.executable, "-m", "trajflow.envs.sandbox_worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self._supervisor_env,
                                 close_fds=True, start_new_session=True)
+        why: str | None = "did not start"
         try:
             try:
                 proc.stdin.write(request)
@@ -167,6 +168,8 @@ class Sandbox:
                 pass
             proc.wait()
             proc.stdout.close()
+            if why is not None or proc.returncode != 0:  # killed before it could clean up after itself
+                remove_leftovers(proc.pid)
         if why is not None:
             return "", f"crashed: the sandbox's supervisor {why}"
         try:

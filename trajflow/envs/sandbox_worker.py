@@ -103,38 +103,59 @@ def _write(path: str, text: str, dir_fd: int | None = None) -> None:
 
 # ------------------------------------------------------------------------------------ memory cgroup
 
-def make_cgroup(memory_mb: int) -> str | None:
-    """A fresh memory cgroup below this process's own, limited to ``memory_mb`` MiB (swap included
-    where the kernel accounts it), or ``None`` where none can be made (not root, no delegation)."""
+def _cgroup_parents() -> list[tuple[str, str]]:
+    """``(version, folder)`` of this process's memory cgroups (v2 where ``memory`` is delegated, v1)."""
     try:
         lines = open("/proc/self/cgroup").read().splitlines()
     except OSError:
-        return None
-    limit = str(int(memory_mb) * 1024 * 1024)
-    name = f"trajflow-tool-{os.getpid()}"
+        return []
+    out = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
+        if controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            out.append(("v2", "/sys/fs/cgroup" + path))
+        elif "memory" in controllers.split(","):
+            out.append(("v1", "/sys/fs/cgroup/memory" + path))
+    return out
+
+
+def _names(pid: int) -> str:
+    """The name of the cgroup and the temp directory of the supervisor ``pid``."""
+    return f"trajflow-tool-{pid}"
+
+
+def make_cgroup(memory_mb: int) -> str | None:
+    """A fresh memory cgroup below this process's own, limited to ``memory_mb`` MiB (swap included
+    where the kernel accounts it), or ``None`` where none can be made (not root, no delegation)."""
+    limit = str(int(memory_mb) * 1024 * 1024)
+    for version, parent in _cgroup_parents():
+        cg = os.path.join(parent, _names(os.getpid()))
         try:
-            if controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # v2
-                parent = "/sys/fs/cgroup" + path
+            if version == "v2":
                 if "memory" not in open(os.path.join(parent, "cgroup.subtree_control")).read().split():
                     continue
-                cg = os.path.join(parent, name)
                 os.mkdir(cg)
                 _write(os.path.join(cg, "memory.max"), limit)
                 if os.path.exists(os.path.join(cg, "memory.swap.max")):
                     _write(os.path.join(cg, "memory.swap.max"), "0")
                 return cg
-            if "memory" in controllers.split(","):  # v1
-                cg = os.path.join("/sys/fs/cgroup/memory" + path, name)
-                os.mkdir(cg)
-                _write(os.path.join(cg, "memory.limit_in_bytes"), limit)
-                if os.path.exists(os.path.join(cg, "memory.memsw.limit_in_bytes")):
-                    _write(os.path.join(cg, "memory.memsw.limit_in_bytes"), limit)
-                return cg
+            os.mkdir(cg)
+            _write(os.path.join(cg, "memory.limit_in_bytes"), limit)
+            if os.path.exists(os.path.join(cg, "memory.memsw.limit_in_bytes")):
+                _write(os.path.join(cg, "memory.memsw.limit_in_bytes"), limit)
+            return cg
         except OSError:
             continue
     return None
+
+
+def remove_leftovers(pid: int) -> None:
+    """Remove the cgroup and temp directory of the supervisor ``pid`` after it was killed (called by
+    its parent, which shares its cgroup; the tool's processes die with the supervisor)."""
+    shutil.rmtree(os.path.join(tempfile.gettempdir(), _names(pid)), ignore_errors=True)
+    for _, parent in _cgroup_parents():
+        if os.path.isdir(os.path.join(parent, _names(pid))):
+            remove_cgroup(os.path.join(parent, _names(pid)))
 
 
 def cgroup_oom_kills(cg: str) -> int:
@@ -485,7 +506,11 @@ def supervise(req: dict) -> dict:
     validated answer: ``{"status": "ok"|"error", "value", "length", "isolation", "missing"}``."""
     timeout, cap = float(req["timeout_s"]), 6 * int(req["max_chars"]) + 4096
     cgroup = make_cgroup(int(req["memory_mb"]))
-    fallback_tmp = tempfile.mkdtemp(prefix="trajflow-tool-")
+    try:  # named after this process, so that the caller can remove it should this process be killed
+        fallback_tmp = os.path.join(tempfile.gettempdir(), _names(os.getpid()))
+        os.mkdir(fallback_tmp, 0o700)
+    except OSError:  # taken (by anyone): a random name, then
+        fallback_tmp = tempfile.mkdtemp(prefix="trajflow-tool-")
     req["switch_user"] = os.geteuid() == 0 and _nobody_mapped()
     if req["switch_user"]:
         os.chown(fallback_tmp, NOBODY, NOBODY)
