@@ -60,8 +60,8 @@ MAGIC = b"TFSB"
 ENV_ALLOWED = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 DEVICES = ("null", "zero", "full", "random", "urandom")
-#: the four isolation items without which a sandbox is "weaker" (memory is reported, not required)
-REQUIRED = ("user", "net", "pid", "mount")
+#: the name of a supervisor's cgroup and temp directory, by its pid (for the caller to remove them)
+_NAME = "trajflow-tool-{}"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -119,17 +119,12 @@ def _cgroup_parents() -> list[tuple[str, str]]:
     return out
 
 
-def _names(pid: int) -> str:
-    """The name of the cgroup and the temp directory of the supervisor ``pid``."""
-    return f"trajflow-tool-{pid}"
-
-
 def make_cgroup(memory_mb: int) -> str | None:
     """A fresh memory cgroup below this process's own, limited to ``memory_mb`` MiB (swap included
     where the kernel accounts it), or ``None`` where none can be made (not root, no delegation)."""
     limit = str(int(memory_mb) * 1024 * 1024)
     for version, parent in _cgroup_parents():
-        cg = os.path.join(parent, _names(os.getpid()))
+        cg = os.path.join(parent, _NAME.format(os.getpid()))
         try:
             if version == "v2":
                 if "memory" not in open(os.path.join(parent, "cgroup.subtree_control")).read().split():
@@ -152,10 +147,10 @@ def make_cgroup(memory_mb: int) -> str | None:
 def remove_leftovers(pid: int) -> None:
     """Remove the cgroup and temp directory of the supervisor ``pid`` after it was killed (called by
     its parent, which shares its cgroup; the tool's processes die with the supervisor)."""
-    shutil.rmtree(os.path.join(tempfile.gettempdir(), _names(pid)), ignore_errors=True)
+    shutil.rmtree(os.path.join(tempfile.gettempdir(), _NAME.format(pid)), ignore_errors=True)
     for _, parent in _cgroup_parents():
-        if os.path.isdir(os.path.join(parent, _names(pid))):
-            remove_cgroup(os.path.join(parent, _names(pid)))
+        if os.path.isdir(os.path.join(parent, _NAME.format(pid))):
+            remove_cgroup(os.path.join(parent, _NAME.format(pid)))
 
 
 def cgroup_oom_kills(cg: str) -> int:
@@ -507,7 +502,7 @@ def supervise(req: dict) -> dict:
     timeout, cap = float(req["timeout_s"]), 6 * int(req["max_chars"]) + 4096
     cgroup = make_cgroup(int(req["memory_mb"]))
     try:  # named after this process, so that the caller can remove it should this process be killed
-        fallback_tmp = os.path.join(tempfile.gettempdir(), _names(os.getpid()))
+        fallback_tmp = os.path.join(tempfile.gettempdir(), _NAME.format(os.getpid()))
         os.mkdir(fallback_tmp, 0o700)
     except OSError:  # taken (by anyone): a random name, then
         fallback_tmp = tempfile.mkdtemp(prefix="trajflow-tool-")
