@@ -149,11 +149,13 @@ def test_rslora_adapter_is_scaled_by_alpha_over_sqrt_rank_in_vllm(lora_engine, v
         with torch.no_grad():
             for name, p in m.named_parameters():
                 if "lora_B" in name:
-                    p.normal_(0.0, 0.02)
+                    p.normal_(0.0, 0.03)
         models[rs] = m.eval()
     rs_lp = teacher_forced(models[True], prompt, cont, 1.0)
     plain_lp = teacher_forced(models[False], prompt, cont, 1.0)
-    assert (rs_lp - plain_lp).abs().mean() > 0.1  # the two scales really differ here
+    assert (rs_lp - plain_lp).abs().mean() > BF16_MEAN  # the two scales differ by more than bf16 noise
     lora_engine.update_adapter(lora.adapter_state(models[True]), models[True].peft_config[lora.ADAPTER], version=11)
     served = torch.tensor(_score(lora_engine, prompt, cont))
     assert (served - rs_lp).abs().mean() < BF16_MEAN and (served - rs_lp).abs().max() < BF16_MAX, (served, rs_lp)
+    # not plain LoRA's alpha / r: vLLM's log-probs are several times closer to the rsLoRA model's
+    assert (served - plain_lp).abs().mean() > 3 * (served - rs_lp).abs().mean(), (served, rs_lp, plain_lp)
