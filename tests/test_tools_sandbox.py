@@ -292,10 +292,10 @@ def test_a_grandchild_holding_the_pipe_neither_delays_nor_floods_the_caller(mega
 
 
 def _gone(marker: str) -> list[int]:
-    """The processes carrying ``marker`` that are still alive after up to 1 s (killed here, so that a
+    """The processes carrying ``marker`` that are still alive after up to 3 s (killed here, so that a
     failing sandbox leaves nothing behind)."""
     left = _processes_with(marker)
-    for _ in range(20):
+    for _ in range(60):
         if not left:
             break
         time.sleep(0.05)
