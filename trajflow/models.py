@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 from trajflow.errors import ModelLoadError
 
 
@@ -335,6 +335,25 @@ def prompt_lengths(tokenizer: Any, messages_list: list[list[dict]], prompt_forma
     else:
         ids, force = tokenizer([plain_prompt(m) for m in messages_list])["input_ids"], False
     return [len(_one_bos(tokenizer, list(row), force)) for row in ids]
+
+
+def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_prompt_length: int,
+                     prompt_format: str = "auto") -> list[list[int]]:
+    """Token ids of each chat prompt (:func:`chat_prompt_ids` in ``prompt_format``:
+    the tokenizer's chat template with the generation prompt added, the plain prompt format without
+    one, or the few-shot completion format for base models).
+
+    Raises:
+        ValueError: a prompt is longer than ``max_prompt_length`` tokens (names the row).
+    """
+    out = []
+    for i, messages in enumerate(messages_list):
+        ids = chat_prompt_ids(tokenizer, messages, prompt_format)
+        if len(ids) > max_prompt_length:
+            raise ValueError(f"prompt row {i} has {len(ids)} tokens, more than data.max_prompt_length="
+                             f"{max_prompt_length}")
+        out.append(ids)
+    return out
 
 
 def eos_token_ids(tokenizer: Any, model_config: Any | None = None, prompt_format: str = "auto") -> list[int]:

@@ -7,7 +7,7 @@ Prompts come from a prompt dataset such as ``datasets/basic_arithmetic_tool.yaml
 
 from __future__ import annotations
 
-from trajflow.envs.registry import ENVIRONMENTS, EnvContext, ToolEnvironment
+from trajflow.envs.base import ENVIRONMENTS, EnvContext, ToolEnvironment
 from trajflow.envs.tools import BUILTIN_TOOLS
 
 #: Added to the prompt's system message: how to call the tool, with one worked call (a worked

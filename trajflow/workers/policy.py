@@ -11,7 +11,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from trajflow.modeling import lora
 from trajflow.modeling.backends import LocalBackend, adamw
 from trajflow.modeling.forward import compute_log_probs
 from trajflow.modeling.precision import cast_buffers, section_dtype
-from trajflow.models import chat_prompt_ids, disable_dropout, eos_token_ids, load_causal_lm, load_tokenizer
+from trajflow.models import build_prompt_ids, disable_dropout, eos_token_ids, load_causal_lm, load_tokenizer
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
 from trajflow.workers.actor_update import PPOActor, StepCounters, max_tokens
 from trajflow.workers.base import Worker
@@ -37,25 +37,6 @@ from trajflow.workers.group import dispatch, free_address
 
 #: A LoRA checkpoint's weights: the adapter's tensors only.
 ADAPTER_FILE = "adapter.safetensors"
-
-
-def build_prompt_ids(tokenizer: Any, messages_list: Sequence[list[dict]], max_prompt_length: int,
-                     prompt_format: str = "auto") -> list[list[int]]:
-    """Token ids of each chat prompt (:func:`trajflow.models.chat_prompt_ids` in ``prompt_format``:
-    the tokenizer's chat template with the generation prompt added, the plain prompt format without
-    one, or the few-shot completion format for base models).
-
-    Raises:
-        ValueError: a prompt is longer than ``max_prompt_length`` tokens (names the row).
-    """
-    out = []
-    for i, messages in enumerate(messages_list):
-        ids = chat_prompt_ids(tokenizer, messages, prompt_format)
-        if len(ids) > max_prompt_length:
-            raise ValueError(f"prompt row {i} has {len(ids)} tokens, more than data.max_prompt_length="
-                             f"{max_prompt_length}")
-        out.append(ids)
-    return out
 
 
 class PolicyWorker(Worker):

@@ -81,9 +81,9 @@ class RolloutWorker(Worker):
 
     @dispatch("rank0")
     def tokenize_prompts(self, messages_list: list[list[dict]], max_prompt_length: int) -> list[list[int]]:
-        """Prompt token ids as the policy renders them (:func:`trajflow.workers.policy.build_prompt_ids`):
+        """Prompt token ids as the policy renders them (:func:`trajflow.models.build_prompt_ids`):
         an overlapped rollout tokenizes here, not on the policy workers, which are training."""
-        from trajflow.workers.policy import build_prompt_ids
+        from trajflow.models import build_prompt_ids
 
         return build_prompt_ids(self.tokenizer, messages_list, max_prompt_length, self.prompt_format)
 
