@@ -110,13 +110,9 @@ def recheck_run(store_root: str, run_id: str, iteration: int | None = None,
             its.append(it)
         else:
             skipped.append((it, problem))
-    from trajflow.errors import ConfigError
-    from trajflow.gates.suite import load_suite, suite_policies
+    from trajflow.gates.suite import check_suite
 
-    try:  # the suite (maybe a new one from --suite) is parsed once here, not inside the first iteration
-        suite_policies(load_suite(cfg.gates.suite), dict(cfg.gates.policies))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_suite(cfg.gates.suite, cfg.gates.policies)  # the suite (maybe a new one from --suite), parsed once here
     settings = dataclasses.replace(OmegaConf.to_object(cfg.gates), enabled=True)  # cfg stays read-only
     out, history = [], []
     for it in its:

@@ -176,3 +176,22 @@ def suite_policies(spec: SuiteSpec, overrides: Mapping[str, str]) -> dict[str, s
                 "table, or summary expectations with meta.quarantine, can quarantine); use fail "
                 "or warn")
     return out
+
+
+def check_suite(suite: Optional[str], policies: Mapping[str, str]) -> None:
+    """Parse the suite file ``suite`` (``gates.suite``; None = the default) with ``policies``
+    (``gates.policies``) as a run would: the check the preflight and ``trajflow gate`` make before
+    any iteration is validated.
+
+    Raises:
+        trajflow.errors.ConfigError: the suite cannot be read or parsed, or a policy does not fit it
+            (:func:`suite_policies`); one line naming the file or key.
+    """
+    from trajflow.errors import ConfigError
+
+    try:
+        suite_policies(load_suite(suite), dict(policies))
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -211,14 +211,9 @@ def check_reward_and_gates(cfg: DictConfig) -> None:
                               f"reward.custom_function={cfg.reward.custom_function!r}: importing it raised "
                               f"{type(e).__name__}: {e}") from None
     if cfg.gates.enabled:
-        from trajflow.gates.suite import load_suite, suite_policies
+        from trajflow.gates.suite import check_suite
 
-        try:
-            suite_policies(load_suite(cfg.gates.suite), dict(cfg.gates.policies))
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        check_suite(cfg.gates.suite, cfg.gates.policies)
 
 
 def check_model_weights(model_dir: Path) -> None:
