@@ -139,7 +139,7 @@ class VLLMRolloutEngine(RolloutEngine):
         rollout: the ``rollout`` config section (``gpu_memory_utilization``).
         model_cfg: the ``model`` config section (``dtype``).
         eos_ids: token ids that end a response (vLLM stops on all of them).
-        seed: engine seed; each prompt's sampling seed is ``params.seed + prompt index``.
+        seed: engine seed; prompt ``i``'s sample ``j`` is drawn with seed ``params.seed + i * n + j``.
         colocated: the engine shares its GPU with training: it sleeps between rollouts.
         lora_rank: ``model.lora_rank``; > 0 turns on vLLM's LoRA support for :meth:`update_adapter`.
         enforce_eager: run the model eagerly (no torch.compile / CUDA graphs): faster start-up, slower decoding.
