@@ -30,7 +30,7 @@ from stages.critic_update import critic_batch
 from stages.policy_update import update_batch, update_batch_options, with_loss_mask
 from stages.reward import final_scores, reward_table
 from stages.rollout import rollout_table, rollout_temperature, sampling_params, with_sampling_columns
-from stages.staleness import row_staleness, staleness_metrics
+from stages.staleness import check_staleness, row_staleness, staleness_metrics
 from stages.seeds import Salt, iteration_seed
 from trajflow.batch import join_stages, lengths, trainable_lengths
 from trajflow.errors import NonFiniteError
@@ -317,6 +317,7 @@ def advantage_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: 
     if s.trainer_version is not None:  # off-policy rows: how far behind the trainer each one is
         versions = dict(zip(joined.column("sample_id").to_pylist(), joined.column("policy_version").to_pylist()))
         stale = row_staleness([versions[sid] for sid in out.column("sample_id").to_pylist()], s.trainer_version)
+        check_staleness(stale, ctx.cfg.trainer.max_staleness, iteration)  # at use, whatever the submission assumed
         out = out.append_column("staleness", pa.array(stale, pa.int64()))
     return ctx.store.write_stage(iteration, Stage.ADVANTAGE.value, out, ctx.policy_version, inputs=inputs)
 

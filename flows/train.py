@@ -97,15 +97,18 @@ def _train_overlapped(ctx, stage, run_id: str) -> None:
     planned = ctx.policy_version  # the version on the rollout workers once every submitted rollout began
     ahead: deque = deque()  # (iteration, future, data cursor before its draw), oldest first
 
-    def submit_next(it_now: int) -> None:
-        """Begin the next iteration that is not gated and submit its rollout behind those in flight."""
+    def submit_next(it_now: int, update_pending: bool) -> None:
+        """Begin the next iteration that is not gated and submit its rollout behind those in flight
+        (``update_pending``: the update of ``it_now``, whose rollout is no longer in ``ahead``, is still to run)."""
         nonlocal planned
         cursor = ctx.sampler.state_dict()
         for it in todo:
             prompts = ctx.sampler.next_batch()  # the data cursor moves past gated iterations too
             if run.was_gated(ctx, it):
                 continue
-            version = run.behaviour_version(ctx, it, ctx.policy_version)
+            # The update that uses this rollout comes after one update per rollout ahead of it.
+            at_use = ctx.policy_version + len(ahead) + int(update_pending)
+            version = run.behaviour_version(ctx, it, ctx.policy_version, at_use)
             state = run.begin_iteration(ctx, it, prompts, behaviour_version=version)
             if version == ctx.policy_version and version != planned:
                 _, state.behaviour_weights = run.snapshot_rollout_weights(ctx, it_now)
@@ -123,12 +126,12 @@ def _train_overlapped(ctx, stage, run_id: str) -> None:
             planned = run.sync_rollout_weights(ctx, it)
 
     for _ in range(lag):
-        submit_next(ctx.state.start_iteration)
+        submit_next(ctx.state.start_iteration, update_pending=False)
     try:
         while ahead:
             it, future, _ = ahead.popleft()
             rollout = future.result()
-            submit_next(it)  # overlaps this iteration's reward, gate, advantage and update
+            submit_next(it, update_pending=True)  # overlaps this iteration's reward, gate, advantage and update
             reward = stage.reward(run_id, it, rollout)
             gate = stage.gate(run_id, it, rollout, reward)
             advantage = stage.advantage(run_id, it, rollout, reward, gate)

@@ -19,7 +19,9 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["row_staleness", "staleness_metrics"]
+from trajflow.errors import DataError
+
+__all__ = ["check_staleness", "row_staleness", "staleness_metrics"]
 
 
 def row_staleness(policy_versions: Sequence[int] | np.ndarray, trainer_version: int) -> np.ndarray:
@@ -41,6 +43,26 @@ def row_staleness(policy_versions: Sequence[int] | np.ndarray, trainer_version: 
         bad = int(np.argmin(s))
         raise ValueError(f"row {bad} has policy_version {int(v[bad])}, newer than the trainer's {int(trainer_version)}")
     return s
+
+
+def check_staleness(staleness: Sequence[int] | np.ndarray, max_staleness: int, iteration: int) -> None:
+    """Refuse rows staler than ``trainer.max_staleness`` where they are used (the update's version),
+    not where their rollout was submitted: a stored rollout reused after a resume could otherwise be
+    trained up to twice the limit behind.
+
+    Args:
+        staleness: ``(rows,)`` from :func:`row_staleness` at the update that uses the rows.
+        max_staleness: ``trainer.max_staleness``.
+        iteration: the iteration whose rows these are (named in the error).
+
+    Raises:
+        DataError: one line naming the iteration, the staleness found, the limit and the remedy.
+    """
+    s = np.asarray(staleness, dtype=np.int64).reshape(-1)
+    if s.size and int(s.max()) > int(max_staleness):
+        raise DataError(f"iteration {iteration}: rows generated {int(s.max())} policy versions behind the update "
+                        f"that would use them, more than trainer.max_staleness={int(max_staleness)}; they are not "
+                        f"trained on (resume regenerates a stored rollout that is too old)")
 
 
 def staleness_metrics(staleness: Sequence[int] | np.ndarray) -> dict[str, float]:
