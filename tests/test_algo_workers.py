@@ -250,3 +250,20 @@ def test_dr_grpo_normaliser_is_the_response_cap_for_every_micro_batch(tiny_model
     m = worker.update_actor(UpdateBatch(UpdateRows(PROMPTS, RESPONSES, old, ADV)))
     # ratio 1: sum_i sum_t (-A_it) / H / N with H = 16 and N = 3 rows
     assert m["actor/pg_loss"] == pytest.approx(-sum(map(sum, ADV)) / 16 / 3, rel=1e-5)
+
+
+def test_critic_metrics_are_token_means_across_mini_batches(tiny_model_dir):
+    """lr = 0: both optimizer steps see the same critic. Mini-batches of 2 and 1 rows hold 6 and 1
+    tokens, so ``critic/vpred_mean`` must be the mean over all 7 tokens of the predicted values, by
+    hand from compute_values, not the mean of the two steps' means."""
+    from trajflow.workers.critic import CriticWorker
+
+    worker = CriticWorker(str(tiny_model_dir), CriticConfig(**{**CRITIC_CFG, "lr": 0.0}), MODEL_CFG, "cpu", 1)
+    with torch.no_grad():
+        worker.model.value_head.weight.copy_(torch.linspace(-1, 1, worker.model.value_head.weight.numel()).reshape(1, -1))
+        worker.model.value_head.bias.fill_(0.3)
+    vals = worker.compute_values(PROMPTS, RESPONSES)
+    want = float(np.concatenate(vals).astype(np.float64).mean())
+    m = worker.update_critic(_critic_batch([v.tolist() for v in vals], [[0.0] * len(r) for r in RESPONSES],
+                                           mini_batch_rows=2))
+    assert m["critic/vpred_mean"] == pytest.approx(want, rel=1e-5)

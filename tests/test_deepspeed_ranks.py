@@ -178,3 +178,49 @@ def test_a_non_finite_gradient_skips_the_step_on_every_rank(ray_local, tiny_mode
     else:  # bf16 compute (DeepSpeed's bf16 optimizer): the second step was taken
         assert np.isfinite(m["actor/grad_norm"])
         assert max(float(np.abs(w[k] - one_rank["w0"][k]).max()) for k in w) > 1e-4
+
+
+def metric_batch(worker) -> tuple[UpdateBatch, dict]:
+    """Rows of uneven lengths whose engine log-probs are the trainer's plus a known offset per row,
+    cut into 2 mini-batches (4 + 3 rows) of 2-row micro-batches; and the token-level metrics by hand.
+
+    With lr = 0 the weights never move, so every step sees the initial policy and the token means
+    over the whole update are plain token means over all rows: ``actor/rollout_logprob_diff`` =
+    sum_r n_r |d_r| / sum_r n_r and ``actor/entropy`` = the mean over all response tokens of
+    -sum_v p log p under the initial model (a plain Hugging Face forward)."""
+    import torch
+
+    rng = np.random.default_rng(7)
+    lengths = [9, 1, 2, 8, 1, 7, 3]
+    prompts = [rng.integers(10, 2000, size=4).tolist() for _ in lengths]
+    resps = [rng.integers(10, 2000, size=n).tolist() for n in lengths]
+    trainer = worker.compute_log_prob(prompts, resps, 1.0)
+    offsets = [0.05 * (i + 1) * (-1) ** i for i in range(len(lengths))]
+    rollout = [(x + d).tolist() for x, d in zip(trainer, offsets)]
+    rows = UpdateRows(prompts, resps, rollout, [[0.5 * (-1) ** i] * n for i, n in enumerate(lengths)])
+    diff = sum(n * abs(d) for n, d in zip(lengths, offsets)) / sum(lengths)
+    ent = []
+    with torch.no_grad():
+        for p, r in zip(prompts, resps):
+            logits = worker.model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1].double()
+            lp = torch.log_softmax(logits, -1)
+            ent.extend((-(lp.exp() * lp).sum(-1)).tolist())
+    return UpdateBatch(rows, UpdateSettings(mini_batch_rows=4)), {"actor/rollout_logprob_diff": diff,
+                                                                   "actor/entropy": float(np.mean(ent))}
+
+
+def test_token_metrics_are_token_means_across_micro_batches_mini_batches_and_ranks(ray_local, tiny_model_dir):
+    from trajflow.workers.policy import PolicyWorker
+
+    w = PolicyWorker(str(tiny_model_dir), ActorConfig(**{**ACTOR, "lr": 0.0}), MODEL, ROLLOUT, seed=0, num_threads=1)
+    batch, want = metric_batch(w)
+    one = w.update_actor(batch)
+    for key, value in want.items():
+        assert one[key] == pytest.approx(value, rel=1e-5), key
+    group = spawn_ds(tiny_model_dir, zero_stage=2, lr=0.0)
+    try:
+        two = group.execute("update_actor", batch)
+    finally:
+        group.kill()
+    for key, value in want.items():  # 2 ranks, each with its own uneven share of every mini-batch
+        assert two[key] == pytest.approx(value, rel=1e-5), key

@@ -49,13 +49,21 @@ class StepCounters:
     nonfinite_in_a_row: int = 0
 
 
+#: Metrics that are one value per optimizer step (averaged over steps, not weighted by tokens).
+STEP_METRICS = frozenset({"actor/grad_norm", "actor/kl_coef"})
+#: Rank-additive parts of actor/rollout_logprob_diff, combined after the ranks' metrics are.
+_DIFF_SUM, _DIFF_TOKENS = "_rollout_logprob_diff/sum", "_rollout_logprob_diff/tokens"
+
+
 @dataclass
 class UpdateState:
     """What one :meth:`PPOActor.update` call collects across its micro-batches."""
 
     old_logprobs: list[np.ndarray] | None  # the proximal policy's: the trainer's before the update (None: fully on-policy)
     temperature: float  # the rows' sampling temperature: every log-prob of the update is computed at it
-    diffs: list[float] = field(default_factory=list)  # |old - rollout| log-prob per micro-batch
+    diff_sum: float = 0.0  # sum of |old - rollout| log-prob over the tokens that count (epoch 0, this rank)
+    diff_tokens: float = 0.0  # how many tokens that sum is over
+    step_tokens: float = 0.0  # the tokens (all ranks) of the last optimizer step's mini-batch
     is_rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)  # rollout-IS inputs
     first_step_ratio_dev: float | None = None
     nonfinite_steps: int = 0  # optimizer steps skipped because the gradient norm was not finite
@@ -136,21 +144,35 @@ class PPOActor:
             old_logprobs = self.compute_log_prob(rows.prompt_ids, rows.response_ids, temperature)
             sums["timing_s/old_log_prob"] = [time.perf_counter() - t_old]
         state = UpdateState(old_logprobs, temperature)
+        weighted: dict[str, float] = {}  # sum over steps of value * the step's tokens (all ranks)
+        all_steps_tokens = 0.0  # the same on every rank, also where a rank had no rows in a step
         self.model.train()
         for epoch in range(self.actor.ppo_epochs):
             order = rng.permutation(n_rows) if self.actor.shuffle else np.arange(n_rows)
             for m0 in range(0, n_rows, mini_rows):
                 step = self._mini_batch_step(batch, order[m0:m0 + mini_rows], epoch, loss_cfg, state)
+                if step is not None:
+                    all_steps_tokens += state.step_tokens
                 for k, v in (step or {}).items():
                     sums.setdefault(k, []).append(v)
+                    weighted[k] = weighted.get(k, 0.0) + float(v) * state.step_tokens
         train_s = time.perf_counter() - t0 - sum(sums.get("timing_s/old_log_prob", []))
         self.backend.zero_grad()
+        # Token-level metrics are token means over the whole update: each step's value is already a
+        # token mean over its mini-batch (micro-batches weighted by their tokens, ranks adding their
+        # shares), and steps are weighted by their mini-batch's tokens, the same on every rank, so the
+        # weighted mean stays additive across ranks. Per-step values (grad norm, KL coefficient) are
+        # plain means over the steps.
+        means_of_steps = {k: weighted[k] / all_steps_tokens if k in weighted and k not in STEP_METRICS
+                          and all_steps_tokens > 0 else float(np.mean(v)) for k, v in sums.items()}
         # verl's training/rollout_probs_diff (actor/rollout_logprob_diff): how far the engine's
-        # log-probs are from the trainer's, averaged over micro-batches (of every rank).
+        # log-probs are from the trainer's, a mean over every counted token of every rank.
+        means_of_steps.update({_DIFF_SUM: state.diff_sum, _DIFF_TOKENS: state.diff_tokens})
         metrics = self.backend.reduce_metrics(
-            {k: float(np.mean(v)) for k, v in sums.items()},
-            maxima={"actor/ratio_first_step_max_abs_dev": float(state.first_step_ratio_dev or 0.0)},
-            means={"actor/rollout_logprob_diff": state.diffs})
+            means_of_steps, maxima={"actor/ratio_first_step_max_abs_dev": float(state.first_step_ratio_dev or 0.0)})
+        diff_sum, diff_tokens = metrics.pop(_DIFF_SUM), metrics.pop(_DIFF_TOKENS)
+        if diff_tokens > 0:
+            metrics["actor/rollout_logprob_diff"] = diff_sum / diff_tokens
         metrics["actor/lr"] = self.backend.lr()
         peak = settings.peak_tflops or device_peak_tflops(self.device)
         if peak and train_s > 0:  # PaLM's model FLOPs utilisation of the update (trajflow.modeling.flops)
@@ -174,6 +196,7 @@ class PPOActor:
         global_seqs = float(sum(1 for m in masks if m.sum() > 0))
         if global_tokens == 0:
             return None
+        state.step_tokens = global_tokens
         self.backend.zero_grad()
         step: dict[str, float] = {}
         tokens = [len(rows.prompt_ids[r]) + len(rows.response_ids[r]) for r in mini]
@@ -214,7 +237,8 @@ class PPOActor:
             # tool/environment tokens, so engine and trainer are compared on the masked tokens only.
             m = packed.response_mask & (mask > 0)
             if epoch == 0:
-                state.diffs.append(float(((old - rollout_lp).abs() * m).sum() / m.sum().clamp(min=1)))
+                state.diff_sum += float(((old - rollout_lp).abs() * m).sum())
+                state.diff_tokens += float(m.sum())
             if settings.rollout_is:  # truncated IS: min(pi_old / pi_rollout, C), a constant weight
                 is_w, _ = rollout_is_weights(old, rollout_lp, m, settings.rollout_is,
                                              float(settings.rollout_is_threshold))

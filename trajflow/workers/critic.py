@@ -155,6 +155,7 @@ class CriticWorker(Worker):
         ev = self._explained_variance(rows, row_mask)
         self.model.train()
         sums: dict[str, list[float]] = {}
+        step_tokens: list[float] = []  # each optimizer step's token count
         for _ in range(int(c.ppo_epochs)):
             order = rng.permutation(n_rows) if settings.shuffle else np.arange(n_rows)
             for m0 in range(0, n_rows, mini_rows):
@@ -190,10 +191,14 @@ class CriticWorker(Worker):
                     self.optimizer.step()
                     self.optimizer_steps += 1
                 step["critic/grad_norm"] = gn
+                step_tokens.append(global_tokens)
                 for k, v in step.items():
                     sums.setdefault(k, []).append(v)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {k: float(np.mean(v)) for k, v in sums.items()}
+        # Token means over the whole update: each step's value is a token mean of its mini-batch, and
+        # steps weigh by their tokens; the gradient norm is one value per step (a plain mean).
+        metrics = {k: float(np.mean(v)) if k == "critic/grad_norm" else float(np.average(v, weights=step_tokens))
+                   for k, v in sums.items()}
         metrics["critic/vf_explained_var"] = ev
         metrics["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["timing_s/update_critic"] = time.perf_counter() - t0
