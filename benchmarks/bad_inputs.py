@@ -93,6 +93,12 @@ def _forge_manifest(run_dir: Path) -> None:
     (d / "manifest.json").write_text(json.dumps({"files": files}))
 
 
+def _lock_folder(run_dir: Path) -> None:
+    """The run's lock file replaced by a folder of that name."""
+    (run_dir / ".lock").unlink(missing_ok=True)
+    (run_dir / ".lock").mkdir()
+
+
 def _plant(run_dir: Path, key: str, value: str) -> None:
     """Point ``key`` of the stored config at code of someone else's (``a.b.c``)."""
     import yaml
@@ -299,7 +305,7 @@ def cases(tmp: Path, model: Path, store: Path, run: str) -> list[Case]:
              ["resume", run, f"store.root={_tampered(store, run, tmp, 'meta', lambda d: (d / 'run.json').write_text('{x'))}"],
              ["run.json"]),
         Case("resume/lock is a folder",
-             ["resume", run, f"store.root={_tampered(store, run, tmp, 'lockdir', lambda d: (d / '.lock').mkdir())}"],
+             ["resume", run, f"store.root={_tampered(store, run, tmp, 'lockdir', _lock_folder)}"],
              [".lock"]),
         Case("audit/run id with a newline", ["audit", "a\nb", "--store", str(store)], ["control character"]),
         *[Case(f"{cmd}/planted {what}", [*args(_tampered(store, run, tmp, f"plant-{cmd}-{what}",
