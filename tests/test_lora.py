@@ -329,3 +329,22 @@ def test_rslora_scale_is_alpha_over_sqrt_rank_in_merge_and_export(tiny_model_dir
                          seed=0, num_threads=1)
     again.load_checkpoint(str(ckpt))
     assert again.weights_digest() == worker.weights_digest()
+
+
+def test_a_checkpoint_trained_with_another_alpha_is_refused(tiny_model_dir, tmp_path):
+    """Same rank and targets, lora_alpha 8 vs 16: the adapter's tensors would load and compute a
+    policy scaled twice as much (s = alpha / r = 2 vs 4), so the checkpoint is refused in one line."""
+    import dataclasses
+    import json
+
+    from trajflow.workers.policy import PolicyWorker
+
+    w = _worker(tiny_model_dir)
+    w.save_checkpoint(str(tmp_path / "actor"))
+    state = json.loads((tmp_path / "actor" / "actor_state.json").read_text())
+    assert (state["lora_alpha"], state["lora_use_rslora"], state["lora_scaling"]) == (8.0, False, 2.0)
+    other = PolicyWorker(str(tiny_model_dir), ActorConfig(**ACTOR), dataclasses.replace(LORA, lora_alpha=16.0),
+                         RolloutConfig(micro_batch_size=4), seed=0, num_threads=1)
+    with pytest.raises(RuntimeError, match=r"model.lora_alpha=8.0, this run has model.lora_alpha=16.0") as e:
+        other.load_checkpoint(str(tmp_path / "actor"))
+    assert "\n" not in str(e.value)
