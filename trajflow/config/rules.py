@@ -275,13 +275,14 @@ def _check_precision(cfg: DictConfig, source: str) -> None:
     for key in PRECISION_SECTIONS:
         mp = _section_node(cfg, key).mixed_precision
         deepspeed = key == "actor" and cfg.actor.strategy == "deepspeed"
+        data_parallel = key == "actor" and cfg.actor.strategy in ("deepspeed", "fsdp2")
         if mp.param_dtype == "float16" and key in ("actor", "critic") and not deepspeed:
             raise ConfigError(f"{source}: {key}.mixed_precision.param_dtype='float16' needs loss scaling, which only "
                               f"actor.strategy=deepspeed has; use bfloat16 (same range as float32, no scaling) or "
                               f"float32")
-        if mp.reduce_dtype != "float32" and not deepspeed:
+        if mp.reduce_dtype != "float32" and not data_parallel:
             raise ConfigError(f"{source}: {key}.mixed_precision.reduce_dtype={mp.reduce_dtype!r} needs a "
-                              f"data-parallel reduction (actor.strategy=deepspeed); the one-process backend's "
+                              f"data-parallel reduction (actor.strategy=deepspeed or fsdp2); the one-process backend's "
                               f"gradients are float32: set {key}.mixed_precision.reduce_dtype=float32")
     if cfg.actor.strategy == "deepspeed" and cfg.actor.mixed_precision.param_dtype == "float16" \
             and cfg.actor.mixed_precision.reduce_dtype == "bfloat16":

@@ -256,6 +256,20 @@ class AlgorithmConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """FSDP2 settings of a role trained with ``strategy=fsdp2`` (verl's ``fsdp_config``)."""
+
+    reshard_after_forward: bool = _f(True, "free each layer's gathered parameters after its forward and gather them "
+                                     "again for the backward (ZeRO-3-like memory); false keeps them from forward to "
+                                     "backward (ZeRO-2-like: one all-gather per layer and micro-batch less)")
+    offload_params: bool = _f(False, "keep the sharded parameters, gradients and optimizer state in CPU memory "
+                              "(torch CPUOffloadPolicy); the optimizer step runs on the CPU")
+    fsdp_size: int = _f(-1, "ranks each parameter is sharded over; -1 = all of world_size; a divisor of "
+                        "world_size gives hybrid sharding (HSDP): a 2-D mesh of world_size/fsdp_size replicas "
+                        "(across nodes) x fsdp_size shards (within a node)", ge=-1)
+
+
+@dataclass
 class ActorConfig:
     """Policy optimisation (PPO-style)."""
 
@@ -287,14 +301,16 @@ class ActorConfig:
     kl_loss_type: str = _f("low_var_kl+", "KL estimator for the loss (default: k3's value, k2's unbiased gradient; "
                            "verl's default low_var_kl has a biased gradient)", choices_from="kl")
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", ge=0.0)
-    strategy: str = _f("none", "training backend: none (one process, torch AdamW) or deepspeed (ZeRO data "
-                       "parallel over actor.world_size ranks)", choices=["none", "deepspeed"])
+    strategy: str = _f("none", "training backend: none (one process, torch AdamW), deepspeed (ZeRO data "
+                       "parallel over actor.world_size ranks) or fsdp2 (torch fully_shard over actor.world_size "
+                       "ranks; actor.fsdp)", choices=["none", "deepspeed", "fsdp2"])
     zero_stage: int = _f(0, "DeepSpeed ZeRO stage: 0 (plain data parallel), 1 (optimizer states), "
                          "2 (+ gradients) or 3 (+ parameters) sharded across ranks", ge=0, le=3)
-    world_size: int = _f(1, "data-parallel ranks of the policy (> 1 needs actor.strategy=deepspeed)", ge=1)
+    world_size: int = _f(1, "data-parallel ranks of the policy (> 1 needs actor.strategy=deepspeed or fsdp2)", ge=1)
     pool: str = _f("default", "resource pool of the policy workers (resources.pools; 'default' = the "
                    "implicit pool when none are declared)")
     mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig)
+    fsdp: FSDPConfig = _section(FSDPConfig)
 
 
 @dataclass

@@ -131,9 +131,13 @@ def validate_resources(cfg: Any, source: str = "config") -> None:
     """
     pools = parse_pools(cfg.resources.pools)
     a = cfg.actor
-    if a.world_size > 1 and a.strategy != "deepspeed":
-        raise ConfigError(f"{source}: actor.world_size={a.world_size} needs actor.strategy='deepspeed' "
-                          f"(got {a.strategy!r}): data-parallel updates run through DeepSpeed")
+    if a.world_size > 1 and a.strategy not in ("deepspeed", "fsdp2"):
+        raise ConfigError(f"{source}: actor.world_size={a.world_size} needs actor.strategy='deepspeed' or 'fsdp2' "
+                          f"(got {a.strategy!r}): data-parallel updates run through DeepSpeed or FSDP2")
+    fsdp_size = int(a.fsdp.fsdp_size)
+    if a.strategy == "fsdp2" and (fsdp_size == 0 or (fsdp_size > 0 and a.world_size % fsdp_size)):
+        raise ConfigError(f"{source}: actor.fsdp.fsdp_size={fsdp_size} must be -1 (all ranks) or a divisor of "
+                          f"actor.world_size={a.world_size} (the shard group of hybrid sharding)")
     if a.strategy != "deepspeed" and a.zero_stage:
         raise ConfigError(f"{source}: actor.zero_stage={a.zero_stage} needs actor.strategy='deepspeed'")
     mini_rows = a.ppo_mini_batch_size * cfg.rollout.n

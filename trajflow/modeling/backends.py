@@ -135,6 +135,12 @@ class LocalBackend:
 
         return contextlib.nullcontext()
 
+    def inference(self):
+        """Context for forwards outside the training step (generation, log-probs): nothing to do here."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def gather_rows(self, rows: dict) -> dict:
         """Per-row values keyed by row id, from every rank (one process: the same dict)."""
         return rows
@@ -308,7 +314,91 @@ class PackedLogProbs(torch.nn.Module):
         return forward_micro_batch(self.model, packed, temperature, compute_entropy, entropy_grad=entropy_grad)
 
 
-class DeepSpeedBackend:
+class DataParallel:
+    """What the data-parallel backends (:class:`DeepSpeedBackend`, :class:`trajflow.modeling.fsdp.FSDP2Backend`)
+    share: this rank's micro-batches of a mini-batch and the combination of the ranks' metrics and rows.
+
+    Attributes:
+        rank: this rank.
+        world_size: number of data-parallel ranks.
+    """
+
+    distributed = True
+    rank: int = 0
+    world_size: int = 1
+
+    def inference(self):
+        """Context for forwards outside the training step (generation, log-probs); the parameters'
+        own hooks gather what they need, so nothing to do by default."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def micro_batches(self, mini: Sequence[int], split: Callable[[list[int]], list[list[int]]],
+                      weights: Sequence[float]) -> list[tuple[list[int], bool]]:
+        """This rank's ``(rows, live)`` micro-batches of a mini-batch; equally many on every rank.
+
+        Args:
+            mini: the mini-batch's row ids (all ranks pass the same).
+            split: row ids -> micro-batches of consecutive row ids (fixed size or token budget).
+            weights: weight (tokens) of each entry of ``mini``.
+        """
+        parts = balanced_partition(list(weights), self.world_size, equal_size=True)
+        # Every rank cuts every rank's share (all see the whole batch), so all agree on the count.
+        chunks = [split([int(mini[i]) for i in p]) for p in parts]
+        mine = [int(mini[i]) for i in parts[self.rank]]
+        count = max(len(c) for c in chunks)
+        out = []
+        for i in range(count):
+            rows = chunks[self.rank][i] if i < len(chunks[self.rank]) else []
+            # A rank with fewer rows runs a zero-weighted copy so the collectives line up.
+            out.append((rows, True) if rows else ([mine[0] if mine else int(mini[0])], False))
+        return out
+
+    def reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float],
+                       means: dict[str, list[float]] | None = None) -> dict[str, float]:
+        """Combine the ranks' metrics.
+
+        Args:
+            sums: per-step sums over this rank's rows (with global denominators they add up across
+                ranks), except :data:`NON_ADDITIVE` keys (the same on every rank: rank 0's is kept)
+                and ``timing_s/*`` (the slowest rank's).
+            maxima: per-rank maxima (the maximum over ranks is kept).
+            means: per-rank lists of values; the mean over all ranks' values is kept.
+        """
+        import torch.distributed as dist
+
+        means = means or {}
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, (sums, maxima, means))
+        out = dict(sums)
+        for key in set().union(*(s for s, _, _ in everyone)):
+            values = [s[key] for s, _, _ in everyone if key in s]
+            if key.startswith("timing_s/"):
+                out[key] = float(max(values))
+            elif key not in NON_ADDITIVE:
+                out[key] = float(sum(values))
+        for key in maxima:
+            out[key] = float(max(m[key] for _, m, _ in everyone if key in m))
+        for key in means:
+            values = [v for _, _, m in everyone for v in m.get(key, [])]
+            if values:
+                out[key] = float(np.mean(values))
+        return out
+
+    def gather_rows(self, rows: dict) -> dict:
+        """Per-row values keyed by row id, merged from every rank (a collective)."""
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, rows)
+        merged: dict = {}
+        for part in everyone:
+            merged.update(part)
+        return merged
+
+
+class DeepSpeedBackend(DataParallel):
     """DeepSpeed ZeRO data parallel over ``world_size`` ranks.
 
     Exactness with the single-process update rests on three facts:
@@ -343,8 +433,6 @@ class DeepSpeedBackend:
         world_size: number of ranks.
     """
 
-    distributed = True
-
     def __init__(self, model: torch.nn.Module, actor: ActorConfig, device: str, rank: int,
                  world_size: int) -> None:
         from trajflow.infra.devices import collective_backend
@@ -376,27 +464,6 @@ class DeepSpeedBackend:
                 entropy_grad: bool = False):
         """Training forward through the DeepSpeed engine (see :class:`PackedLogProbs`)."""
         return self.engine(packed, temperature, compute_entropy, entropy_grad)
-
-    def micro_batches(self, mini: Sequence[int], split: Callable[[list[int]], list[list[int]]],
-                      weights: Sequence[float]) -> list[tuple[list[int], bool]]:
-        """This rank's ``(rows, live)`` micro-batches of a mini-batch; equally many on every rank.
-
-        Args:
-            mini: the mini-batch's row ids (all ranks pass the same).
-            split: row ids -> micro-batches of consecutive row ids (fixed size or token budget).
-            weights: weight (tokens) of each entry of ``mini``.
-        """
-        parts = balanced_partition(list(weights), self.world_size, equal_size=True)
-        # Every rank cuts every rank's share (all see the whole batch), so all agree on the count.
-        chunks = [split([int(mini[i]) for i in p]) for p in parts]
-        mine = [int(mini[i]) for i in parts[self.rank]]
-        count = max(len(c) for c in chunks)
-        out = []
-        for i in range(count):
-            rows = chunks[self.rank][i] if i < len(chunks[self.rank]) else []
-            # A rank with fewer rows runs a zero-weighted copy so the collectives line up.
-            out.append((rows, True) if rows else ([mine[0] if mine else int(mini[0])], False))
-        return out
 
     def backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed averages over ranks; the rank losses sum to the full loss, so undo the 1/world.
@@ -451,48 +518,6 @@ class DeepSpeedBackend:
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
-
-    def reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float],
-                       means: dict[str, list[float]] | None = None) -> dict[str, float]:
-        """Combine the ranks' metrics.
-
-        Args:
-            sums: per-step sums over this rank's rows (with global denominators they add up across
-                ranks), except :data:`NON_ADDITIVE` keys (the same on every rank: rank 0's is kept)
-                and ``timing_s/*`` (the slowest rank's).
-            maxima: per-rank maxima (the maximum over ranks is kept).
-            means: per-rank lists of values; the mean over all ranks' values is kept.
-        """
-        import torch.distributed as dist
-
-        means = means or {}
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, (sums, maxima, means))
-        out = dict(sums)
-        for key in set().union(*(s for s, _, _ in everyone)):
-            values = [s[key] for s, _, _ in everyone if key in s]
-            if key.startswith("timing_s/"):
-                out[key] = float(max(values))
-            elif key not in NON_ADDITIVE:
-                out[key] = float(sum(values))
-        for key in maxima:
-            out[key] = float(max(m[key] for _, m, _ in everyone if key in m))
-        for key in means:
-            values = [v for _, _, m in everyone for v in m.get(key, [])]
-            if values:
-                out[key] = float(np.mean(values))
-        return out
-
-    def gather_rows(self, rows: dict) -> dict:
-        """Per-row values keyed by row id, merged from every rank (a collective)."""
-        import torch.distributed as dist
-
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, rows)
-        merged: dict = {}
-        for part in everyone:
-            merged.update(part)
-        return merged
 
     # ---------------------------------------------------------------- weights
     def gathered(self):

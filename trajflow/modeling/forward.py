@@ -50,6 +50,20 @@ def zero3_partitioned(model: torch.nn.Module) -> bool:
     return first is not None and hasattr(first, "ds_id")
 
 
+def parameters_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are sharded across data-parallel ranks: DeepSpeed ZeRO-3
+    (:func:`zero3_partitioned`) or FSDP2 (``fully_shard`` makes them ``DTensor`` s).
+
+    Each module forward then gathers parameters collectively, so every rank must run the same
+    sequence of module forwards: the data-dependent shared-prompt paths are not taken.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    # FSDP2 swaps a unit's parameters for plain tensors while it is gathered, so the units
+    # themselves (FSDPModule subclasses) are what is looked for, not the parameters' type.
+    return zero3_partitioned(model) or any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 @dataclass
 class PromptLayout:
     """Distinct prompts laid out around their common prefix, for a cached prompt forward.
@@ -187,12 +201,12 @@ def uses_tree_packing(model: torch.nn.Module, packed: PackedBatch, share_prompts
     """Whether :func:`response_hidden_states` runs ``packed`` as one tree-packed sequence.
 
     Needs prompt sharing, a parity-tested model (:func:`trajflow.modeling.support.fast_path_unsupported`),
-    SDPA or eager attention (kernels the tree forward runs piece by piece), no ZeRO-3 partitioning
-    (:func:`zero3_partitioned`) and at most ``tree_max_tokens`` packed tokens.
+    SDPA or eager attention (kernels the tree forward runs piece by piece), no sharded parameters
+    (:func:`parameters_sharded`: ZeRO-3 or FSDP2) and at most ``tree_max_tokens`` packed tokens.
     """
     return (share_prompts and getattr(model.config, "_attn_implementation", None) in TREE_KERNELS
             and fast_path_unsupported(model) is None
-            and not zero3_partitioned(model) and tree_packed_tokens(packed) <= tree_max_tokens)
+            and not parameters_sharded(model) and tree_packed_tokens(packed) <= tree_max_tokens)
 
 
 def response_hidden_states(model: torch.nn.Module, packed: PackedBatch, share_prompts: bool = True,
@@ -231,7 +245,7 @@ def _cached_prompt_hidden_states(model: torch.nn.Module, packed: PackedBatch, sh
     P = packed.prompt_width
     T = packed.responses.shape[1]
     can_share = share_prompts and not (model.training and getattr(model, "is_activation_checkpointing", False)) \
-        and not zero3_partitioned(model)
+        and not parameters_sharded(model)
     layout = None
     if can_share:
         shared = shared_prompt_rows(packed)

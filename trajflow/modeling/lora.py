@@ -31,6 +31,10 @@ what they need through ZeRO-3's module hooks; the functions here that read weigh
 (:func:`adapter_state`, :func:`merged_state_dict`, :func:`save_final`) gather them with
 ``deepspeed.zero.GatheredParameters`` first, a few tensors at a time, and are then collectives:
 every rank must call them, in the same order.
+
+Under FSDP2 (``fully_shard``) the parameters are ``DTensor`` s holding one dim-0 shard per rank;
+those functions read each tensor with ``full_tensor()`` (an all-gather of that tensor alone), so they
+are collectives there too.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 
 import torch
 
-from trajflow.modeling.forward import zero3_partitioned
+from trajflow.modeling.forward import parameters_sharded
 
 #: peft's adapter name: one adapter per model.
 ADAPTER = "default"
@@ -134,11 +138,19 @@ def _gathered(params: list[torch.nn.Parameter]):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP2 ``DTensor`` gathered from every rank (a collective), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' entries of ``model.state_dict()`` (names with the adapter name, ``.lora_A.default.``),
-    as detached CPU copies, gathered first under ZeRO-3 (a collective there)."""
+    as detached CPU copies, gathered first under ZeRO-3 or FSDP2 (a collective there)."""
     with _gathered(trainable_parameters(model)):
-        return {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items() if ".lora_" in k}
+        return {k: _full(v.detach()).cpu().contiguous().clone() for k, v in model.state_dict().items()
+                if ".lora_" in k}
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -171,24 +183,38 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
 
 
 @torch.no_grad()
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """The merged weights ``W + s B A`` (``s``: :func:`adapter_scaling`) under the base model's parameter names, the live
     module left as it is (adapters unmerged): what ``merge_and_unload().state_dict()`` would give,
     computed with the same addition peft's merge does. Tensors in the model's dtype and device.
 
     Under ZeRO-3 (a collective: every rank must call it) each tensor is gathered on its own, one
     LoRA layer's adapters at a time, and returned as a CPU copy, so no rank ever holds more than
-    one full layer beyond the result.
+    one full layer beyond the result. Under FSDP2 each tensor is gathered alone (``full_tensor()``)
+    and the delta is peft's formula (``get_delta_weight`` of a ``Linear``: ``B @ A * scaling``) on
+    the gathered adapters.
+
+    Args:
+        keep: whether to return the tensors; ranks that only take part in the gathering pass
+            False and get ``{}`` (no rank but the writer holds the whole model).
     """
     from peft.tuners.lora import LoraLayer
+    from torch.distributed.tensor import DTensor
 
     base = model.get_base_model()
-    sharded = zero3_partitioned(model)
+    sharded = parameters_sharded(model)
     deltas = {}
     for name, mod in base.named_modules():
         if isinstance(mod, LoraLayer):
-            with _gathered([p for n, p in mod.named_parameters() if ".lora_" in f".{n}"]):
-                delta = mod.get_delta_weight(ADAPTER)
+            lora_params = [p for n, p in mod.named_parameters() if ".lora_" in f".{n}"]
+            if any(isinstance(p, DTensor) for p in lora_params):
+                a, b = _full(mod.lora_A[ADAPTER].weight), _full(mod.lora_B[ADAPTER].weight)
+                delta = (b @ a).transpose(0, 1) if mod.fan_in_fan_out else b @ a
+                delta = delta * mod.scaling[ADAPTER]
+            else:
+                with _gathered(lora_params):
+                    delta = mod.get_delta_weight(ADAPTER)
+            if keep:
                 deltas[f"{name}.weight"] = delta.cpu().clone() if sharded else delta
     out = {}
     for k, v in base.state_dict(keep_vars=True).items():
@@ -196,9 +222,11 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             continue
         if sharded:
             with _gathered([v]):
-                v = v.detach().cpu().clone()
+                v = _full(v.detach()).cpu().clone()
         else:
             v = v.detach()
+        if not keep:
+            continue
         name = k.replace(".base_layer.", ".")
         out[name] = v + deltas[name] if name in deltas else v
     return out
@@ -222,7 +250,7 @@ def save_final(model: torch.nn.Module, tokenizer: Any, directory: str | Path, wr
         write: whether this process writes the files (data-parallel ranks: rank 0 only).
     """
     d = Path(directory)
-    if not zero3_partitioned(model):
+    if not parameters_sharded(model):
         if not write:
             return
         model.save_pretrained(str(d / ADAPTER_DIR), safe_serialization=True)
@@ -233,7 +261,7 @@ def save_final(model: torch.nn.Module, tokenizer: Any, directory: str | Path, wr
         return
     # The live module's tensors are empty placeholders: write gathered copies under their names.
     adapter = _adapter_tensors(model)
-    merged = merged_state_dict(model)
+    merged = merged_state_dict(model, keep=write)
     if write:
         model.save_pretrained(str(d / ADAPTER_DIR), safe_serialization=True, state_dict=adapter)
         model.get_base_model().save_pretrained(str(d), state_dict=merged, safe_serialization=True)

@@ -52,18 +52,19 @@ def create_policy_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
         (ctx.model_path, OmegaConf.to_object(cfg.actor), OmegaConf.to_object(cfg.model),
          OmegaConf.to_object(cfg.rollout), int(cfg.trainer.seed), cfg.trainer.device, int(cfg.trainer.num_threads)),
         [place.actor_options("actor", r) for r in range(place.world_size("actor"))], "actor",
-        lockstep=cfg.actor.strategy == "deepspeed" and cfg.actor.zero_stage == 3)
+        # Sharded parameters (ZeRO-3, FSDP2): every forward is a collective, so ranks get equally many rows.
+        lockstep=cfg.actor.strategy == "fsdp2" or (cfg.actor.strategy == "deepspeed" and cfg.actor.zero_stage == 3))
     if wait_loaded:
         finish_policy_worker(ctx)
 
 
 def finish_policy_worker(ctx: RunContext) -> None:
-    """Wait for the policy ranks to load; join DeepSpeed ranks into one process group; attach
+    """Wait for the policy ranks to load; join DeepSpeed or FSDP2 ranks into one process group; attach
     separate rollout workers (``rollout.pool``), creating them on first use."""
     import ray
 
     cfg = ctx.cfg
-    if cfg.actor.strategy == "deepspeed":
+    if cfg.actor.strategy in ("deepspeed", "fsdp2"):
         ctx.actor.init_distributed()
     ctx.actor.execute("set_release_memory", ctx.release_memory())
     if cfg.rollout.pool is not None:

@@ -88,7 +88,7 @@ class PolicyWorker(Worker):
                                      model_cfg.prompt_format)
         self.optimizer = None
         self.backend: Any = None
-        if actor.strategy != "deepspeed":
+        if actor.strategy not in ("deepspeed", "fsdp2"):
             # Under LoRA only the adapters require grad: the optimizer state is megabytes, not 2x the model.
             self.optimizer = adamw(lora.trainable_parameters(self.model), actor.lr, actor.betas, actor.weight_decay, device)
             self.backend = LocalBackend(self.model, self.optimizer, self.param_dtype)
@@ -119,19 +119,26 @@ class PolicyWorker(Worker):
         return free_address()
 
     def init_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int) -> dict:
-        """Join the data-parallel group and wrap the model in DeepSpeed (every rank at once).
+        """Join the data-parallel group and wrap the model in DeepSpeed or FSDP2 (every rank at once).
 
         Raises:
-            RuntimeError: ``actor.strategy`` is not ``deepspeed``.
+            RuntimeError: ``actor.strategy`` is neither ``deepspeed`` nor ``fsdp2``.
         """
-        if self.actor.strategy != "deepspeed":
-            raise RuntimeError(f"init_distributed needs actor.strategy='deepspeed', got {self.actor.strategy!r}")
+        if self.actor.strategy not in ("deepspeed", "fsdp2"):
+            raise RuntimeError(f"init_distributed needs actor.strategy='deepspeed' or 'fsdp2', got "
+                               f"{self.actor.strategy!r}")
         from trajflow.modeling.backends import DeepSpeedBackend, setup_rank_env
 
         setup_rank_env(master_addr, master_port, rank, world_size, self.device)
         t0 = time.perf_counter()
-        self.backend = DeepSpeedBackend(self.model, self.actor, self.device, rank, world_size)
-        if self.backend.zero_stage == 3:
+        if self.actor.strategy == "fsdp2":
+            from trajflow.modeling.fsdp import FSDP2Backend
+
+            self.backend = FSDP2Backend(self.model, self.actor, self.device, rank, world_size)
+            self.optimizer = self.backend.optimizer
+        else:
+            self.backend = DeepSpeedBackend(self.model, self.actor, self.device, rank, world_size)
+        if self.actor.strategy == "fsdp2" or self.backend.zero_stage == 3:
             self.engine.on_sharded_module(world_size)
         return {"rank": rank, "world_size": world_size, "init_s": time.perf_counter() - t0}
 
@@ -170,6 +177,13 @@ class PolicyWorker(Worker):
             with tempfile.TemporaryDirectory(prefix="trajflow-weights-") as d:
                 self.export_hf(d)  # merged under LoRA; under DeepSpeed rank 0 writes, all ranks gather
                 self.engine.load_weights_from_path(d, self.policy_version)
+        elif getattr(self.backend, "state_buckets", None) is not None and not self.lora:
+            # FSDP2: the weights leave one block at a time, gathered from the shards (rank 0 sends to
+            # separate rollout workers; an engine per rank loads on every rank).
+            to_all = not self.engine.weights_from_rank0
+            for bucket in self.backend.state_buckets(all_ranks=to_all):
+                if bucket is not None:
+                    self.engine.update_weights(bucket, version=self.policy_version)
         elif self.engine.weights_from_rank0:
             # Separate rollout workers: rank 0 sends one full copy (merged under LoRA), tagged with its
             # policy version (recorded by every row the engines generate).
@@ -187,7 +201,7 @@ class PolicyWorker(Worker):
         """The weights separate rollout workers load: the merged ones with LoRA (base + B A scale),
         else the full state (gathered layer by layer under ZeRO-3); None on ranks other than 0."""
         if self.lora:
-            state = lora.merged_state_dict(self.model)
+            state = lora.merged_state_dict(self.model, keep=getattr(self.backend, "rank", 0) == 0)
             return state if getattr(self.backend, "rank", 0) == 0 else None
         return self.backend.full_state_dict()
 
@@ -256,7 +270,8 @@ class PolicyWorker(Worker):
         """
         t0 = time.perf_counter()
         self._wake_engine()
-        out = self.engine.generate(prompt_ids, params)
+        with self._inference():
+            out = self.engine.generate(prompt_ids, params)
         self.engine.sleep()  # free what the engine holds (vLLM's GPU memory, a cast copy) for what comes next
         t1 = time.perf_counter()
         text = self.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
@@ -292,7 +307,8 @@ class PolicyWorker(Worker):
                                            self.rollout.max_new_tokens)
         t0 = time.perf_counter()
         self._wake_engine()
-        episodes = self._episodes.run(self.engine, rows, params, max_prompt_length)
+        with self._inference():
+            episodes = self._episodes.run(self.engine, rows, params, max_prompt_length)
         self.engine.sleep()
         ids = [e.response_ids for e in episodes]
         self._release()
@@ -304,10 +320,18 @@ class PolicyWorker(Worker):
     def compute_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
                          temperature: float) -> list[np.ndarray]:
         """Per-token log-probs under the current policy, packed exactly as :meth:`update_actor` packs."""
-        logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
-                                    micro_batch_size=self.actor.ppo_micro_batch_size, pad_id=self.pad_id,
-                                    device=self.device, max_tokens=max_tokens(self.actor), param_dtype=self.param_dtype)
+        with self._inference():
+            logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
+                                        micro_batch_size=self.actor.ppo_micro_batch_size, pad_id=self.pad_id,
+                                        device=self.device, max_tokens=max_tokens(self.actor),
+                                        param_dtype=self.param_dtype)
         return logp
+
+    def _inference(self):
+        """The backend's context for forwards outside the training step (FSDP2 gathers its root unit)."""
+        import contextlib
+
+        return self.backend.inference() if self.backend is not None else contextlib.nullcontext()
 
     @dispatch("split", split_args=("prompt_ids", "response_ids"))
     def compute_ref_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
@@ -326,7 +350,7 @@ class PolicyWorker(Worker):
         """
         if not self.lora:
             raise RuntimeError("compute_ref_log_prob on the policy worker needs model.lora_rank > 0")
-        with lora.reference_mode(self.model):
+        with lora.reference_mode(self.model), self._inference():
             logp, _ = compute_log_probs(self.model, prompt_ids, response_ids,
                                         temperature=self.rollout.temperature if temperature is None else temperature,
                                         micro_batch_size=int(self.rollout.log_prob_micro_batch_size),
