@@ -68,3 +68,23 @@ if [ "$gpus" -ge 2 ]; then
 else
     echo "gpu_check: overlap skipped: it needs 2 GPUs (one for the rollout pool, one for the actor's), found $gpus"
 fi
+
+# ---------------------------------------------------------------- FSDP2 checks (begin)
+# FSDP2 (actor.strategy=fsdp2, docs/scaling.md) over NCCL: two iterations of the default recipe with
+# the FSDP2 policy update on one GPU (budget 6 minutes); with 2 GPUs, benchmarks/fsdp.py's update on
+# 2 NCCL ranks, FSDP2 vs DeepSpeed ZeRO-3 vs one process, seconds and peak host RSS (budget 6 minutes).
+start=$(date +%s)
+timeout --signal=INT 360 "$PY" benchmarks/iteration.py --iterations 2 \
+    trainer.device=cuda rollout.engine=vllm rollout.gpu_memory_utilization=0.35 \
+    actor.strategy=fsdp2 actor.world_size=1 actor.mixed_precision.param_dtype=bfloat16 \
+    gates.enabled=false "$@"
+echo "gpu_check: FSDP2 iterations finished in $(( $(date +%s) - start )) s (budget 360 s)"
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+    start=$(date +%s)
+    timeout --signal=INT 360 "$PY" benchmarks/fsdp.py --device cuda --only 1,3,4,6 --updates 2
+    echo "gpu_check: FSDP2 2-rank benchmark finished in $(( $(date +%s) - start )) s (budget 360 s)"
+else
+    echo "gpu_check: FSDP2 2-rank benchmark skipped: it needs 2 GPUs, found $gpus"
+fi
+# ---------------------------------------------------------------- FSDP2 checks (end)

@@ -275,7 +275,8 @@ def _check_precision(cfg: DictConfig, source: str) -> None:
     for key in PRECISION_SECTIONS:
         mp = _section_node(cfg, key).mixed_precision
         deepspeed = key == "actor" and cfg.actor.strategy == "deepspeed"
-        data_parallel = key == "actor" and cfg.actor.strategy in ("deepspeed", "fsdp2")
+        data_parallel = (key == "actor" and cfg.actor.strategy in ("deepspeed", "fsdp2")) or \
+            (key == "critic" and cfg.critic.strategy == "fsdp2")
         if mp.param_dtype == "float16" and key in ("actor", "critic") and not deepspeed:
             raise ConfigError(f"{source}: {key}.mixed_precision.param_dtype='float16' needs loss scaling, which only "
                               f"actor.strategy=deepspeed has; use bfloat16 (same range as float32, no scaling) or "

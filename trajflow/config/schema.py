@@ -325,7 +325,10 @@ class CriticConfig:
     ppo_micro_batch_size: int = _f(8, "sequences per critic forward/backward", ge=1)
     grad_clip: float = _f(1.0, "critic max gradient norm (0 = off)", ge=0.0)
     pool: Optional[str] = _f(None, "resource pool of the critic (null = the actor's pool)")
+    strategy: str = _f("none", "training backend: none (one process) or fsdp2 (torch fully_shard over one rank per "
+                       "slot of the critic's pool; critic.fsdp)", choices=["none", "fsdp2"])
     mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig)
+    fsdp: FSDPConfig = _section(FSDPConfig)
 
 
 @dataclass

@@ -18,6 +18,8 @@ Checkpoints never unpickle: each rank writes its shards of the trained parameter
 moments and its RNG states with :func:`trajflow.state_files.save_state` (safetensors + a JSON tree),
 rank 0 a JSON record of the mesh and every parameter's global shape; ``torch.distributed.checkpoint``
 (whose metadata file is a pickle) is not used.
+
+The critic (``critic.strategy=fsdp2``) uses the same backend with its value model as the root unit.
 """
 
 from __future__ import annotations
@@ -74,13 +76,10 @@ def wrap_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that become FSDP units: the transformer blocks (``_no_split_modules`` of the
     Hugging Face model, as verl wraps), in module order; each block's parameters are gathered
     together and freed together."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    units = [m for m in model.modules() if type(m).__name__ in names]
-    if not units:  # a model that names no blocks: the children of its layer list
-        layers = getattr(getattr(base, "model", base), "layers", None)
-        units = list(layers) if layers is not None else []
-    return units
+    names: set[str] = set()
+    for m in model.modules():  # the causal LM, or the decoder inside a value model
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -110,14 +109,19 @@ class FSDP2Backend(DataParallel):
 
     Args:
         model: the module (on the device); its blocks and a root wrapper are sharded in place.
-        actor: the section (``lr``, ``betas``, ``weight_decay``, ``mixed_precision``, ``fsdp``).
+        actor: the role's section (``lr``, ``betas``, ``weight_decay``, ``mixed_precision``, ``fsdp``;
+            the critic's has no betas or weight decay: AdamW's defaults, as its one-process worker).
         device: ``cpu``, ``cuda`` or ``npu``.
         rank: this rank.
         world_size: number of ranks.
+        policy: ``model`` is a causal LM trained on packed log-probs (the root unit is
+            :class:`~trajflow.modeling.backends.PackedLogProbs` around it); False: ``model`` itself is
+            the root and ``forward`` calls it (the critic's value model).
+        state_name: stem of rank 0's checkpoint record (``actor_state``, ``critic_state``).
     """
 
     def __init__(self, model: torch.nn.Module, actor: ActorConfig, device: str, rank: int,
-                 world_size: int) -> None:
+                 world_size: int, policy: bool = True, state_name: str = "actor_state") -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         from trajflow.infra.devices import collective_backend
@@ -136,29 +140,33 @@ class FSDP2Backend(DataParallel):
         self.units = wrap_units(model)
         for unit in self.units:
             fully_shard(unit, **kw)
-        self.root = PackedLogProbs(model)
+        self.root = PackedLogProbs(model) if policy else model
         fully_shard(self.root, **kw)
+        self.state_name = state_name
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         # LoRA: the frozen base is reloaded from model.path; a checkpoint holds the adapters only.
         self.frozen_base = len(self.trainable) < sum(1 for _ in model.parameters())
-        self.optimizer = adamw(self.trainable, actor.lr, actor.betas, actor.weight_decay, device)
+        self.optimizer = adamw(self.trainable, actor.lr, getattr(actor, "betas", (0.9, 0.999)),
+                               float(getattr(actor, "weight_decay", 0.0)), device)
         self._inference_depth = 0
         # FSDP2 takes the first module to run a forward as its root: run one through the wrapper now,
         # before any generation or log-prob forward calls the blocks directly.
         with torch.no_grad():
-            self.root(pack([[0]], [[0]], 0, device), 1.0)
+            first = pack([[0]], [[0]], 0, device)
+            self.root(first, 1.0) if policy else self.root(first)
         self._reshard_all()
 
     # ---------------------------------------------------------------- update
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def forward(self, packed, temperature: float, compute_entropy: bool = False, entropy_grad: bool = False):
-        """Training forward of one micro-batch through the root unit, in the compute dtype; float32
-        ``(b, T)`` log-probs (and entropy)."""
+    def forward(self, packed, *args):
+        """Training forward of one micro-batch through the root unit, in the compute dtype: the
+        policy's ``(packed, temperature, compute_entropy, entropy_grad)`` -> float32 ``(b, T)``
+        log-probs (and entropy); the critic's ``(packed)`` -> float32 ``(b, T)`` values."""
         with autocast(self.param_dtype, self.device):
-            return self.root(packed, temperature, compute_entropy, entropy_grad)
+            return self.root(packed, *args)
 
     def backward(self, loss: torch.Tensor) -> None:
         # FSDP averages the reduced gradients over the ranks; the rank losses sum to the full loss.
@@ -271,7 +279,7 @@ class FSDP2Backend(DataParallel):
         if self.rank == 0:
             save_state({**state, "format": FORMAT, "world_size": self.world_size, "mesh": list(self.mesh.shape),
                         "lora_only": self.frozen_base,
-                        "parameters": {n: list(p.shape) for n, p in params}}, d, "actor_state")
+                        "parameters": {n: list(p.shape) for n, p in params}}, d, self.state_name)
         dist.barrier()
 
     def load(self, directory: str | Path) -> dict:
@@ -284,13 +292,13 @@ class FSDP2Backend(DataParallel):
         from torch.distributed.tensor import DTensor
 
         d = Path(directory)
-        state = load_state(d, "actor_state")
+        state = load_state(d, self.state_name)
         if state.get("format") != FORMAT:
             raise RuntimeError(f"{d} holds a {state.get('format', 'single-process')} checkpoint; "
-                               f"actor.strategy=fsdp2 cannot load it")
+                               f"strategy=fsdp2 cannot load it (resume with the run's own strategy)")
         if int(state["world_size"]) != self.world_size or list(state["mesh"]) != list(self.mesh.shape):
             raise RuntimeError(f"{d} was saved by FSDP2 ranks on a mesh {state['mesh']}; this run's mesh is "
-                               f"{list(self.mesh.shape)} (resume with the same actor.world_size and actor.fsdp.fsdp_size)")
+                               f"{list(self.mesh.shape)} (resume with the same world size and fsdp.fsdp_size)")
         params = self._saved_parameters()
         expected = {n: list(p.shape) for n, p in params}
         if state["parameters"] != expected:

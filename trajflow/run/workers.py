@@ -133,7 +133,8 @@ def create_teacher_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
 
 def create_critic_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
     """Start the critic (value model: ``critic.path`` or the policy's body + a value head) as a Ray
-    actor (``ctx.critic``), with fresh weights and optimizer."""
+    actor (``ctx.critic``), with fresh weights and optimizer; with ``critic.strategy=fsdp2`` a worker
+    group of one rank per slot of the critic's pool, sharded with FSDP2."""
     import ray
 
     from trajflow.models import resolve_model_path
@@ -141,10 +142,21 @@ def create_critic_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
 
     cfg = ctx.cfg
     path = str(resolve_model_path(cfg.critic.path, cfg.model.cache_dir)) if cfg.critic.path else ctx.model_path
+    args = (path, OmegaConf.to_object(cfg.critic), OmegaConf.to_object(cfg.model), cfg.trainer.device,
+            int(cfg.trainer.num_threads))
+    if cfg.critic.strategy == "fsdp2":
+        from trajflow.workers.group import WorkerGroup
+
+        # One FSDP2 rank per slot of the critic's pool, joined into their own process group now.
+        place = placement(ctx)
+        ctx.critic = WorkerGroup.spawn(CriticWorker, args, [place.actor_options("critic", r)
+                                                            for r in range(place.world_size("critic"))],
+                                       "critic", lockstep=True)
+        ctx.critic.init_distributed()
+        return
     # One actor on the critic's pool (its slot 0; num_cpus=0 when no pools are declared).
     ctx.critic = ray.remote(max_restarts=0)(CriticWorker).options(**placement(ctx).actor_options("critic", 0)).remote(
-        path, OmegaConf.to_object(cfg.critic), OmegaConf.to_object(cfg.model), cfg.trainer.device,
-        int(cfg.trainer.num_threads))
+        *args)
     if wait_loaded:
         ray.get(ctx.critic.pid.remote())
 

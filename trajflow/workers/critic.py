@@ -24,6 +24,7 @@ from trajflow.modeling.precision import autocast, cast_buffers, section_dtype
 from trajflow.models import disable_dropout, load_causal_lm, load_tokenizer
 from trajflow.state_files import load_state, save_state
 from trajflow.workers.base import Worker
+from trajflow.workers.group import dispatch, free_address
 
 
 class ValueModel(torch.nn.Module):
@@ -69,6 +70,11 @@ class ValueModel(torch.nn.Module):
 class CriticWorker(Worker):
     """Value model and its optimizer, resident across iterations (a Ray actor in the pipeline).
 
+    With ``critic.strategy=fsdp2`` the worker is one rank of a worker group over the critic's pool
+    (:meth:`init_distributed` shards the value model, :class:`trajflow.modeling.fsdp.FSDP2Backend`):
+    every rank gets the whole batch, keeps the mini-batch-wide token count and trains on its
+    token-balanced share, as the policy's data-parallel ranks do.
+
     Args:
         model_path: resolved Hugging Face directory of a causal LM whose body becomes the critic
             (``critic.path`` or the policy's ``model.path``).
@@ -99,10 +105,39 @@ class CriticWorker(Worker):
         cast_buffers(self.model, str(getattr(getattr(critic, "mixed_precision", None), "buffer_dtype", "float32")))
         self.pad_id = int(load_tokenizer(model_path).pad_token_id)
         # The critic section has no weight decay setting: AdamW's 0.
-        self.optimizer = adamw(self.model.parameters(), critic.lr, device=device)
+        self.optimizer = adamw(self.model.parameters(), critic.lr, device=device) \
+            if getattr(critic, "strategy", "none") != "fsdp2" else None
+        self.backend = None  # FSDP2Backend once init_distributed ran
         self.optimizer_steps = 0
 
+    # ------------------------------------------------------------------ distributed
+    @dispatch("rank0")
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's node IP and a free port: where the ranks' process group meets."""
+        return free_address()
+
+    def init_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int) -> dict:
+        """Join the critic's ranks and shard the value model with FSDP2 (every rank at once).
+
+        Raises:
+            RuntimeError: ``critic.strategy`` is not ``fsdp2``.
+        """
+        import time as _time
+
+        if getattr(self.cfg, "strategy", "none") != "fsdp2":
+            raise RuntimeError(f"init_distributed needs critic.strategy='fsdp2', got {self.cfg.strategy!r}")
+        from trajflow.modeling.backends import setup_rank_env
+        from trajflow.modeling.fsdp import FSDP2Backend
+
+        setup_rank_env(master_addr, master_port, rank, world_size, self.device)
+        t0 = _time.perf_counter()
+        self.backend = FSDP2Backend(self.model, self.cfg, self.device, rank, world_size, policy=False,
+                                    state_name="critic_state")
+        self.optimizer = self.backend.optimizer
+        return {"rank": rank, "world_size": world_size, "init_s": _time.perf_counter() - t0}
+
     # ------------------------------------------------------------------ values
+    @dispatch("split", split_args=("prompt_ids", "response_ids"))
     @torch.no_grad()
     def compute_values(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """V(s_t) for every response token, as ragged float32 arrays aligned with ``response_ids``."""
@@ -165,29 +200,40 @@ class CriticWorker(Worker):
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 step: dict[str, float] = {}
-                for sl in micro_batch_slices(len(mini), int(c.ppo_micro_batch_size)):
-                    ids = [int(r) for r in mini[sl]]
+                for ids, live in self._micro_batches(rows, mini):
                     packed = pack([rows.prompt_ids[r] for r in ids], [rows.response_ids[r] for r in ids],
                                   self.pad_id, self.device)
                     T = packed.responses.shape[1]
                     mask = packed.response_mask.float()
                     if lm is not None:
                         mask = mask * ragged(lm, ids, T)
-                    with autocast(self.param_dtype, self.device):
-                        vpreds = self.model(packed)  # float32 out: the head's output is cast up
+                    if self.backend is not None:
+                        vpreds = self.backend.forward(packed)
+                    else:
+                        with autocast(self.param_dtype, self.device):
+                            vpreds = self.model(packed)  # float32 out: the head's output is cast up
                     loss, m = value_loss(vpreds, ragged(rows.values, ids, T), ragged(rows.returns, ids, T), mask,
                                          float(c.cliprange_value), "token-mean", global_num_tokens=global_tokens)
-                    loss.backward()
+                    if not live:  # a padding micro-batch of a data-parallel rank: zero gradient, no metrics
+                        self.backend.backward(loss * 0.0)
+                        continue
+                    if self.backend is not None:
+                        self.backend.backward(loss)
+                    else:
+                        loss.backward()
                     frac = float(mask.sum()) / global_tokens
                     step["critic/vf_loss"] = step.get("critic/vf_loss", 0.0) + float(loss.item())
                     for k, v in m.items():
                         step[k] = step.get(k, 0.0) + float(v) * frac
-                if c.grad_clip > 0:
+                if self.backend is not None:
+                    gn, stepped = self.backend.step(float(c.grad_clip))
+                    self.optimizer_steps += int(stepped)
+                elif c.grad_clip > 0:
                     gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip))
                 else:
                     gn = float(torch.sqrt(sum((p.grad.detach() ** 2).sum() for p in self.model.parameters()
                                               if p.grad is not None)))
-                if math.isfinite(gn):
+                if self.backend is None and math.isfinite(gn):
                     self.optimizer.step()
                     self.optimizer_steps += 1
                 step["critic/grad_norm"] = gn
@@ -199,10 +245,26 @@ class CriticWorker(Worker):
         # steps weigh by their tokens; the gradient norm is one value per step (a plain mean).
         metrics = {k: float(np.mean(v)) if k == "critic/grad_norm" else float(np.average(v, weights=step_tokens))
                    for k, v in sums.items()}
+        if self.backend is not None:  # each rank's share of a token mean (global denominators) adds up
+            metrics = self.backend.reduce_metrics(metrics, maxima={})
         metrics["critic/vf_explained_var"] = ev
         metrics["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["timing_s/update_critic"] = time.perf_counter() - t0
         return metrics
+
+    def _micro_batches(self, rows: CriticRows, mini: np.ndarray) -> list[tuple[list[int], bool]]:
+        """``(row ids, live)`` per micro-batch of ``critic.ppo_micro_batch_size`` rows: all of the
+        mini-batch in one process, this rank's share (equally many on every rank) under FSDP2."""
+        size = int(self.cfg.ppo_micro_batch_size)
+
+        def split(ids: list[int]) -> list[list[int]]:
+            return [ids[sl] for sl in micro_batch_slices(len(ids), size)]
+
+        ids = [int(r) for r in mini]
+        if self.backend is None:
+            return [(part, True) for part in split(ids)]
+        tokens = [len(rows.prompt_ids[r]) + len(rows.response_ids[r]) for r in ids]
+        return self.backend.micro_batches(ids, split, tokens)
 
     @staticmethod
     def _explained_variance(rows: CriticRows, row_mask) -> float:
@@ -223,6 +285,9 @@ class CriticWorker(Worker):
         """Write the value model (safetensors) and optimizer state into ``directory``."""
         from safetensors.torch import save_file
 
+        if self.backend is not None:  # per-rank shards (trajflow.modeling.fsdp)
+            self.backend.save(directory, {"optimizer_steps": self.optimizer_steps})
+            return {"optimizer_steps": self.optimizer_steps}
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
@@ -244,6 +309,9 @@ class CriticWorker(Worker):
         """
         from safetensors.torch import load_file
 
+        if self.backend is not None:
+            self.optimizer_steps = int(self.backend.load(directory).get("optimizer_steps", 0))
+            return {"optimizer_steps": self.optimizer_steps}
         d = Path(directory)
         state = load_file(str(d / "model.safetensors"))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -259,4 +327,13 @@ class CriticWorker(Worker):
         """sha256 over the value model's parameters (tests compare states)."""
         from trajflow.checkpoint import state_digest
 
+        if self.backend is not None:  # gathered block by block; every rank returns rank 0's digest
+            return state_digest(self.backend.full_state_dict() or {})
         return state_digest(self.model.state_dict())
+
+    def get_weights(self) -> dict[str, np.ndarray] | None:
+        """All parameters as float32 numpy arrays (rank 0's; gathered under FSDP2, a collective)."""
+        state = self.backend.full_state_dict() if self.backend is not None else self.model.state_dict()
+        if state is None:
+            return None
+        return {k: v.detach().float().cpu().numpy().copy() for k, v in state.items()}
