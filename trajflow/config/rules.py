@@ -200,6 +200,13 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
             raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support actor.zero_stage=3 with "
                               f"actor.world_size={cfg.actor.world_size} on the hf engine (ranks would wait on each "
                               "other's turns); use actor.zero_stage<=2, rollout.pool or rollout.engine=vllm")
+        if (cfg.actor.strategy == "fsdp2" and cfg.actor.world_size > 1 and cfg.rollout.engine == "hf"
+                and cfg.rollout.pool is None):
+            # FSDP2 ranks decode in lockstep too (every forward gathers parameters).
+            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support actor.strategy=fsdp2 with "
+                              f"actor.world_size={cfg.actor.world_size} on the hf engine (ranks would wait on each "
+                              "other's turns); use rollout.pool, rollout.engine=vllm or actor.strategy=deepspeed "
+                              "with actor.zero_stage<=2")
         if cfg.model.prompt_format != "auto":
             raise ConfigError(f"{source}: rollout.multi_turn.enable=true needs model.prompt_format='auto' "
                               f"(the chat template renders the turns), got {cfg.model.prompt_format!r}")
