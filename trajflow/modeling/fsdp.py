@@ -161,12 +161,12 @@ class FSDP2Backend(DataParallel):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def forward(self, packed, *args):
+    def forward(self, packed, *args, **kwargs):
         """Training forward of one micro-batch through the root unit, in the compute dtype: the
         policy's ``(packed, temperature, compute_entropy, entropy_grad)`` -> float32 ``(b, T)``
         log-probs (and entropy); the critic's ``(packed)`` -> float32 ``(b, T)`` values."""
         with autocast(self.param_dtype, self.device):
-            return self.root(packed, *args)
+            return self.root(packed, *args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         # FSDP averages the reduced gradients over the ranks; the rank losses sum to the full loss.
