@@ -20,6 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tests.conftest import REPO
 from trajflow import checkpoint as ckpt
@@ -166,6 +168,8 @@ def _save(store: RunStore, it: int, keep: int) -> Path:
     def workers(d: Path) -> None:
         (d / "actor").mkdir()
         (d / "actor" / "w.bin").write_bytes(bytes([it]) * 16)
+        # A loadable checkpoint holds the policy's weights as safetensors (verify_checkpoint checks them as data).
+        save_file({"w": torch.full((2,), float(it))}, str(d / "actor" / "model.safetensors"))
 
     return ckpt.save_checkpoint(store, it, {"policy_version": it}, workers, keep)
 
