@@ -148,6 +148,7 @@ def main() -> None:
                 group.execute("update_actor", batch)
                 times.append(time.perf_counter() - t)
             peaks = group.execute("peak_rss_gib")
+            peaks = peaks if isinstance(peaks, list) else [peaks]  # one rank: the actor's own answer
         finally:
             group.kill()
         results[name] = statistics.median(times)
