@@ -158,6 +158,7 @@ def overlap_runs(lab):
     rollout in flight and resumed twice (``k``), and a replay of ``ref``'s iteration 3."""
     store = lab.store("overlap")
     root = f"store.root={store}"
+    fn = lab.named_reward()  # a run folder's reward function is imported only when named again
     ov = {**SPLIT, "trainer.max_staleness": 1, "trainer.total_iterations": 4}
     out = {"store": store}
     out["ref"] = lab.cli("ov-ref", "train", *lab.overrides(store, shared_ray=False, **ov), "--run-id", "ref")
@@ -168,9 +169,9 @@ def overlap_runs(lab):
     out["k1_checkpoints"] = sorted(p.name for p in (store / "k" / "checkpoints").iterdir())
     out["k1_rollout2_written"] = _written_at(store / "k", 2)
     # Killed in update 3 (iteration 4's rollout in flight or done); checkpoint 2 is the newest.
-    out["k2"] = lab.cli("ov-k2", "resume", "k", root, fault="update:3")
-    out["k3"] = lab.cli("ov-k3", "resume", "k", root)
-    out["replay"] = lab.cli("ov-replay", "replay", "ref", "--iteration", "3", "--from-stage", "reward", root,
+    out["k2"] = lab.cli("ov-k2", "resume", "k", root, fn, fault="update:3")
+    out["k3"] = lab.cli("ov-k3", "resume", "k", root, fn)
+    out["replay"] = lab.cli("ov-replay", "replay", "ref", "--iteration", "3", "--from-stage", "reward", root, fn,
                             "--run-id", "ref-it3")
     return out
 
@@ -261,6 +262,7 @@ def overlap2_runs(lab):
     time; every 3 leaves iterations whose rollouts load a snapshot taken when they were submitted."""
     store = lab.store("overlap2")
     root = f"store.root={store}"
+    fn = lab.named_reward()
     ov = {**SPLIT, "trainer.max_staleness": 2, "trainer.total_iterations": 7, "trainer.save_freq": 3}
     out = {"store": store}
     out["ref"] = lab.cli("ov2-ref", "train", *lab.overrides(store, shared_ray=False, **ov), "--run-id", "ref")
@@ -271,9 +273,9 @@ def overlap2_runs(lab):
     out["k1_written"] = {it: _written_at(store / "k", it) for it in (4, 5)}
     # Killed in update 6: checkpoint 3 is still the newest; iterations 4 and 5 are complete, rollout 6
     # stored, rollout 7 (a snapshot of version 4) in flight or stored.
-    out["k2"] = lab.cli("ov2-k2", "resume", "k", root, fault="update:6")
-    out["k3"] = lab.cli("ov2-k3", "resume", "k", root)
-    out["replay"] = lab.cli("ov2-replay", "replay", "ref", "--iteration", "4", "--from-stage", "reward", root,
+    out["k2"] = lab.cli("ov2-k2", "resume", "k", root, fn, fault="update:6")
+    out["k3"] = lab.cli("ov2-k3", "resume", "k", root, fn)
+    out["replay"] = lab.cli("ov2-replay", "replay", "ref", "--iteration", "4", "--from-stage", "reward", root, fn,
                             "--run-id", "ref-it4")
     return out
 
