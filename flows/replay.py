@@ -44,7 +44,8 @@ from typing import Optional, Sequence  # noqa: E402
 from prefect import flow  # noqa: E402
 
 from flows import tasks  # noqa: E402
-from flows.reporting import iteration_artifact, rename_flow_run  # noqa: E402
+from flows.iteration import close_iteration  # noqa: E402
+from flows.reporting import rename_flow_run  # noqa: E402
 from trajflow import run  # noqa: E402
 from trajflow.infra.prefect_server import start_temporary_server  # noqa: E402
 from trajflow.run.replay import KEPT_STAGES, data_metrics, open_replay, parent_gate, prepare  # noqa: E402
@@ -92,15 +93,7 @@ def replay_flow(run_id: str, from_stage: str, iteration: Optional[int] = None, i
                 metrics = stage.update(new_id, it, rollout, reward, advantage, gate)
             else:
                 metrics = data_metrics(ctx, it, rollout, reward, advantage)
-            metrics = run.record(ctx, it, metrics)
-            # Without the update the worker holds the initial model, not the policy after iteration
-            # ``it``: validating or checkpointing it under that iteration would misreport the replay.
-            if job.plan.run_update and run.validation_due(ctx, it):
-                metrics |= stage.validate(new_id, it)
-            run.log_iteration(ctx, it, metrics)
-            if job.plan.run_update and run.checkpoint_due(ctx, it):
-                run.save(ctx, it)
-            iteration_artifact(ctx, it, metrics)
+            close_iteration(ctx, stage, new_id, it, metrics, trained=job.plan.run_update)
         if job.plan.run_update:
             summary = run.finish_run(ctx)
         else:

@@ -108,7 +108,7 @@ def test_staleness_is_checked_at_use_not_at_submission():
 
     from stages.staleness import check_staleness
     from trajflow.errors import DataError
-    from trajflow.run.iteration import behaviour_version
+    from trajflow.run.schedule import behaviour_version
 
     ctx = SimpleNamespace(store=_StoredRollouts({5: 2, 6: 3}), cfg=SimpleNamespace(trainer=SimpleNamespace(max_staleness=1)))
     assert behaviour_version(ctx, 5, synced=3, at_use=4) == 3

@@ -90,3 +90,24 @@ def test_the_stored_sampling_temperature_wins_over_a_later_config():
     mixed = t.set_column(t.column_names.index("temperature"), "temperature", pa.array([0.6, 1.0], pa.float64()))
     with pytest.raises(ValueError, match="several temperatures"):
         rollout_temperature(mixed, 1.0)
+
+
+def test_the_trajectory_comparison_reads_both_schemas_and_finds_a_changed_value(tmp_path):
+    import pyarrow.parquet as pq
+
+    from benchmarks.same_trajectories import compare_file
+    from stages.rollout import SamplingParams, with_sampling_columns
+
+    old = _rollout_v2()
+    new = with_sampling_columns(old.rename_columns(["sample_id", "prompt_ids", "response_ids", "rollout_logprobs"]),
+                                SamplingParams())
+    pq.write_table(old, tmp_path / "before.parquet")
+    pq.write_table(new, tmp_path / "after.parquet")
+    ok, line = compare_file(tmp_path / "before.parquet", tmp_path / "after.parquet", "rollout")
+    assert ok and "4 shared columns equal" in line and "added ['temperature', 'top_k', 'top_p']" in line
+    changed = new.set_column(3, "rollout_logprobs", pa.array([[-0.5, -1.5], [-0.5, -1.25]], pa.list_(pa.float32())))
+    pq.write_table(changed, tmp_path / "changed.parquet")
+    ok, line = compare_file(tmp_path / "before.parquet", tmp_path / "changed.parquet", "rollout")
+    assert not ok and "differ ['rollout_logprobs']" in line
+    ok, line = compare_file(tmp_path / "after.parquet", tmp_path / "before.parquet", "reward")
+    assert not ok and "lost ['temperature', 'top_k', 'top_p']" in line

@@ -17,7 +17,7 @@ that survive dead workers), :mod:`~trajflow.run.validation`, :mod:`~trajflow.run
 :mod:`~trajflow.run.progress`.
 """
 
-from trajflow.run.iteration import (begin_iteration, behaviour_version, checkpoint_due, iterations, log_iteration,
+from trajflow.run.iteration import (begin_iteration, checkpoint_due, iterations, log_iteration,
                                     log_validation, record, rollout_checkpoint_id, save, validation_before_training_due,
                                     validation_due, was_gated)
 from trajflow.run.preflight import (check_batch_size, check_custom_function, check_model_weights,
@@ -30,7 +30,7 @@ from trajflow.run.session import (build_context, choose_run_id, close_run, creat
                                   new_run_id, open_evaluation, open_run, preload_audit, start_workers)
 
 __all__ = [
-    "begin_iteration", "behaviour_version", "build_context", "check_batch_size", "check_custom_function",
+    "begin_iteration", "build_context", "check_batch_size", "check_custom_function",
     "check_model_weights", "check_prompt_lengths", "check_resumable", "check_reward_and_gates", "check_scorers",
     "check_store_root", "checkpoint_due", "choose_run_id", "close_run", "config_changes", "create_run_folder",
     "custom_function_record", "finish_run", "finished_summary", "iterations", "log_iteration", "log_validation",
