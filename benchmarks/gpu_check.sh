@@ -46,7 +46,7 @@ echo "gpu_check: vLLM engine tests finished in $(( $(date +%s) - start )) s (bud
 export DS_ACCELERATOR=cuda
 start=$(date +%s)
 timeout --signal=INT 300 "$PY" benchmarks/iteration.py --iterations 2 \
-    trainer.device=cuda model.dtype=bfloat16 \
+    trainer.device=cuda actor.mixed_precision.param_dtype=bfloat16 rollout.dtype=bfloat16 \
     rollout.engine=vllm rollout.gpu_memory_utilization=0.35 \
     actor.strategy=deepspeed actor.zero_stage=2 actor.world_size=1 \
     gates.enabled=false "$@"
@@ -59,7 +59,7 @@ gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
     start=$(date +%s)
     timeout --signal=INT 600 "$PY" benchmarks/overlap.py --iterations 6 --png overlap_timeline_gpu.png \
-        trainer.device=cuda model.dtype=bfloat16 trainer.num_threads=0 \
+        trainer.device=cuda actor.mixed_precision.param_dtype=bfloat16 rollout.dtype=bfloat16 trainer.num_threads=0 \
         "resources.pools={train: {device: gpu, num_cpus_per_worker: 1}, gen: {device: gpu, num_cpus_per_worker: 1}}" \
         rollout.engine=vllm rollout.gpu_memory_utilization=0.6 \
         actor.strategy=deepspeed actor.zero_stage=2 actor.world_size=1 \
