@@ -85,20 +85,30 @@ def test_a_tampered_checkpoint_is_never_unpickled_and_is_skipped_on_resume(tiny_
     err = capfd.readouterr().err
     assert not marker.exists()
     assert f"checkpoint 000002 skipped: {st} does not match the checkpoint's manifest" in err
-    assert resumed["trained_iterations"] == [2, 3]  # from checkpoint 1: iteration 2 again, then 3
+    # A file the manifest does not list makes a checkpoint unloadable too (a manifest is an integrity
+    # check, and what a checkpoint holds is exactly what trajflow wrote): checkpoint 1 is skipped as well,
+    # and the run starts again from the initial model.
+    stray = run / "checkpoints" / "000001" / "actor" / "actor_state.pt"
+    assert f"checkpoint 000001 skipped: {stray} is not in the checkpoint's manifest" in err
+    assert resumed["trained_iterations"] == [1, 2, 3]
     sessions = json.loads((run / "run.json").read_text())["sessions"]
-    assert sessions[-1]["resumed_from_checkpoint"] == 1
+    assert sessions[-1]["resumed_from_checkpoint"] is None
 
 
 def _nan_gradient_worker():
     """A PolicyWorker whose every backward leaves a NaN in one gradient (a diverged step, on demand)."""
+    from trajflow.workers.actor_update import PPOActor
     from trajflow.workers.policy import PolicyWorker
 
-    class NaNGradientWorker(PolicyWorker):
+    class NaNGradientActor(PPOActor):
         def _micro_batch(self, *args, **kwargs):
-            super()._micro_batch(*args, **kwargs)
+            out = super()._micro_batch(*args, **kwargs)
             p = next(p for p in self.model.parameters() if p.grad is not None)
             p.grad.view(-1)[0] = float("nan")
+            return out
+
+    class NaNGradientWorker(PolicyWorker):
+        actor_cls = NaNGradientActor
 
     return NaNGradientWorker
 

@@ -65,6 +65,9 @@ class PolicyWorker(Worker):
         num_threads: torch threads (0 = all CPUs).
     """
 
+    #: The PPO update loop this worker hosts; a subclass may name another (e.g. one that injects faults).
+    actor_cls: type[PPOActor] = PPOActor
+
     def __init__(self, model_path: str, actor: ActorConfig, model_cfg: ModelConfig, rollout: RolloutConfig,
                  seed: int, device: str = "cpu", num_threads: int = 0) -> None:
         self._start(device, num_threads, seed)
@@ -376,8 +379,8 @@ class PolicyWorker(Worker):
             # activations; _push_weights brings it back with the new weights.
             self.engine.sleep()
         temperature = self.rollout.temperature if settings.temperature is None else settings.temperature
-        actor = PPOActor(self.model, self.backend, self.actor, self.pad_id, self.device, self.rollout.max_new_tokens,
-                         self.compute_log_prob, self.steps)
+        actor = self.actor_cls(self.model, self.backend, self.actor, self.pad_id, self.device,
+                               self.rollout.max_new_tokens, self.compute_log_prob, self.steps)
         metrics = actor.update(batch, temperature)
         self.policy_version += 1
         if not settings.defer_weight_sync:
