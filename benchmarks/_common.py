@@ -206,10 +206,10 @@ def run_trajflow(overrides: Sequence[str], root: Path) -> TrajflowRun:
     saves: dict[int, float] = {}
     orig_finish, orig_save = session.log_iteration, session.save
 
-    def timed_save(ctx, iteration):
+    def timed_save(ctx, iteration, *args, **kwargs):  # the overlapped schedule also passes sampler_state
         t = time.perf_counter()
         try:
-            return orig_save(ctx, iteration)
+            return orig_save(ctx, iteration, *args, **kwargs)
         finally:
             saves[iteration] = saves.get(iteration, 0.0) + time.perf_counter() - t
 
