@@ -28,8 +28,7 @@ def error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("error:")]
 
 
-@pytest.fixture
-def stored_run(tmp_path) -> RunStore:
+def make_stored_run(tmp_path: Path) -> RunStore:
     """A run with a resolved config and two complete iterations (rollout, reward, advantage)."""
     store = RunStore(tmp_path / "runs", "r1")
     store.run_dir.mkdir(parents=True)
@@ -39,6 +38,11 @@ def stored_run(tmp_path) -> RunStore:
         _fake_iteration(store, it, [0.0, 1.0, 0.5, 0.5], ["a", "b", "c", "d"])
         store.mark(it, "complete")
     return store
+
+
+@pytest.fixture
+def stored_run(tmp_path) -> RunStore:
+    return make_stored_run(tmp_path)
 
 
 DAMAGED = {"garbage": b"\x00\xff\xfe\x89PNG\r\n\x1a\n", "yaml_error": b"model: {path: [unclosed\n",

@@ -21,8 +21,9 @@ import torch
 from safetensors.torch import save_file
 
 from tests.test_crash_safety import _fake_iteration
+from tests.test_stored_run_errors import make_stored_run
 from trajflow import checkpoint as ckpt
-from trajflow.config import load_config, to_yaml
+from trajflow.config import load_config
 from trajflow.errors import ConfigError, DataError, ModelLoadError, StoreError
 from trajflow.store import RunStore
 
@@ -55,13 +56,7 @@ def _save_workers(d: Path) -> None:
 @pytest.fixture
 def stored_run(tmp_path) -> RunStore:
     """A run with a config, two stored iterations and a checkpoint after iteration 1."""
-    store = RunStore(tmp_path / "runs", "r1")
-    store.run_dir.mkdir(parents=True)
-    store.write_config(to_yaml(load_config(None, [f"store.root={store.root}"])))
-    store.update_run_meta(run_id="r1", status="failed")
-    for it in (1, 2):
-        _fake_iteration(store, it, [0.0, 1.0, 0.5, 0.5], ["a", "b", "c", "d"])
-        store.mark(it, "complete")
+    store = make_stored_run(tmp_path)
     ckpt.save_checkpoint(store, 1, {"policy_version": 1}, _save_workers)
     return store
 
