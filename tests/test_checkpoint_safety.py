@@ -17,16 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-
-
-class _Payload:
-    """Unpickling this creates a marker file: the proof that a load ran code."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+from tests.payloads import RunsCode
 
 
 def test_state_files_round_trip_optimizer_and_rng_exactly(tmp_path):
@@ -76,7 +67,7 @@ def test_a_tampered_checkpoint_is_never_unpickled_and_is_skipped_on_resume(tiny_
     assert not list(run.rglob("*.pt")) and not list(run.rglob("*.pkl"))  # no pickle anywhere
     marker = tmp_path / "payload-ran"
     for d in (actor2, run / "checkpoints" / "000001" / "actor"):
-        (d / "actor_state.pt").write_bytes(pickle.dumps(_Payload(str(marker))))
+        (d / "actor_state.pt").write_bytes(pickle.dumps(RunsCode(str(marker))))
     st = actor2 / "actor_state.safetensors"
     st.write_bytes(st.read_bytes()[:-64])  # truncated: fails the manifest
 
@@ -201,7 +192,7 @@ def test_a_checkpoint_in_the_old_pickle_format_is_refused_not_loaded(tmp_path):
     store = RunStore(tmp_path, "old")
     d = ckpt.checkpoint_dir(store, 4)
     (d / "actor").mkdir(parents=True)
-    (d / "actor" / "actor_state.pt").write_bytes(pickle.dumps(_Payload(str(tmp_path / "ran"))))
+    (d / "actor" / "actor_state.pt").write_bytes(pickle.dumps(RunsCode(str(tmp_path / "ran"))))
     (d / ckpt.STATE_FILE).write_text(json.dumps({"policy_version": 4, "iteration": 4}))
     assert ckpt.newest_verified_checkpoint(store) == (None, [(4, f"{d / 'actor' / 'actor_state.pt'} is a pickle "
                                                           "(an older checkpoint format); it is not loaded, since a "

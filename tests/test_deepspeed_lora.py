@@ -13,6 +13,7 @@ import pytest
 
 from stages.rollout import SamplingParams
 from tests.test_deepspeed_ranks import ACTOR, ROLLOUT, assert_close, make_batch
+from tests.payloads import RunsCode
 from trajflow.config import ActorConfig, ModelConfig
 from trajflow.modeling.backends import deepspeed_safe_globals
 from trajflow.workers.group import WorkerGroup
@@ -147,16 +148,6 @@ def test_lora_two_ranks_equal_one_rank_and_resume(ray_local, tiny_model_dir, one
         fresh.kill()
 
 
-class _RunsCode:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_tampered_deepspeed_shard_is_refused_without_running_it(ray_local, tiny_model_dir, tmp_path):
     """DeepSpeed unpickles its shards with weights_only=False; trajflow's engine loads them weights-only,
     so a shard carrying an object whose unpickling runs a command fails to load and runs nothing."""
@@ -169,7 +160,7 @@ def test_tampered_deepspeed_shard_is_refused_without_running_it(ray_local, tiny_
         shard = tmp_path / "ck" / "deepspeed" / "latest" / "mp_rank_00_model_states.pt"
         state = torch.load(shard, weights_only=True)
         marker = tmp_path / "ran"
-        state["ds_version"] = _RunsCode(str(marker))
+        state["ds_version"] = RunsCode(str(marker))
         torch.save(state, shard)
         with pytest.raises(ray.exceptions.RayTaskError, match="weights_only|Unsupported global"):
             group.execute("load_checkpoint", str(tmp_path / "ck"))

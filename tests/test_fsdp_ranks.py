@@ -20,6 +20,7 @@ import pytest
 
 from tests.test_deepspeed_lora import one_rank_lora  # noqa: F401  (a fixture)
 from tests.test_deepspeed_ranks import ACTOR, MODEL, ROLLOUT, assert_close, make_batch
+from tests.payloads import RunsCode
 from trajflow.config import ActorConfig
 from trajflow.workers.group import WorkerGroup
 
@@ -117,16 +118,6 @@ def test_hybrid_mesh_token_budget_offload_checkpointing(ray_local, tiny_model_di
         group.kill()
 
 
-class _RunsCode:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_checkpoint_resume_export_never_unpickles(ray_local, tiny_model_dir, reference, tmp_path):
     """Sharded save -> load on fresh ranks gives the same weights bit for bit and the same next
     step; the checkpoint is safetensors + JSON only, and pickles planted where
@@ -153,7 +144,7 @@ def test_checkpoint_resume_export_never_unpickles(ray_local, tiny_model_dir, ref
                                                     for ext in ("json", "safetensors")]
     marker = tmp_path / "ran"
     for name in (".metadata", "__0_0.distcp", "optim.pt", "fsdp_rank00000.pt"):
-        (ck / name).write_bytes(pickle.dumps(_RunsCode(str(marker))))
+        (ck / name).write_bytes(pickle.dumps(RunsCode(str(marker))))
 
     fresh = spawn_fsdp(tiny_model_dir)
     try:
