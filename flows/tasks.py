@@ -28,7 +28,7 @@ from stages.multi_turn import multi_turn_table
 from stages.names import Stage
 from stages.critic_update import critic_batch
 from stages.policy_update import update_batch, update_batch_options, with_loss_mask
-from stages.reward import final_scores, reward_table
+from stages.reward import final_scores, overlong_floor_warning, reward_table, shaping_penalties
 from stages.rollout import rollout_table, rollout_temperature, sampling_params, with_sampling_columns
 from stages.staleness import check_staleness, row_staleness, staleness_metrics
 from stages.seeds import Salt, iteration_seed
@@ -264,6 +264,11 @@ def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: 
                                 teacher_logprobs=teacher_lp)
     state.reward_metrics = metrics
     state.prescored = {}
+    floor = overlong_floor_warning(out.column("score").to_numpy(),
+                                   shaping_penalties(trainable_lengths(table), reward_cfg, s.max_new_tokens),
+                                   reward_cfg, s.max_new_tokens)
+    if floor is not None:
+        print(f"warning: iteration {iteration}: {floor}", file=sys.stderr, flush=True)
     return ctx.store.write_stage(iteration, Stage.REWARD.value, out, ctx.policy_version, inputs=inputs,
                                  meta={"metrics": metrics})
 

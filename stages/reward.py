@@ -27,7 +27,8 @@ from trajflow.batch import decode_nested, json_column, lengths, list_column, pad
 from trajflow.errors import DataError
 
 __all__ = ["RewardResult", "check_env_rewards", "compute_scores", "final_scores", "last_trainable_index",
-           "overlong_penalty", "reward_table", "rollout_env_rewards", "score_rows"]
+           "overlong_floor_warning", "overlong_penalty", "reward_table", "rollout_env_rewards", "score_rows",
+           "shaping_penalties"]
 
 # --------------------------------------------------------------------------------------------- batch scoring
 
@@ -319,6 +320,52 @@ def overlong_penalty(
     return (-penalty_factor * frac).astype(np.float32)
 
 
+def shaping_penalties(response_lengths: np.ndarray, reward_cfg: dict, max_new_tokens: int) -> np.ndarray | None:
+    """Each row's overlong penalty (:func:`overlong_penalty`) when ``reward.overlong_buffer.enable``, else None.
+
+    Args:
+        response_lengths: ``(rows,)`` int generated tokens per row.
+        reward_cfg: the ``reward`` config section as a dict.
+        max_new_tokens: ``rollout.max_new_tokens``.
+
+    Returns:
+        ``(rows,)`` float32 penalties (<= 0), or None without shaping.
+    """
+    ob = reward_cfg.get("overlong_buffer") or {}
+    if not ob.get("enable"):
+        return None
+    return overlong_penalty(np.asarray(response_lengths), max_new_tokens, ob["len"], ob["penalty_factor"])
+
+
+def overlong_floor_warning(scores: np.ndarray, penalties: np.ndarray | None, reward_cfg: dict,
+                           max_new_tokens: int) -> str | None:
+    """One line when every row got the full overlong penalty and all scores are equal: the batch is
+    at the shaping's floor, every group's advantage is 0 and the update learns nothing (the typical
+    cause: a response cap too short for the data).
+
+    Args:
+        scores: ``(rows,)`` final scores (after shaping).
+        penalties: ``(rows,)`` the overlong penalties (:func:`shaping_penalties`), or None.
+        reward_cfg: the ``reward`` config section as a dict.
+        max_new_tokens: ``rollout.max_new_tokens``.
+
+    Returns:
+        The warning (without a ``warning:`` prefix), or None.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    if penalties is None or not len(scores):
+        return None
+    ob = reward_cfg.get("overlong_buffer") or {}
+    factor = float(ob.get("penalty_factor", 1.0))
+    if factor <= 0 or not np.all(np.asarray(penalties) <= -factor + 1e-6) or np.ptp(scores) > 1e-6:
+        return None
+    return (f"all {len(scores)} scores are {scores[0]:.3f}, the overlong floor: every response reached "
+            f"rollout.max_new_tokens={max_new_tokens} and got the full overlong penalty -{factor:g} "
+            f"(reward.overlong_buffer: len={ob.get('len')}, penalty_factor={factor:g}), so every advantage is 0 "
+            f"and nothing is learnt; raise rollout.max_new_tokens, set reward.overlong_buffer.enable=false, or "
+            f"use the recipe for your data (-c grpo_gsm8k, -c grpo_math)")
+
+
 def final_scores(rule_scores: np.ndarray, rm_scores: np.ndarray | None, response_lengths: np.ndarray,
                  reward_cfg: dict, max_new_tokens: int) -> tuple[np.ndarray, dict[str, float]]:
     """The sequence score that training uses: rule/RM combination plus DAPO's overlong penalty.
@@ -355,9 +402,8 @@ def final_scores(rule_scores: np.ndarray, rm_scores: np.ndarray | None, response
             metrics["reward/rm_score/mean"] = float(rm.mean())
     else:
         score = rule
-    ob = reward_cfg.get("overlong_buffer") or {}
-    if ob.get("enable"):
-        pen = overlong_penalty(np.asarray(response_lengths), max_new_tokens, ob["len"], ob["penalty_factor"])
+    pen = shaping_penalties(response_lengths, reward_cfg, max_new_tokens)
+    if pen is not None:
         score = score + pen
         metrics["reward/overlong_penalty/mean"] = float(np.mean(pen)) if len(pen) else 0.0
     return score.astype(np.float32), metrics
@@ -415,7 +461,8 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
     Args:
         rollout: the rollout table.
         scores: ``(rows,)`` rule-based scores from :func:`score_rows`.
-        extras: per-row scorer extras.
+        extras: per-row scorer extras; stored as ``reward_extra`` with each row's ``overlong_penalty``
+            added when ``reward.overlong_buffer.enable`` (the score is the scorer's plus that penalty).
         ref_logprobs: reference log-probs per row (ragged), or ``None``.
         reward_cfg, algorithm_cfg: config sections as dicts.
         max_new_tokens: ``rollout.max_new_tokens``.
@@ -436,7 +483,12 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
     rule = np.asarray(scores, dtype=np.float32).copy()
     # The overlong penalty measures the generation budget: observation tokens of a multi-turn row
     # were not generated, so they do not count against rollout.max_new_tokens.
-    scores, metrics = final_scores(rule, rm_scores, mask.sum(dim=-1).numpy(), reward_cfg, max_new_tokens)
+    generated = mask.sum(dim=-1).numpy()
+    scores, metrics = final_scores(rule, rm_scores, generated, reward_cfg, max_new_tokens)
+    penalties = shaping_penalties(generated, reward_cfg, max_new_tokens)
+    if penalties is not None:  # the shaping each row got, beside what its scorer said (reward_extra)
+        extras = [{**(e if isinstance(e, dict) else {}), "overlong_penalty": round(float(p), 6)}
+                  for e, p in zip(extras, penalties)]
     token_scores = torch.zeros((B, T), dtype=torch.float32)
     token_scores[torch.arange(B), last_trainable_index(mask)] = torch.from_numpy(scores)
     token_scores = token_scores * mask

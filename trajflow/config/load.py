@@ -99,12 +99,25 @@ def resolve_recipe(recipe: str | Path | None) -> Path:
     raise ConfigError(f"--config: no recipe named {str(recipe)!r}; shipped recipes: {', '.join(shipped)}")
 
 
+def _recipe_for_own_data(cfg: DictConfig) -> str | None:
+    """The recipe made for the shape of the user's own data file (GSM8K, MATH), when no recipe was
+    named: the default recipe's 64-token cap and overlong penalty fit two-term arithmetic only
+    (:mod:`trajflow.prompts.shape`). None for a dataset spec or an unrecognised shape."""
+    from trajflow.prompts.shape import detect_shape, own_data
+
+    if own_data(cfg.data) is None:
+        return None
+    shape = detect_shape(cfg.data)
+    return shape.recipe if shape is not None else None
+
+
 def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
                 base: DictConfig | None = None) -> DictConfig:
     """Build a validated run config.
 
     Args:
-        recipe: recipe name under ``flows/configs/`` or a YAML path (``None``: the default recipe).
+        recipe: recipe name under ``flows/configs/`` or a YAML path (``None``: the default recipe, or,
+            for own data in GSM8K's or MATH's shape, ``grpo_gsm8k`` / ``grpo_math``).
         overrides: ``key=value`` strings (OmegaConf dot-list syntax, e.g. ``actor.lr=2e-5``).
         base: start from this resolved config instead of the defaults plus recipe (resume/replay).
 
@@ -174,6 +187,10 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as e:
             raise _explain(e, source) from None
+    if recipe is None and base is None:
+        shaped = _recipe_for_own_data(cfg)
+        if shaped is not None:
+            return load_config(shaped, overrides)
     if cfg.actor.ppo_mini_batch_size is None:  # verl's default: the whole batch in one optimizer step
         cfg.actor.ppo_mini_batch_size = cfg.data.train_batch_size
     resolve_auto_precision(cfg)

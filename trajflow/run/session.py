@@ -93,6 +93,9 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
     from trajflow.modeling.precision import describe, run_precision
 
     print(describe(run_precision(cfg)), flush=True)  # decided at config load ('auto'), before any worker starts
+    from trajflow.prompts.shape import describe_recipe
+
+    print(describe_recipe(cfg), flush=True)  # the response cap and shaping the data gets, before it is spent
 
     preload_audit()
     try:

@@ -1,0 +1,148 @@
+"""Own data gets a recipe that fits it: verl's GSM8K and MATH layouts pick grpo_gsm8k / grpo_math
+(response caps and rewards for worked solutions), the console names the cap and the reward shaping,
+the shaping is in reward_extra, and a batch stuck at the overlong floor is a warning."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stages.reward import overlong_floor_warning, reward_table, shaping_penalties
+from tests.test_verl_data import gsm8k_row, math_row, write_verl_parquet
+from trajflow.config import load_config
+from trajflow.prompts.shape import describe_recipe, detect_shape
+
+TRAJFLOW = [str(Path(sys.executable).parent / "trajflow")]
+
+
+def boxed_row(i: int, source: str = "my_olympiad") -> dict:
+    """A MATH-style row whose data source is no known set: only its \\boxed{} prompt shows the shape."""
+    return {"data_source": source,
+            "prompt": [{"role": "user", "content": f"What is {i} + {i}? Put the final answer within \\boxed{{}}."}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+            "extra_info": {"split": "train", "index": i}}
+
+
+def plain_row(i: int) -> dict:
+    return {"data_source": "acme/riddles", "prompt": [{"role": "user", "content": f"Riddle {i}?"}],
+            "ability": "riddle", "reward_model": {"style": "rule", "ground_truth": "egg"},
+            "extra_info": {"split": "train", "index": i}}
+
+
+@pytest.fixture
+def gsm8k_files(tmp_path):
+    # unknown data source on purpose for one row: the '####' solution still shows the shape
+    rows = [gsm8k_row(i) for i in range(6)] + [{**gsm8k_row(7), "data_source": "my_gsm8k_copy"}]
+    return (write_verl_parquet(tmp_path / "train.parquet", rows),
+            write_verl_parquet(tmp_path / "test.parquet", [gsm8k_row(20, "test"), gsm8k_row(21, "test")]))
+
+
+def test_own_data_picks_the_recipe_of_its_shape(tmp_path, gsm8k_files):
+    train, test = gsm8k_files
+    cfg = load_config(None, [f"data.train_files={train}", f"data.val_files={test}"])
+    assert cfg.recipe == "grpo_gsm8k"
+    assert cfg.rollout.max_new_tokens == 256 and not cfg.reward.overlong_buffer.enable
+    assert cfg.reward.default_scorer == "math_verify"
+    assert cfg.data.train_files == str(train)  # the user's overrides still win over the recipe
+    shape = detect_shape(cfg.data)
+    assert shape.name == "gsm8k" and shape.why == "data_source 'openai/gsm8k' in 6 of the first 7 rows"
+
+    math = write_verl_parquet(tmp_path / "math.parquet", [math_row(i, "lighteval/MATH") for i in range(3)])
+    assert load_config(None, [f"data.dataset={math}"]).recipe == "grpo_math"
+    boxed = write_verl_parquet(tmp_path / "boxed.parquet", [boxed_row(i) for i in range(3)])
+    cfg = load_config(None, [f"data.train_files={boxed}"])
+    assert cfg.recipe == "grpo_math" and cfg.rollout.max_new_tokens == 512
+    assert "'\\boxed{}' answers in 3 of the first 3 rows" in detect_shape(cfg.data).why
+    jsonl = tmp_path / "boxed.jsonl"
+    jsonl.write_text("".join(json.dumps(boxed_row(i)) + "\n" for i in range(2)))
+    assert load_config(None, [f"data.train_files={jsonl}"]).recipe == "grpo_math"
+
+    # a shape it does not know, an explicit recipe and a missing file keep the recipe they name
+    plain = write_verl_parquet(tmp_path / "plain.parquet", [plain_row(i) for i in range(3)])
+    assert load_config(None, [f"data.train_files={plain}"]).recipe == "grpo_default"
+    assert load_config("grpo", [f"data.train_files={train}"]).recipe == "grpo"
+    assert load_config(None, [f"data.train_files={tmp_path / 'nope.parquet'}"]).recipe == "grpo_default"
+    assert load_config(None, []).recipe == "grpo_default"
+
+
+def test_the_start_line_names_cap_shaping_and_shape(tmp_path, gsm8k_files):
+    train, _ = gsm8k_files
+    line = describe_recipe(load_config(None, [f"data.train_files={train}"]))
+    assert line.startswith("recipe grpo_gsm8k (data.train_files: GSM8K shape, data_source 'openai/gsm8k' in 6 of "
+                           "the first 7 rows): responses up to 256 tokens (rollout.max_new_tokens)")
+    assert line.endswith("reward: scorer by data_source (else math_verify), no length shaping")
+    plain = write_verl_parquet(tmp_path / "plain.parquet", [plain_row(i) for i in range(3)])
+    line = describe_recipe(load_config(None, [f"data.train_files={plain}", "reward.scorer=exact_match"]))
+    assert "recipe grpo_default (data.train_files: no GSM8K '####' or MATH '\\boxed{}' shape recognised" in line
+    assert line.endswith("responses up to 64 tokens (rollout.max_new_tokens); reward: scorer exact_match for every "
+                         "row, plus DAPO's overlong penalty over the last 16 tokens (0 down to -1 at the cap; "
+                         "reward.overlong_buffer)")
+    assert describe_recipe(load_config("smoke", [])).startswith("recipe smoke: responses up to 16 tokens")
+
+
+def _rollout(lengths: list[int]) -> pa.Table:
+    n = len(lengths)
+    return pa.table({"sample_id": [f"s{i}" for i in range(n)],
+                     "response_ids": pa.array([[5] * k for k in lengths], pa.list_(pa.int32())),
+                     "rollout_logprobs": pa.array([[-1.0] * k for k in lengths], pa.list_(pa.float32()))})
+
+
+def test_shaping_is_recorded_per_row_and_the_floor_is_a_warning():
+    reward_cfg = {"overlong_buffer": {"enable": True, "len": 4, "penalty_factor": 0.5}}
+    # L_max 8, L_cache 4: |y| <= 4 -> 0; 6 -> (4 - 6) / 4 * 0.5 = -0.25; 8 -> -0.5 (DAPO eq. 13)
+    table, _ = reward_table(_rollout([3, 6, 8]), np.array([1.0, 0.0, 1.0]), [{"acc": 1.0}, {}, {"acc": 1.0}],
+                            ref_logprobs=None, reward_cfg=reward_cfg, algorithm_cfg={}, max_new_tokens=8,
+                            kl_coef=0.0)
+    extras = [json.loads(x) for x in table.column("reward_extra").to_pylist()]
+    assert extras == [{"acc": 1.0, "overlong_penalty": 0.0}, {"overlong_penalty": -0.25},
+                      {"acc": 1.0, "overlong_penalty": -0.5}]
+    assert table.column("score").to_pylist() == [1.0, -0.25, 0.5]
+    off, _ = reward_table(_rollout([8]), np.array([0.0]), [{}], ref_logprobs=None,
+                          reward_cfg={"overlong_buffer": {"enable": False}}, algorithm_cfg={}, max_new_tokens=8,
+                          kl_coef=0.0)
+    assert json.loads(off.column("reward_extra")[0].as_py()) == {}
+
+    pen = shaping_penalties(np.array([8, 9, 8]), reward_cfg, 8)
+    assert pen.tolist() == [-0.5, -0.5, -0.5]
+    msg = overlong_floor_warning(np.full(3, -0.5), pen, reward_cfg, 8)
+    assert msg.startswith("all 3 scores are -0.500, the overlong floor: every response reached "
+                          "rollout.max_new_tokens=8 and got the full overlong penalty -0.5")
+    assert overlong_floor_warning(np.array([-0.5, 0.5, -0.5]), pen, reward_cfg, 8) is None  # a right answer
+    assert overlong_floor_warning(np.full(3, -0.25), np.full(3, -0.25), reward_cfg, 8) is None  # not at the cap
+    assert overlong_floor_warning(np.zeros(3), None, reward_cfg, 8) is None  # no shaping
+
+
+def test_own_gsm8k_parquet_trains_end_to_end(tmp_path, tiny_model_dir, gsm8k_files):
+    """The README's "train on your own verl parquet": no recipe named, the GSM8K recipe chosen and said;
+    with the default's shaping forced back on, a random model's cut responses hit the floor and say so."""
+    train, test = gsm8k_files
+    root = tmp_path / "runs"
+    p = subprocess.run(TRAJFLOW + ["train", f"data.train_files={train}", f"data.val_files={test}",
+                                   f"model.path={tiny_model_dir}", f"store.root={root}", "rollout.max_new_tokens=6",
+                                   "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=6",
+                                   "data.train_batch_size=2", "rollout.n=2", "trainer.total_iterations=1",
+                                   "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.progress=false",
+                                   "gates.enabled=false", "actor.mixed_precision.param_dtype=float32",
+                                   "rollout.dtype=float32", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert ("recipe grpo_gsm8k (data.train_files: GSM8K shape, data_source 'openai/gsm8k' in 6 of the first 7 rows): "
+            "responses up to 6 tokens (rollout.max_new_tokens); reward: scorer by data_source (else math_verify), "
+            "plus DAPO's overlong penalty over the last 6 tokens") in p.stdout
+    (run_dir,) = [d for d in root.iterdir() if d.is_dir()]
+    assert run_dir.name.startswith("grpo_gsm8k-")
+    reward = pq.read_table(run_dir / "iterations" / "000001" / "reward.parquet")
+    rollout = pq.read_table(run_dir / "iterations" / "000001" / "rollout.parquet")
+    lengths = [len(r) for r in rollout.column("response_ids").to_pylist()]
+    extras = [json.loads(x) for x in reward.column("reward_extra").to_pylist()]
+    # (L_max - L_cache - |y|) / L_cache with L_max = L_cache = 6: -|y| / 6
+    assert [e["overlong_penalty"] for e in extras] == pytest.approx([-n / 6 for n in lengths], abs=1e-6)
+    assert lengths == [6] * 4 and reward.column("score").to_pylist() == [-1.0] * 4  # a random model: cut, wrong
+    assert "warning: iteration 1: all 4 scores are -1.000, the overlong floor" in p.stderr
