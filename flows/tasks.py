@@ -141,10 +141,11 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
     params = RolloutSettings.of(ctx, iteration).sampling
     if cfg.algorithm.filter_groups.enable:
         table, policy_version = _dynamic_sampling(ctx, iteration)
-    elif cfg.rollout.multi_turn.enable:
+    elif cfg.rollout.multi_turn.enable or cfg.rollout.agent:
         gen = roles.generate_episodes(ctx, state.prompts, params, iteration)
         table = multi_turn_table(iteration, state.prompts, gen.episodes, gen.response_text, cfg.rollout.n,
-                                 gen.policy_version, extra_info_type=ctx.datasets.extra_info_type)
+                                 gen.policy_version, extra_info_type=ctx.datasets.extra_info_type,
+                                 agent=bool(cfg.rollout.agent))
         state.timing["timing_s/gen"] = gen.timing["timing_s/gen"]
         policy_version = gen.policy_version
     elif state.behaviour_version is not None:  # overlapped (trainer.max_staleness > 0): beside the update

@@ -46,6 +46,12 @@ class Episode:
             ``final`` (the environment's terminal ``final_reward`` call), ``default``
             (``rollout.multi_turn.default_env_reward``), or ``None`` (no reward).
         user_turns: observation turns appended so far.
+        agent_error: ``rollout.agent`` episodes: why the agent failed (``timeout: ...``, the exception), or None.
+        agent_answer: ``rollout.agent`` episodes: the final answer the agent returned (scored in place of
+            the response text), or None.
+        tito_drift_tokens: ``rollout.agent`` episodes: tokens where the agent's re-rendered history
+            differed from the recorded tokens used instead (:func:`trajflow.serve.sessions.drift_tokens`).
+        agent_calls: ``rollout.agent`` episodes: calls the agent made (those outside the stored chain included).
     """
 
     prompt_ids: list[int]
@@ -60,6 +66,10 @@ class Episode:
     env_reward: float | None = None
     env_reward_source: str | None = None
     user_turns: int = 0
+    agent_error: str | None = None
+    agent_answer: str | None = None
+    tito_drift_tokens: int = 0
+    agent_calls: int = 0
 
     @property
     def num_turns(self) -> int:
@@ -87,7 +97,7 @@ class Episode:
 
 def multi_turn_table(iteration: int, prompts: Sequence[Any], episodes: Sequence[Episode], response_text: Sequence[str],
                      n: int, policy_version: int, offset: int = 0,
-                     extra_info_type: pa.DataType | None = None) -> pa.Table:
+                     extra_info_type: pa.DataType | None = None, agent: bool = False) -> pa.Table:
     """The rollout stage's output for multi-turn episodes (``len(prompts) * n`` rows, prompt-major).
 
     Args:
@@ -99,6 +109,8 @@ def multi_turn_table(iteration: int, prompts: Sequence[Any], episodes: Sequence[
         policy_version: the weights' version that generated.
         offset: number of the first prompt (:func:`stages.rollout.sample_ids`).
         extra_info_type: the dataset's ``extra_info`` struct type (None infers it).
+        agent: the episodes are ``rollout.agent``'s: add ``agent_error``, ``agent_answer`` (string or
+            null), ``tito_drift_tokens`` and ``agent_calls`` (int32).
 
     Raises:
         ValueError: the episodes do not follow the row contract (lengths, finish reasons).
@@ -139,6 +151,11 @@ def multi_turn_table(iteration: int, prompts: Sequence[Any], episodes: Sequence[
         "env_reward": pa.array([e.env_reward for e in episodes], pa.float32()),
         "env_reward_source": pa.array([e.env_reward_source for e in episodes], pa.string()),
     }
+    if agent:
+        cols["agent_error"] = pa.array([e.agent_error for e in episodes], pa.string())
+        cols["agent_answer"] = pa.array([e.agent_answer for e in episodes], pa.string())
+        cols["tito_drift_tokens"] = pa.array([e.tito_drift_tokens for e in episodes], pa.int32())
+        cols["agent_calls"] = pa.array([e.agent_calls for e in episodes], pa.int32())
     return pa.table(cols)
 
 
@@ -173,7 +190,22 @@ def multi_turn_metrics(table: pa.Table) -> dict[str, float]:
             "tool/timeouts": float(sum(e.startswith("timeout:") for e in errors)),
             "tool/calls_per_episode": len(calls) / rows,
             "num_turns/mean": float(turns.mean()) if turns.size else 0.0,
-            "num_turns/max": float(turns.max()) if turns.size else 0.0}
+            "num_turns/max": float(turns.max()) if turns.size else 0.0, **agent_metrics(table)}
+
+
+def agent_metrics(table: pa.Table) -> dict[str, float]:
+    """``rollout.agent`` rows: ``rollout/tito_drift_tokens`` (sum over the batch: tokens where an agent's
+    re-rendered history differed from the recorded ones the rows use), ``rollout/agent_error_frac``
+    (rows whose agent raised or timed out), ``rollout/agent_timeout_frac`` and ``rollout/agent_calls``
+    (mean calls per episode); empty for other rows."""
+    if "agent_error" not in table.column_names:
+        return {}
+    errors = table.column("agent_error").to_pylist()
+    rows = max(1, table.num_rows)
+    return {"rollout/tito_drift_tokens": float(sum(table.column("tito_drift_tokens").to_pylist())),
+            "rollout/agent_error_frac": sum(e is not None for e in errors) / rows,
+            "rollout/agent_timeout_frac": sum(e is not None and e.startswith("timeout:") for e in errors) / rows,
+            "rollout/agent_calls": sum(table.column("agent_calls").to_pylist()) / rows}
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,7 @@ def test_agent_episodes_are_batched_and_errors_are_rows(policy, server):
             assert o.answer == tok.decode(e.response_ids[e.turn_spans[-2]:], skip_special_tokens=True)
     crash, slow, rewarded = out[6], out[7], out[8]
     assert crash.error == "RuntimeError: the agent fell over" and crash.episode.loss_mask == [0]
+    assert crash.episode.prompt_ids == tok(chatml(rows[6]["messages"]), add_special_tokens=False)["input_ids"]
     assert crash.episode.env_reward == 0.0 and crash.episode.env_reward_source == "agent_error"
     assert slow.error.startswith("timeout:") and slow.episode.env_reward_source == "agent_error"
     assert rewarded.episode.env_reward == 0.75 and rewarded.episode.env_reward_source == "agent"

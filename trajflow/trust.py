@@ -7,7 +7,8 @@ environment factory and the tools of a tool config; start-up checks import the r
 
 - **Code** (:data:`CODE_KEYS`): ``reward.custom_function`` (a Python file), a
   ``rollout.multi_turn.environment`` of the form ``module:factory`` and
-  ``rollout.multi_turn.tool_config_path`` (a file naming tool functions) are kept only when the
+  ``rollout.multi_turn.tool_config_path`` (a file naming tool functions) and ``rollout.agent`` (an
+  agent function, ``module:function``) are kept only when the
   caller names the key again in their overrides, or, for the reward function, confirms the sha256
   of its file with ``reward.custom_function_sha256=<hex>``. Otherwise a command that needs the
   code stops with one line saying how to consent; one that does not (``gate``) drops it.
@@ -32,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from trajflow.errors import ConfigError
 
 #: Config keys whose value names code that trajflow imports.
-CODE_KEYS = ("reward.custom_function", "rollout.multi_turn.environment", "rollout.multi_turn.tool_config_path")
+CODE_KEYS = ("reward.custom_function", "rollout.multi_turn.environment", "rollout.multi_turn.tool_config_path",
+             "rollout.agent")
 #: Config keys that grant consent; never honoured from a stored file.
 CONSENT_KEYS = ("reward.trust_changed_custom_function", "reward.custom_function_sha256")
 #: Where a stored config sends the run's data.

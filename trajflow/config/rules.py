@@ -170,11 +170,18 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
                           f"{cfg.rollout.max_new_tokens}")
     mt = cfg.rollout.multi_turn
     for key in ("scorer", "default_scorer"):
-        if cfg.reward[key] == "env" and not mt.enable and not cfg.reward.custom_function:
+        if cfg.reward[key] == "env" and not mt.enable and not cfg.rollout.agent and not cfg.reward.custom_function:
             raise ConfigError(f"{source}: reward.{key}='env' scores with the environment's reward (env_reward), which "
                               f"only multi-turn episodes have: set rollout.multi_turn.enable=true, or choose a text "
                               f"scorer")
-    if mt.enable:
+    if cfg.rollout.agent:
+        from trajflow.serve.agents import load_agent
+
+        try:
+            load_agent(str(cfg.rollout.agent))
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    if mt.enable and not cfg.rollout.agent:
         from trajflow.envs.registry import ENVIRONMENTS, check_environment, load_builtin_environments
 
         load_builtin_environments()
@@ -188,29 +195,31 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{source}: rollout.multi_turn.environment={mt.environment!r} is not registered: "
                               f"choose one of {', '.join(ENVIRONMENTS.names())}{hint}")
+    if mt.enable or cfg.rollout.agent:
+        episodes = "rollout.agent" if cfg.rollout.agent else "rollout.multi_turn.enable=true"
         if cfg.algorithm.filter_groups.enable:
-            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support "
+            raise ConfigError(f"{source}: {episodes} does not support "
                               "algorithm.filter_groups.enable=true (dynamic sampling of episodes); set it to false")
         if cfg.algorithm.adv_estimator == "remax":
-            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support "
+            raise ConfigError(f"{source}: {episodes} does not support "
                               "algorithm.adv_estimator='remax' (its greedy baseline is single-turn)")
         if (cfg.actor.strategy == "deepspeed" and cfg.actor.zero_stage == 3 and cfg.actor.world_size > 1
                 and cfg.rollout.engine == "hf" and cfg.rollout.pool is None):
             # ZeRO-3 ranks decode in lockstep; episodes give each rank its own number of generate calls.
-            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support actor.zero_stage=3 with "
+            raise ConfigError(f"{source}: {episodes} does not support actor.zero_stage=3 with "
                               f"actor.world_size={cfg.actor.world_size} on the hf engine (ranks would wait on each "
                               "other's turns); use actor.zero_stage<=2, rollout.pool or rollout.engine=vllm")
         if (cfg.actor.strategy == "fsdp2" and cfg.actor.world_size > 1 and cfg.rollout.engine == "hf"
                 and cfg.rollout.pool is None):
             # FSDP2 ranks decode in lockstep too (every forward gathers parameters).
-            raise ConfigError(f"{source}: rollout.multi_turn.enable=true does not support actor.strategy=fsdp2 with "
+            raise ConfigError(f"{source}: {episodes} does not support actor.strategy=fsdp2 with "
                               f"actor.world_size={cfg.actor.world_size} on the hf engine (ranks would wait on each "
                               "other's turns); use rollout.pool, rollout.engine=vllm or actor.strategy=deepspeed "
                               "with actor.zero_stage<=2")
         if cfg.model.prompt_format != "auto":
-            raise ConfigError(f"{source}: rollout.multi_turn.enable=true needs model.prompt_format='auto' "
+            raise ConfigError(f"{source}: {episodes} needs model.prompt_format='auto' "
                               f"(the chat template renders the turns), got {cfg.model.prompt_format!r}")
-        if mt.tool_config_path:
+        if mt.tool_config_path and not cfg.rollout.agent:
             from trajflow.envs.tools import load_tool_config
 
             load_tool_config(mt.tool_config_path)
@@ -254,6 +263,7 @@ def _check_staleness(cfg: DictConfig, source: str) -> None:
                           f"(e.g. resources.placement=split, resources.pools={{train: {{}}, gen: {{}}}}, "
                           f"actor.pool=train, rollout.pool=gen), or set trainer.max_staleness=0")
     unsupported = [(cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true"),
+                   (bool(cfg.rollout.agent), "rollout.agent"),
                    (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true"),
                    (cfg.algorithm.adv_estimator == "remax", "algorithm.adv_estimator='remax'")]
     for on, what in unsupported:

@@ -150,6 +150,15 @@ class RolloutConfig:
                     "engine); bfloat16/float16 sample from the engine's own copy in that dtype, re-synced after "
                     "every update; auto = bfloat16 where bf16 is fast, else float32", choices=PRECISION_DTYPES)
     multi_turn: MultiTurnConfig = _section(MultiTurnConfig)
+    agent: Optional[str] = _f(None, "'module:function' of your own agent, called per episode as fn(task_row, "
+                              "base_url, api_key) against the OpenAI-compatible endpoint the rollout serves; its "
+                              "calls are recorded token-exact as multi-turn rows (docs/agents.md; command line "
+                              "or your config only, never taken from a run folder)")
+    agent_timeout_s: float = _f(300.0, "seconds one agent episode may run; then its calls are refused and its row "
+                                "records agent_error 'timeout: ...'", gt=0.0)
+    agent_concurrency: int = _f(0, "agent episodes running at once (0 = all of the batch)", ge=0)
+    agent_error_reward: float = _f(0.0, "env_reward of an episode whose agent raised or timed out (the row keeps "
+                                   "its sampled tokens; rollout/agent_error_frac counts them)")
 
 
 @dataclass

@@ -43,7 +43,7 @@ def preflight(cfg: DictConfig) -> None:
     check_store_root(cfg)
     check_tracking_server(cfg)
     check_reward_and_gates(cfg)
-    if cfg.rollout.multi_turn.enable:  # a sandbox weaker than allowed: refused here, before Ray
+    if cfg.rollout.multi_turn.enable and not cfg.rollout.agent:  # a weaker sandbox than allowed: refused before Ray
         from trajflow.envs.sandbox import tool_sandbox_record
 
         tool_sandbox_record(cfg.rollout.multi_turn)

@@ -99,14 +99,16 @@ def load_rollout_weights(ctx: RunContext, weights, version: int) -> float:
 
 
 def generate_episodes(ctx: RunContext, prompts: list, params: SamplingParams, iteration: int | None = None):
-    """Run ``params.n`` multi-turn episodes per prompt on the policy (or rollout) workers.
+    """Run ``params.n`` multi-turn episodes per prompt on the policy (or rollout) workers: the
+    environment's (``rollout.multi_turn``), or ``rollout.agent``'s through the served endpoint.
 
     Returns:
         :class:`stages.multi_turn.EpisodeGeneration`, ``len(prompts) * n`` episodes, prompt-major.
     """
     rows = [{"messages": p.messages, "ground_truth": str(p.ground_truth), "data_source": p.data_source,
              "extra_info": p.extra_info, "prompt_id": str(p.prompt_id)} for p in prompts for _ in range(params.n)]
-    pending = ctx.actor.generate_episodes.remote(rows, params, int(ctx.cfg.data.max_prompt_length))
+    run = ctx.actor.generate_agent_episodes if ctx.cfg.rollout.agent else ctx.actor.generate_episodes
+    pending = run.remote(rows, params, int(ctx.cfg.data.max_prompt_length))
     fault_point("rollout", iteration)
     return wait(ctx, pending)
 
@@ -129,6 +131,9 @@ def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
             task starts, so the error stays one line).
     """
     cols = [table.column(c).to_pylist() for c in ("data_source", text_column, "ground_truth", "extra_info")]
+    if text_column == "response_text" and "agent_answer" in table.column_names:
+        # An agent's returned answer is what its episode is scored on.
+        cols[1] = [a if a is not None else t for a, t in zip(table.column("agent_answer").to_pylist(), cols[1])]
     rows = len(cols[1])
     reward_cfg = ctx.reward_settings()
     # The environment rewarded the episode's own response, not ReMax's greedy one.

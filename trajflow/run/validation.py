@@ -38,7 +38,8 @@ def run_validation(ctx: RunContext, step: int) -> dict[str, float]:
     n = cfg.rollout.val_n
     params = sampling_params(cfg.rollout, iteration_seed(cfg.trainer.seed, step, Salt.VALIDATION), n=n,
                              temperature=cfg.rollout.val_temperature, top_p=1.0, top_k=0)
-    if cfg.rollout.multi_turn.enable:  # the held-out prompts as episodes, tools and all
+    episodes = cfg.rollout.multi_turn.enable or bool(cfg.rollout.agent)
+    if episodes:  # the held-out prompts as episodes, tools (or the agent) and all
         from trajflow.run.roles import generate_episodes
 
         gen = generate_episodes(ctx, prompts, params)
@@ -46,8 +47,11 @@ def run_validation(ctx: RunContext, step: int) -> dict[str, float]:
         prompt_ids = wait(ctx, ctx.actor.tokenize_prompts.remote([p.messages for p in prompts], cfg.data.max_prompt_length))
         gen = wait(ctx, ctx.actor.generate_sequences.remote(prompt_ids, params, False))
     rows = [p for p in prompts for _ in range(n)]
-    env = [e.env_reward for e in gen.episodes] if cfg.rollout.multi_turn.enable else None
-    result = score_rows([p.data_source for p in rows], gen.response_text, [str(p.ground_truth) for p in rows],
+    env = [e.env_reward for e in gen.episodes] if episodes else None
+    # An agent's returned answer is what its episode is scored on.
+    texts = [e.agent_answer if e.agent_answer is not None else t for e, t in zip(gen.episodes, gen.response_text)] \
+        if episodes else gen.response_text
+    result = score_rows([p.data_source for p in rows], texts, [str(p.ground_truth) for p in rows],
                         [json.dumps(p.extra_info, default=str) for p in rows], ctx.reward_settings(),
                         env_rewards=env, row_prompt_ids=[str(p.prompt_id) for p in rows])
     metrics = validation_metrics([p.data_source for p in rows], result.scores, result.extras, gen.response_ids, n)

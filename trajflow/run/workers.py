@@ -206,7 +206,7 @@ def create_workers(ctx: RunContext) -> None:
             ray.get(handle.pid.remote())
     groups = {"actor": ctx.actor, "reference": ctx.reference, "rollout": ctx.rollout, "teacher": ctx.teacher}
     ctx.store.update_run_meta(worker_nodes={role: g.node_ids() for role, g in groups.items() if g is not None})
-    if ctx.cfg.rollout.multi_turn.enable:  # what the tool sandbox isolates here (probed once per process)
+    if ctx.cfg.rollout.multi_turn.enable and not ctx.cfg.rollout.agent:  # what the tool sandbox isolates here
         from trajflow.envs.sandbox import tool_sandbox_record
 
         ctx.store.update_run_meta(tool_sandbox=tool_sandbox_record(ctx.cfg.rollout.multi_turn))

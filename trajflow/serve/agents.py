@@ -24,11 +24,12 @@ import importlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from stages.multi_turn import Episode
-from trajflow.serve.app import AgentServer
-from trajflow.serve.batching import GenerationQueue
+
+if TYPE_CHECKING:  # the endpoint (FastAPI, uvicorn) is imported only where episodes run
+    from trajflow.serve.app import AgentServer
 
 
 def load_agent(spec: str) -> Callable:
@@ -115,7 +116,7 @@ def _outcome(result: Any) -> tuple[float | None, str | None]:
                     "{'reward': .., 'answer': ..} or None")
 
 
-def run_agent_episodes(agent: Callable, server: AgentServer, generate: Callable, rows: Sequence[dict],
+def run_agent_episodes(agent: Callable, server: "AgentServer", generate: Callable, rows: Sequence[dict],
                        sampling: tuple[float, float, int] | None, limits: AgentLimits, seed: int = 0) -> list[AgentEpisode]:
     """Run one episode of ``agent`` per row against ``server``, feeding ``generate`` from this thread.
 
@@ -134,6 +135,8 @@ def run_agent_episodes(agent: Callable, server: AgentServer, generate: Callable,
     Raises:
         Exception: what the engine raised (an agent's own failure is its row's ``error``).
     """
+    from trajflow.serve.batching import GenerationQueue
+
     queue = GenerationQueue(generate, seed=seed)
     server.attach(queue, sampling)
     sessions = [server.open_session(limits.budget, limits.max_prompt_length, limits.turn_tokens) for _ in rows]
@@ -196,7 +199,13 @@ def run_agent_episodes(agent: Callable, server: AgentServer, generate: Callable,
         server.detach()
     out = []
     for i, s in enumerate(sessions):
-        e = s.episode(server.eos_ids[0])
+        if s.turns:
+            e = s.episode(server.eos_ids[0])
+        else:  # no call: the row's prompt is the task's messages as the chat template renders them
+            from trajflow.serve.chat import template_messages
+
+            messages = template_messages(rows[i]["messages"])
+            e = s.episode(server.eos_ids[0], server.renderer([])[0].prompt_ids(messages), messages)
         answer = None
         error = errors[i]
         if error is None:
@@ -208,5 +217,6 @@ def run_agent_episodes(agent: Callable, server: AgentServer, generate: Callable,
                 e.env_reward, e.env_reward_source = reward, "agent"
         if error is not None:
             e.env_reward, e.env_reward_source = float(limits.error_reward), "agent_error"
+        e.agent_error, e.agent_answer, e.tito_drift_tokens, e.agent_calls = error, answer, s.drift, len(s.turns)
         out.append(AgentEpisode(e, answer, error, s.drift, len(s.turns), s.unchained))
     return out

@@ -271,15 +271,16 @@ class Session:
             ref = t.parent
         return out[::-1]
 
-    def episode(self, eos_id: int) -> Episode:
+    def episode(self, eos_id: int, prompt_ids: Sequence[int] = (), prompt_messages: Sequence[dict] = ()) -> Episode:
         """The episode's training row (:class:`stages.multi_turn.Episode`) from the recorded tokens.
 
-        A session without any call (the agent failed before its first one) is one EOS token with
-        ``loss_mask`` 0: a row that trains nothing but keeps the group's shape.
+        A session without any call (the agent failed before its first one) is ``prompt_ids`` (the
+        task's messages, ``prompt_messages``, rendered) and one EOS token with ``loss_mask`` 0: a row
+        that trains nothing but keeps the group's shape.
         """
         chain = self.chain()
         if not chain:
-            e = Episode(prompt_ids=[], prompt_messages=[])
+            e = Episode(prompt_ids=list(prompt_ids), prompt_messages=[dict(m) for m in prompt_messages])
             e.add_observation([eos_id])
             e.finish_reason = "stop"
             return e

@@ -319,6 +319,45 @@ class PolicyWorker(Worker):
                                  response_text=self.tokenizer.batch_decode(ids, skip_special_tokens=True),
                                  policy_version=self.policy_version, timing={"timing_s/gen": time.perf_counter() - t0})
 
+    @dispatch("split", split_args=("rows",))
+    def generate_agent_episodes(self, rows: list[dict], params: SamplingParams,
+                                max_prompt_length: int = 0) -> EpisodeGeneration:
+        """Run one episode of ``rollout.agent`` per row against this worker's engine, served on 127.0.0.1
+        (:mod:`trajflow.serve`; the endpoint starts on first use and lives as long as the worker).
+
+        Each call is sampled at ``params``' temperature/top-p/top-k; the caller repeats each prompt row
+        ``n`` times (``params.n`` is ignored). Agents run in threads of this process; the engine runs in
+        this method's thread.
+
+        Returns:
+            :class:`~stages.multi_turn.EpisodeGeneration`; each episode carries ``agent_error``,
+            ``agent_answer``, ``tito_drift_tokens`` and ``agent_calls``.
+        """
+        from trajflow.serve.agents import AgentLimits, load_agent, run_agent_episodes
+        from trajflow.serve.app import AgentServer
+
+        if getattr(self, "_agent_server", None) is None:
+            self._agent_server = AgentServer(self.tokenizer, self.eos_ids, self.rollout.multi_turn.format).start()
+        agent = load_agent(str(self.rollout.agent))
+        limits = AgentLimits(budget=int(self.rollout.max_new_tokens),
+                             turn_tokens=int(self.rollout.multi_turn.max_tokens_per_turn),
+                             timeout_s=float(self.rollout.agent_timeout_s),
+                             concurrency=int(self.rollout.agent_concurrency),
+                             error_reward=float(self.rollout.agent_error_reward), max_prompt_length=int(max_prompt_length))
+        t0 = time.perf_counter()
+        self._wake_engine()
+        with self._inference():
+            done = run_agent_episodes(agent, self._agent_server, self.engine.generate, rows,
+                                      (float(params.temperature), float(params.top_p), int(params.top_k)), limits,
+                                      seed=int(params.seed))
+        self.engine.sleep()
+        episodes = [d.episode for d in done]
+        ids = [e.response_ids for e in episodes]
+        self._release()
+        return EpisodeGeneration(episodes=episodes, response_ids=ids,
+                                 response_text=self.tokenizer.batch_decode(ids, skip_special_tokens=True),
+                                 policy_version=self.policy_version, timing={"timing_s/gen": time.perf_counter() - t0})
+
     @dispatch("split", split_args=("prompt_ids", "response_ids"))
     def compute_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
                          temperature: float) -> list[np.ndarray]:
