@@ -23,6 +23,7 @@ def test_agent_rows_train_through_the_flow(tmp_path):
         "data.dataset": "basic_arithmetic_tool", "rollout.max_new_tokens": 64,
         "rollout.multi_turn.max_tokens_per_turn": 16, "rollout.agent": "tests.serve_agents:every_fourth_crashes",
         "rollout.agent_timeout_s": 120, "trainer.total_iterations": 1, "trainer.test_freq": 1,
+        "trainer.val_before_train": False,
         "trainer.log_samples": 0, "trainer.save_freq": 1})
     summary = train("grpo_tool_calculator", over)
     run_dir = Path(summary["run_dir"])
