@@ -10,7 +10,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from dashboards.data import store_runs
+from dashboards.data import has_iterations, store_runs
 from trajflow.tracking import store_tracking_uri
 
 
@@ -18,18 +18,27 @@ from trajflow.tracking import store_tracking_uri
 class Settings:
     store_root: str
     tracking_uri: str
+    mlflow_ui: str      # base URL of the MLflow UI the run links point at
+    prefect_ui: str     # base URL of the Prefect UI (flow-run links)
 
 
 @st.cache_resource
 def settings() -> Settings:
-    """``--store`` / ``--tracking-uri`` after ``--`` on the streamlit command line, else
-    ``TRAJFLOW_STORE`` / ``TRAJFLOW_TRACKING_URI``, else ``runs`` and its SQLite store."""
+    """``--store`` / ``--tracking-uri`` / ``--mlflow-ui`` / ``--prefect-ui`` after ``--`` on the streamlit
+    command line, else ``TRAJFLOW_STORE`` / ``TRAJFLOW_TRACKING_URI`` / ``TRAJFLOW_MLFLOW_UI`` /
+    ``PREFECT_UI_URL``, else ``runs`` and its SQLite store, the tracking URI itself when it is an
+    MLflow server (else ``mlflow ui``'s default http://127.0.0.1:5000) and ``prefect server start``'s
+    default http://127.0.0.1:4200."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--store", default=os.environ.get("TRAJFLOW_STORE", "runs"))
     p.add_argument("--tracking-uri", default=os.environ.get("TRAJFLOW_TRACKING_URI"))
+    p.add_argument("--mlflow-ui", default=os.environ.get("TRAJFLOW_MLFLOW_UI"))
+    p.add_argument("--prefect-ui", default=os.environ.get("PREFECT_UI_URL") or "http://127.0.0.1:4200")
     args, _ = p.parse_known_args(sys.argv[1:])
     root = str(Path(args.store).expanduser().resolve())
-    return Settings(root, args.tracking_uri or store_tracking_uri(root))
+    uri = args.tracking_uri or store_tracking_uri(root)
+    mlflow_ui = args.mlflow_ui or (uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000")
+    return Settings(root, uri, mlflow_ui.rstrip("/"), args.prefect_ui.rstrip("/"))
 
 
 @st.cache_resource
@@ -57,7 +66,8 @@ def query_list(name: str) -> list[str]:
 def run_picker(key: str, label: str = "Run") -> str | None:
     """A select box over the run folders of the store root, newest first.
 
-    The ``?run=`` query parameter picks the initial run, and the choice is written back to it.
+    The ``?run=`` query parameter picks the initial run, else the newest run with a stored
+    iteration; the choice is written back to the parameter.
 
     Args:
         key: the widget's Streamlit key (one per page).
@@ -71,7 +81,9 @@ def run_picker(key: str, label: str = "Run") -> str | None:
         st.info("No runs in this store yet.")
         return None
     wanted = st.query_params.get("run")
-    index = runs.index(wanted) if wanted in runs else 0
+    # By default the newest run with a stored iteration: a run still validating at step 0 has nothing to browse.
+    index = runs.index(wanted) if wanted in runs else next(
+        (i for i, r in enumerate(runs) if has_iterations(settings().store_root, r)), 0)
     choice = st.selectbox(label, runs, index=index, key=key)
     st.query_params["run"] = choice
     return choice

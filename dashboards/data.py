@@ -42,6 +42,12 @@ def store_runs(store_root: str | Path) -> list[str]:
     return [p.name for p in sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 
+def has_iterations(store_root: str | Path, run_id: str) -> bool:
+    """Whether the run folder holds a stored rollout (a run still at step 0 has none)."""
+    d = Path(store_root).expanduser().resolve() / run_id / "iterations"
+    return d.is_dir() and any((p / "rollout.parquet").exists() for p in d.iterdir() if p.name.isdigit())
+
+
 def list_runs(client) -> list[dict]:
     """Every MLflow run of the tracking store, newest first, as plain rows for a table; of a resumed
     run, only its newest session (the segment that holds its whole history).
@@ -50,7 +56,10 @@ def list_runs(client) -> list[dict]:
         Dicts with ``run`` (run name = trajflow run id), ``mlflow_run_id``, ``experiment``, ``kind``
         (tag ``trajflow.kind``: ``train`` when absent, ``evaluation`` for ``trajflow evaluate``), ``status``,
         ``started`` (epoch ms), ``wall_s``, ``planned_iterations``, ``score`` (latest
-        ``critic/score/mean``), ``commit``, ``parent``.
+        ``critic/score/mean``), ``iterations_done`` (whether it logged a finished iteration:
+        ``timing_s/step``), ``commit``, ``parent``, ``prefect_flow_run_id`` and
+        ``prefect_flow_run_url`` (tags of the Prefect flow run that trained it; "" when absent),
+        ``experiment_id``.
     """
     from trajflow.compare import experiments, search
     from trajflow.tracking import TAG_PARENT_ITERATION, TAG_PARENT_RUN, TAG_SUPERSEDED_BY
@@ -69,9 +78,13 @@ def list_runs(client) -> list[dict]:
             "started": info.start_time, "wall_s": ((end - info.start_time) / 1000.0) if end and info.start_time else None,
             "planned_iterations": data.params.get("trainer.total_iterations"),
             "score": data.metrics.get("critic/score/mean"),
+            "iterations_done": "timing_s/step" in data.metrics,
             "commit": (data.tags.get("mlflow.source.git.commit") or "")[:10],
             "parent": (f"{data.tags[TAG_PARENT_RUN]}@{data.tags.get(TAG_PARENT_ITERATION, '?')}"
                        if TAG_PARENT_RUN in data.tags else ""),
+            "prefect_flow_run_id": data.tags.get("prefect.flow_run_id", ""),
+            "prefect_flow_run_url": data.tags.get("prefect.flow_run_url", ""),
+            "experiment_id": info.experiment_id,
         })
     return rows
 

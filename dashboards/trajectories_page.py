@@ -4,12 +4,15 @@ or one card per group (a prompt once, its n responses side by side)."""
 from __future__ import annotations
 
 import json
+from urllib.parse import quote
 
 import streamlit as st
 
 from dashboards.common import run_picker, settings
 from dashboards.data import (SORT_KEYS, TrajectoryFilter, episode_messages, find_groups, find_trajectories,
                              trajectory_facets, trajectory_source)
+from dashboards.iteration_stats import iteration_distributions, prompt_history, repeated_prompts
+from dashboards.tokens import COLOR_KEYS, run_tokenizer, token_html, token_rows
 
 
 @st.cache_data(ttl=15, show_spinner=False)
@@ -25,6 +28,31 @@ def _find(root: str, run: str, flt: TrajectoryFilter, limit: int) -> list[dict]:
 @st.cache_data(ttl=15, show_spinner="searching ...")
 def _groups(root: str, run: str, flt: TrajectoryFilter, limit: int) -> list[dict]:
     return find_groups(root, run, flt, limit)
+
+
+@st.cache_resource(show_spinner=False)
+def _tokenizer(root: str, run: str):
+    return run_tokenizer(root, run)
+
+
+@st.cache_data(ttl=15, show_spinner=False)
+def _tokens(root: str, run: str, iteration: int, sample_id: str) -> dict:
+    return token_rows(root, run, iteration, sample_id, _tokenizer(root, run))
+
+
+@st.cache_data(ttl=15, show_spinner=False)
+def _distributions(root: str, run: str):
+    return iteration_distributions(root, run).to_pandas()
+
+
+@st.cache_data(ttl=15, show_spinner=False)
+def _repeated(root: str, run: str) -> list[tuple[str, int]]:
+    return repeated_prompts(root, run)
+
+
+@st.cache_data(ttl=15, show_spinner="reading the prompt's groups ...")
+def _history(root: str, run: str, prompt_id: str) -> list[dict]:
+    return prompt_history(root, run, prompt_id)
 
 
 def _fmt(v, spec: str = ".4g") -> str:
@@ -64,6 +92,30 @@ def _turn_view(root: str, run: str, row: dict) -> None:
                             st.code(c["result"] or "", language=None, wrap_lines=True)
 
 
+def _token_view(root: str, run: str, row: dict) -> None:
+    """The response token by token, colour-coded, with a table of every stored per-token number."""
+    import pandas as pd
+
+    sid = row["sample_id"]
+    view = _tokens(root, run, int(row["iteration"]), sid)
+    stored = [c for c in COLOR_KEYS if c in view["columns"]]
+    if not stored:
+        st.caption("no per-token numbers stored for this response")
+        return
+    by = st.radio("colour by", stored, horizontal=True, key=f"tokcolor_{sid}",
+                  format_func=lambda c: {"advantages": "advantage", "rollout_logprobs": "log-prob (behaviour)",
+                                         "token_entropy": "entropy", "teacher_logprobs": "log-prob (teacher)"}[c])
+    with st.container(key=f"tokens_{sid}"):
+        st.html(token_html(view, by))
+    notes = ["struck through: loss mask 0" + (" (the gate quarantined this response)" if view["quarantined"] else ""),
+             "advantage: green > 0, red < 0", "log-prob: the redder, the less likely"]
+    if "token_entropy" not in view["columns"]:
+        notes.append("per-token entropy is not stored by this run")
+    st.caption(" · ".join(notes))
+    with st.expander("per-token table", expanded=False):
+        st.dataframe(pd.DataFrame(view["tokens"]), hide_index=True, width="stretch")
+
+
 def _card(row: dict, root: str | None = None, run: str | None = None) -> None:
     with st.container(border=True, key=f"card_{row['sample_id']}"):
         st.markdown(
@@ -76,10 +128,14 @@ def _card(row: dict, root: str | None = None, run: str | None = None) -> None:
             st.caption("prompt")
             text = row["prompt_text"] or ""
             st.code(text, language=None, wrap_lines=True, height=180 if text.count("\n") > 6 else "content")
+        multi_turn = root is not None and row.get("num_turns") is not None
         with right:
-            st.caption("response")
-            with st.container(key=f"response_{row['sample_id']}"):
-                st.code(row["response_text"] or "", language=None, wrap_lines=True)
+            if multi_turn:  # the turn view below shows the response: once, turn by turn
+                st.caption(f"response: {row['num_turns']} turns, below")
+            else:
+                st.caption("response")
+                with st.container(key=f"response_{row['sample_id']}"):
+                    st.code(row["response_text"] or "", language=None, wrap_lines=True)
         details = {"ground_truth": row["ground_truth"]}
         try:
             details["reward_extra"] = json.loads(row["reward_extra"]) if row["reward_extra"] else None
@@ -88,8 +144,11 @@ def _card(row: dict, root: str | None = None, run: str | None = None) -> None:
         if row.get("reward_error"):
             details["reward_error"] = row["reward_error"]
         st.caption("reward details: " + json.dumps(details, default=str))
-        if root is not None and row.get("num_turns") is not None:
+        if multi_turn:
             _turn_view(root, run, row)
+        if root is not None and st.toggle("tokens", key=f"tok_{row['sample_id']}",
+                                          help="token, log-prob, advantage, loss mask, colour-coded"):
+            _token_view(root, run, row)
 
 
 def _group_card(group: dict, root: str | None = None, run: str | None = None) -> None:
@@ -102,6 +161,9 @@ def _group_card(group: dict, root: str | None = None, run: str | None = None) ->
                     f"std {_fmt(group['score_std'])} · ground truth `{group['ground_truth']}`")
         text = group["prompt_text"] or ""
         st.code(text, language=None, wrap_lines=True, height=150 if text.count("\n") > 5 else "content")
+        if run is not None and rows and rows[0].get("prompt_id") is not None:
+            st.markdown(f"[this prompt across iterations](./trajectories?run={quote(run)}&prompt="
+                        f"{quote(str(rows[0]['prompt_id']))}&view=prompt)")
         per_line = min(len(rows), 4)
         for start in range(0, len(rows), per_line):
             for col, row in zip(st.columns(per_line), rows[start:start + per_line]):
@@ -129,7 +191,13 @@ def trajectories_page() -> None:
         return
     c1, c2, c3, c4 = st.columns([2, 2, 2, 1])
     lo, hi = min(f["iterations"]), max(f["iterations"])
-    its = c1.slider("Iterations", lo, hi, (lo, hi), key="traj_its") if lo < hi else (lo, hi)
+    if lo < hi:
+        its = c1.slider("Iterations", lo, hi, (lo, hi), key="traj_its")
+    else:  # a slider needs two values; say which iteration there is instead of hiding the filter
+        with c1.container(key="traj_its_one"):
+            st.caption("Iterations")
+            st.markdown(f"**{lo}** (the only stored iteration)")
+        its = (lo, hi)
     sources = c2.multiselect("Data source", f["data_sources"], key="traj_sources")
     reasons = c3.multiselect("Finish reason", f["finish_reasons"], key="traj_reasons")
     limit = int(c4.number_input("Rows", 1, 1000, 50, step=10, key="traj_limit"))
@@ -147,7 +215,10 @@ def trajectories_page() -> None:
                                              help="BM25 over whole words (audit table); results by relevance")
     sort_by = q2.selectbox("Sort by", SORT_KEYS, key="traj_sort")
     descending = q3.toggle("Desc.", key="traj_desc")
-    grouped = st.radio("View", ("responses", "groups"), horizontal=True, key="traj_view") == "groups"
+    views = ("responses", "groups", "prompt across iterations")
+    asked = {"groups": 1, "prompt": 2}.get(st.query_params.get("view", ""), 0)
+    view = st.radio("View", views, index=asked, horizontal=True, key="traj_view")
+    grouped = view == "groups"
     text = query.strip() or None
     picked = tuple(s for s in st.query_params.get_all("sample") if s)  # links from the gates page
     if picked:
@@ -157,6 +228,10 @@ def trajectories_page() -> None:
                            search=None if ranked else text, fulltext=text if ranked else None,
                            sort_by=sort_by, descending=descending)
     where = f" · source: {'LanceDB audit table' if source == 'audit' else 'Parquet stage outputs'}"
+    _distribution_charts(cfg.store_root, run)
+    if view == views[2]:
+        _prompt_across_iterations(cfg.store_root, run)
+        return
     if grouped:
         groups = _groups(cfg.store_root, run, flt, limit)
         st.caption(f"{len(groups)} group{'' if len(groups) == 1 else 's'}"
@@ -169,3 +244,48 @@ def trajectories_page() -> None:
                + where)
     for row in rows:
         _card(row, cfg.store_root, run)
+
+
+def _distribution_charts(root: str, run: str) -> None:
+    """Histograms of the scores and response lengths of each iteration (one column of bins per iteration)."""
+    import altair as alt
+
+    with st.expander("Score and response-length histograms per iteration", expanded=False):
+        d = _distributions(root, run)
+        cols = st.columns(2)
+        for col, field, title in ((cols[0], "score", "score"), (cols[1], "response_length", "response length (tokens)")):
+            data = d.dropna(subset=[field])
+            if data.empty:
+                col.caption(f"no {title} stored yet")
+                continue
+            chart = (alt.Chart(data, title=f"{title} per iteration").mark_rect()
+                     .encode(x=alt.X("iteration:O", title="iteration"),
+                             y=alt.Y(f"{field}:Q", bin=alt.Bin(maxbins=20), title=title),
+                             color=alt.Color("count():Q", scale=alt.Scale(scheme="blues"), title="responses"),
+                             tooltip=["iteration:O", alt.Tooltip(f"{field}:Q", bin=alt.Bin(maxbins=20)),
+                                      alt.Tooltip("count():Q", title="responses")])
+                     .properties(height=260))
+            with col.container(key=f"hist_{field}"):
+                st.altair_chart(chart, width="stretch")
+
+
+def _prompt_across_iterations(root: str, run: str) -> None:
+    """One prompt's groups in each iteration that sampled it: the same question, the policy's answers over time."""
+    repeated = _repeated(root, run)
+    wanted = st.query_params.get("prompt")
+    options = [p for p, _ in repeated]
+    if wanted and wanted not in options:
+        options = [wanted] + options
+    if not options:
+        st.info("No prompt was sampled in more than one iteration of this run (each epoch of a dataset larger than "
+                "the run's prompts is new); open one from a group card's link to see it anyway.")
+        return
+    counts = dict(repeated)
+    pid = st.selectbox("Prompt", options, index=options.index(wanted) if wanted in options else 0, key="traj_prompt",
+                       format_func=lambda p: f"{p} ({counts.get(p, 1)} iterations)")
+    st.query_params["prompt"] = pid
+    history = _history(root, run, pid)
+    st.caption(f"prompt `{pid}`: {len(history)} group{'' if len(history) == 1 else 's'} in iterations "
+               + ", ".join(str(g["iteration"]) for g in history))
+    for group in history:
+        _group_card(group, root, run)

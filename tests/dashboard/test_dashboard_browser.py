@@ -43,9 +43,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ONE_IT, STEP0 = "one-it", "at-step-0"  # the extra runs of ``extra_runs``
+
+
 @pytest.fixture(scope="module")
-def dashboard(two_runs, tmp_path_factory):
-    """A running ``streamlit run dashboards/app.py`` over the two runs; yields its base URL."""
+def extra_runs(two_runs):
+    """Two more runs in the same store, removed afterwards: ``one-it`` (the first iteration of ``lr-high``
+    alone: its folder without iterations 2-3, an MLflow run with its metrics up to step 1) and, newest,
+    ``at-step-0`` (a run still validating: a folder with only its config, an MLflow run with only step 0)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(two_runs.tracking_uri)
+    src_id = two_runs.mlflow_ids["lr-high"]
+    src = client.get_run(src_id)
+    made = []
+    for name in (ONE_IT, STEP0):  # leftovers of an interrupted session with a reused store
+        shutil.rmtree(two_runs.root / name, ignore_errors=True)
+        for r in client.search_runs([src.info.experiment_id], filter_string=f"attributes.run_name = '{name}'"):
+            client.delete_run(r.info.run_id)
+    shutil.copytree(two_runs.root / "lr-high", two_runs.root / ONE_IT,
+                    ignore=lambda d, names: [n for n in names if n in ("000002", "000003", "checkpoints", "audit.lance")])
+    tags = {k: v for k, v in src.data.tags.items() if not k.startswith("mlflow.")}
+    one = client.create_run(src.info.experiment_id, run_name=ONE_IT, tags=tags)
+    for key in src.data.metrics:
+        hist = [m for m in client.get_metric_history(src_id, key) if m.step <= 1]
+        for m in hist:
+            client.log_metric(one.info.run_id, key, m.value, step=m.step, timestamp=m.timestamp)
+    client.set_terminated(one.info.run_id)
+    made.append(one.info.run_id)
+    time.sleep(0.05)
+    (two_runs.root / STEP0).mkdir()
+    shutil.copy(two_runs.root / "lr-high" / "config.yaml", two_runs.root / STEP0 / "config.yaml")
+    zero = client.create_run(src.info.experiment_id, run_name=STEP0, tags={"trajflow.kind": "train"})
+    client.log_metric(zero.info.run_id, METRICS[-1], 0.0, step=0)
+    made.append(zero.info.run_id)
+    now = time.time()
+    os.utime(two_runs.root / ONE_IT, (now - 1, now - 1))  # copytree kept lr-high's folder time
+    os.utime(two_runs.root / STEP0, (now, now))
+    yield {ONE_IT: one.info.run_id, STEP0: zero.info.run_id}
+    for rid in made:
+        client.delete_run(rid)
+    for name in (ONE_IT, STEP0):
+        shutil.rmtree(two_runs.root / name, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def dashboard(two_runs, extra_runs, tmp_path_factory):
+    """A running ``streamlit run dashboards/app.py`` over the two runs (and ``extra_runs``); yields its base URL."""
     from dashboards.data import streamlit_command
 
     port = _free_port()
@@ -240,3 +284,131 @@ def test_group_view_shows_each_prompt_once_with_its_responses(two_runs, dashboar
     for sid in members:
         assert f"score {format(scores[sid], '.4g')}" in text
     _save(page, "dashboard-groups.png", tmp_path)
+
+
+# ----------------------------------------------------------------------------------------- issue 38 item 11
+
+def _chart_geometry(pg) -> list[dict]:
+    """Per chart: title, y-axis tick labels, the plot area's left and right edge (its background), and each
+    point's centre and width."""
+    return pg.eval_on_selector_all(
+        '[data-testid="stVegaLiteChart"]',
+        """els => els.map(e => {
+             const axes = Array.from(e.querySelectorAll('[aria-roledescription="axis"]'));
+             const yAxis = axes.find(a => (a.getAttribute('aria-label') || '').startsWith('Y-axis'));
+             const plot = e.querySelector('.role-frame.root > g > path.background').getBoundingClientRect();
+             return {
+               title: e.querySelector('[aria-roledescription="title"]')?.getAttribute('aria-label') || '',
+               yLabels: Array.from(yAxis.querySelectorAll('.role-axis-label text')).map(t => t.textContent),
+               xLeft: plot.left, xRight: plot.right,
+               points: Array.from(e.querySelectorAll('[aria-roledescription="point"]')).map(p => {
+                 const b = p.getBoundingClientRect();
+                 return {label: p.getAttribute('aria-label'), cx: b.left + b.width / 2, w: b.width};
+               })};
+           })""")
+
+
+def test_single_iteration_run_plots_a_whole_point_on_a_readable_axis(two_runs, dashboard, page, tmp_path):
+    metrics = ["critic/score/mean", "actor/entropy"]
+    page.goto(f"{dashboard}/?runs={ONE_IT}&metrics={','.join(metrics)}")
+    page.wait_for_function(
+        "n => Array.from(document.querySelectorAll('[data-testid=\"stVegaLiteChart\"]'))"
+        ".filter(e => e.querySelectorAll('[aria-roledescription=\"point\"]').length > 0).length >= n", arg=len(metrics))
+    charts = _chart_geometry(page)
+    assert len(charts) == len(metrics)
+    for c in charts:
+        assert len(c["points"]) == 1, c
+        p = c["points"][0]
+        assert re.fullmatch(rf"iteration: 1; value: \S+; run: {ONE_IT}", p["label"]), p
+        # the whole point inside the plot, away from both of its edges (not half clipped at the edge)
+        assert c["xLeft"] + p["w"] < p["cx"] < c["xRight"] - p["w"], c
+        # an axis with ticks around the value, not the value alone at full precision ('0.318750')
+        assert len(c["yLabels"]) >= 2, c
+        assert not any(re.fullmatch(r"-?\d+\.\d{4,}", t) for t in c["yLabels"]), c
+    _save(page, "dashboard-one-iteration.png", tmp_path)
+
+
+def test_default_run_selection_skips_a_run_still_at_step_0(two_runs, dashboard, page):
+    page.goto(dashboard + "/")
+    page.get_by_text("Final and best values").wait_for()
+    chips = page.locator('[data-testid="stMultiSelect"]').first.locator("[data-tag]")
+    # newest first: at-step-0 (no finished iteration: skipped), one-it, lr-low
+    assert [chips.nth(i).get_attribute("aria-label") for i in range(chips.count())] == [ONE_IT, "lr-low"]
+    page.goto(dashboard + "/trajectories")
+    page.get_by_text(re.compile(r"^\d+ rows? ·")).wait_for()
+    # one-it's 4 rows (2 prompts x 2 samples), not at-step-0's "no stored rollouts yet"
+    assert page.get_by_text(re.compile(r"^\d+ rows? ·")).inner_text().startswith("4 rows ·")
+
+
+def test_one_iteration_keeps_the_iterations_filter(two_runs, dashboard, page):
+    page.goto(f"{dashboard}/trajectories?run={ONE_IT}")
+    page.get_by_text(re.compile(r"^4 rows ·")).wait_for()  # 2 prompts x 2 samples
+    assert page.locator(".st-key-traj_its_one").inner_text().split() == ["Iterations", "1", "(the", "only", "stored",
+                                                                         "iteration)"]
+
+
+def test_runs_page_links_mlflow_and_prefect_and_plots_the_all_equal_share(two_runs, dashboard, page):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(two_runs.tracking_uri)
+    page.goto(f"{dashboard}/?runs={','.join(two_runs.names)}")  # default metrics
+    page.get_by_text("Final and best values").wait_for()
+    for name in two_runs.names:
+        r = client.get_run(two_runs.mlflow_ids[name])
+        mlflow_href = page.get_by_role("link", name="MLflow run").nth(two_runs.names.index(name)).get_attribute("href")
+        assert mlflow_href == f"http://127.0.0.1:5000/#/experiments/{r.info.experiment_id}/runs/{r.info.run_id}"
+        prefect_href = page.get_by_role("link", name="Prefect flow run").nth(two_runs.names.index(name)).get_attribute("href")
+        assert prefect_href == f"http://127.0.0.1:4200/runs/flow-run/{r.data.tags['prefect.flow_run_id']}"
+    page.wait_for_function(
+        "() => Array.from(document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] [aria-roledescription=\"title\"]'))"
+        ".some(t => (t.getAttribute('aria-label') || '').includes('groups/all_equal_share'))")
+    plotted = _points(page)["groups/all_equal_share"]
+    for name in two_runs.names:  # by hand: per iteration, groups whose scores are all equal / groups
+        want = {}
+        for d in sorted((two_runs.root / name / "iterations").iterdir()):
+            gid = {r["sample_id"]: r["group_id"] for r in pq.read_table(d / "rollout.parquet").to_pylist()}
+            groups: dict = {}
+            for r in pq.read_table(d / "reward.parquet").to_pylist():
+                groups.setdefault(gid[r["sample_id"]], []).append(r["score"])
+            want[int(d.name)] = sum(len(set(v)) == 1 for v in groups.values()) / len(groups)
+        assert plotted[name] == pytest.approx(want), name
+
+
+def test_token_view_histograms_and_prompt_across_iterations(two_runs, dashboard, page, tmp_path):
+    from playwright.sync_api import expect
+
+    run = two_runs.names[0]
+    d = two_runs.root / run / "iterations" / "000002"
+    ro = {r["sample_id"]: r for r in pq.read_table(d / "rollout.parquet").to_pylist()}
+    adv = {r["sample_id"]: r["advantages"] for r in pq.read_table(d / "advantage.parquet").to_pylist()}
+    sid = max(ro, key=lambda s: len(ro[s]["response_ids"]))
+    n = len(ro[sid]["response_ids"])
+    page.goto(f"{dashboard}/trajectories?run={run}")
+    page.get_by_text(re.compile(r"^\d+ rows? ·")).wait_for()
+    page.locator(f".st-key-card_{sid}").get_by_text("tokens", exact=True).click()
+    spans = page.locator(f".st-key-tokens_{sid} .tf-token")
+    expect(spans).to_have_count(n, timeout=TIMEOUT_MS)
+    got = spans.evaluate_all("els => els.map(e => [e.dataset.advantages, e.dataset.rolloutLogprobs, "
+                             "e.dataset.lossMask, e.style.backgroundColor])")
+    for (a, lp, mask, bg), want_a, want_lp in zip(got, adv[sid], ro[sid]["rollout_logprobs"]):
+        assert float(a) == pytest.approx(want_a, abs=0) and float(lp) == pytest.approx(want_lp, abs=0)
+        assert mask in ("0", "1")
+        assert bg.startswith("rgba(0, 160, 60" if want_a > 0 else "rgba(220, 40, 40" if want_a < 0 else "rgba(128, 128, 128")
+    shot = tmp_path / "dashboard-tokens.png"  # the card alone: the rest of the page is the trajectories shot
+    page.locator(f".st-key-card_{sid}").screenshot(path=str(shot))
+    if os.environ.get("TRAJFLOW_WRITE_DOCS_IMG") == "1":
+        shutil.copy(shot, DOCS_IMG / shot.name)
+
+    page.get_by_text("Score and response-length histograms per iteration").click()
+    hist = page.locator(".st-key-hist_response_length .mark-rect.role-mark path[aria-label]")
+    hist.first.wait_for()
+    per_it: dict = {}
+    for label in hist.evaluate_all("els => els.map(e => e.getAttribute('aria-label'))"):
+        it = int(re.search(r"iteration: (\d+)", label).group(1))
+        per_it[it] = per_it.get(it, 0) + int(re.search(r"responses: (\d+)", label).group(1))
+    assert per_it == {1: 4, 2: 4, 3: 4}  # every response of each iteration counted in one bin
+
+    group = ro[sid]["group_id"]
+    page.goto(f"{dashboard}/trajectories?run={run}&view=prompt&prompt={ro[sid]['prompt_id']}")
+    page.get_by_text(f"prompt {ro[sid]['prompt_id']}: 1 group in iterations 2").wait_for()
+    expect(page.locator(f".st-key-group_2_{group} [class*='st-key-gresponse_']")).to_have_count(2, timeout=TIMEOUT_MS)

@@ -88,3 +88,17 @@ def test_group_view_shows_multi_turn_rows_turn_by_turn(mt_run, monkeypatch):
     bad = [e for e in at.expander if e.label == "tool call search · error"]
     assert len(bad) == sum(1 for r in rows for c in r["tool_calls"] if c["name"] == "search")
     assert bad[0].error[0].value.startswith("unknown tool: 'search'")
+
+
+def test_response_card_shows_a_multi_turn_response_once(mt_run, monkeypatch):
+    rows, done, at = _open(mt_run, monkeypatch)
+    assert not at.exception, at.exception
+    codes = [c.value for c in at.code]
+    for r in rows:  # not the flat text beside the prompt and then again turn by turn
+        assert r["response_text"] not in codes
+    captions = [c.value for c in at.caption]
+    assert sum(c.startswith("response: ") and c.endswith(" turns, below") for c in captions) == len(rows)
+    # each assistant turn's text once per response (the turn view), not twice
+    assistant = [m for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    shown = [m for m in at.chat_message if m.markdown[0].value.startswith("**assistant**")]
+    assert len(shown) == len(assistant)
