@@ -205,7 +205,9 @@ def run_agent_episodes(agent: Callable, server: "AgentServer", generate: Callabl
             from trajflow.serve.chat import template_messages
 
             messages = template_messages(rows[i]["messages"])
-            e = s.episode(server.eos_ids[0], server.renderer([])[0].prompt_ids(messages), messages)
+            with server.tokenizer_lock:
+                prompt = server.renderer([])[0].prompt_ids(messages)
+            e = s.episode(server.eos_ids[0], prompt, messages)
         answer = None
         error = errors[i]
         if error is None:

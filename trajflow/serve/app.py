@@ -60,6 +60,9 @@ class AgentServer:
         self.sampling_overrides = 0
         self._renderers: dict[str, Any] = {}
         self._lock = threading.Lock()
+        # A fast tokenizer is one Rust object: concurrent calls from the handler threads can fail
+        # ("Already borrowed"), so every use of it by the endpoint is serialised.
+        self.tokenizer_lock = threading.RLock()
         self._server = None
         self._thread = None
         self.port = 0
@@ -136,7 +139,7 @@ class AgentServer:
         from trajflow.envs.render import ChatRenderer
 
         key = json.dumps(tools, sort_keys=True, ensure_ascii=False) if tools else ""
-        with self._lock:
+        with self.tokenizer_lock, self._lock:
             r = self._renderers.get(key)
             if r is None:
                 try:
@@ -165,15 +168,17 @@ class AgentServer:
         return queue.submit(prepared.prompt_ids, n, cap, temperature, top_p, top_k).result()
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        with self.tokenizer_lock:
+            return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     def _token_entries(self, ids, lps, as_ids: bool) -> list[dict]:
         out = []
         for t, lp in zip(ids, lps):
-            tok = f"token_id:{t}" if as_ids else self.tokenizer.decode([t])
+            tok = f"token_id:{t}" if as_ids else self.decode([t])
             out.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
         return out
 
@@ -192,7 +197,8 @@ class AgentServer:
             tools = []
         renderer, tools_key = self.renderer(tools)
         keys = [message_key(m) for m in raw]
-        prepared = session.prepare_chat(renderer, history, keys, tools_key)
+        with self.tokenizer_lock:
+            prepared = session.prepare_chat(renderer, history, keys, tools_key)
         n = _int(body.get("n", 1), "n", 1)
         stop = _stops(body.get("stop"))
         rows = self._sample(prepared, body, n, 0)
@@ -237,7 +243,8 @@ class AgentServer:
             text, ids = prompt, None
         else:
             raise RequestError("prompt: expected one non-empty string or one list of token ids")
-        prepared = session.prepare_completion(self.encode, text, ids)
+        with self.tokenizer_lock:  # before the session's lock, as for chat (one lock order)
+            prepared = session.prepare_completion(self.encode, text, ids)
         n = _int(body.get("n", 1), "n", 1)
         stop = _stops(body.get("stop"))
         rows = self._sample(prepared, body, n, 16)  # OpenAI's default max_tokens for completions
@@ -252,7 +259,7 @@ class AgentServer:
             turn.samples.append(Sample(ids, lps, finish, out_text))
             logprobs = None
             if body.get("logprobs") is not None and lps is not None:
-                toks = [f"token_id:{t}" if body.get("return_tokens_as_token_ids") else self.tokenizer.decode([t])
+                toks = [f"token_id:{t}" if body.get("return_tokens_as_token_ids") else self.decode([t])
                         for t in ids]
                 offsets, pos = [], 0
                 for tok in toks:
