@@ -196,7 +196,7 @@ def run_trajflow(overrides: Sequence[str], root: Path) -> TrajflowRun:
     """
     from mlflow.tracking import MlflowClient
 
-    import flows.train as ftrain
+    import trajflow.flows.train as ftrain
     from trajflow import run as session
     from trajflow.config import load_config
 

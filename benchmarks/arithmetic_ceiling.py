@@ -12,7 +12,7 @@ subtraction with a negative result:
 - with ``--k K``: the mean accuracy of K samples at temperature 1 and pass@K (a problem counts when
   any of its K samples is right).
 
-Scored with the recipe's own scorer (``stages.scorers.reasoning_gym_scorer``); sampled with the HF
+Scored with the recipe's own scorer (``trajflow.stages.scorers.reasoning_gym_scorer``); sampled with the HF
 rollout engine in ``--dtype`` (the rollout precision). docs/recipe-sweep.md quotes its output.
 
     .venv/bin/python benchmarks/arithmetic_ceiling.py                      # untrained, default spec
@@ -53,8 +53,8 @@ def main() -> None:
 
     from safetensors.torch import load_file
 
-    from stages.rollout import SamplingParams
-    from stages.scorers import reasoning_gym_scorer
+    from trajflow.stages.rollout import SamplingParams
+    from trajflow.stages.scorers import reasoning_gym_scorer
     from trajflow.config import load_config
     from trajflow.engines.hf import HFRolloutEngine
     from trajflow.models import chat_prompt_ids, eos_token_ids, load_causal_lm, load_tokenizer, resolve_model_path

@@ -68,7 +68,7 @@ USER_CODE = {
 }
 
 #: The dashboard's data layer as the app calls it: a DashboardError is what the page shows (one line).
-DASHBOARD = ("import sys\nfrom dashboards.data import find_trajectories, trajectory_facets\n"
+DASHBOARD = ("import sys\nfrom trajflow.dashboards.data import find_trajectories, trajectory_facets\n"
              "from trajflow.errors import DashboardError\ntry:\n    find_trajectories(sys.argv[1], sys.argv[2])\n"
              "    trajectory_facets(sys.argv[1], sys.argv[2])\nexcept DashboardError as e:\n"
              "    print(f'error: {e}', file=sys.stderr)\n    sys.exit(2)\n")

@@ -32,7 +32,7 @@ def main() -> None:
 
     import torch
 
-    from stages.rollout import SamplingParams
+    from trajflow.stages.rollout import SamplingParams
     from trajflow.config import load_config
     from trajflow.models import resolve_model_path
     from trajflow.prompts import PromptSampler, load_prompt_dataset

@@ -40,7 +40,7 @@ def default_recipe_batch(prompts: int = 8, n: int = 8, prompt_len: int = 96, res
     responses of 16..``response_len`` tokens, off-policy old log-probs (clipping is exercised)."""
     import numpy as np
 
-    from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+    from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
 
     rng = np.random.default_rng(seed)
     ps = [rng.integers(10, 40000, size=int(rng.integers(prompt_len // 2, prompt_len + 1))).tolist()

@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     from mlflow.tracking import MlflowClient
 
-    from flows.train import train
+    from trajflow.flows.train import train
     from trajflow.config import load_config
 
     root = scratch_dir("trajflow-bench-", args.keep)

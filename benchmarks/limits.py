@@ -196,9 +196,9 @@ def main() -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
-    from stages.scorers import reasoning_gym_scorer
-    from stages.rollout import SamplingParams
+    from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+    from trajflow.stages.scorers import reasoning_gym_scorer
+    from trajflow.stages.rollout import SamplingParams
     from trajflow.config import load_config
     from trajflow.prompts import PromptSampler, load_prompt_dataset
     from trajflow.models import resolve_model_path
@@ -375,7 +375,7 @@ def generation_bounds(worker, prompt_ids: list[list[int]], n: int, max_new_token
 
     import torch
 
-    from stages.rollout import SamplingParams
+    from trajflow.stages.rollout import SamplingParams
     from trajflow.engines.hf import HFRolloutEngine
 
     slots = int(worker.rollout.micro_batch_size)

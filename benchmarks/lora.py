@@ -34,8 +34,8 @@ SETTINGS = {"full": 0, "lora16": 16, "lora32": 32}
 def _one(setting: str, model: str | None, updates: int) -> dict:
     import numpy as np
 
-    from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
-    from stages.rollout import SamplingParams
+    from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+    from trajflow.stages.rollout import SamplingParams
     from omegaconf import OmegaConf
 
     from trajflow.config import load_config

@@ -16,7 +16,7 @@ store, MLflow on SQLite) for 1 warm-up + K iterations, then accounts for each wa
 
 Its parts are then measured directly, by re-doing each piece in this process on the run's own data
 after training (same code paths, median of several repeats), times how often an iteration does it:
-reward scoring proper (``stages.reward.score_rows``), advantage math (``stages.advantage.advantage_table``), the
+reward scoring proper (``trajflow.stages.reward.score_rows``), advantage math (``trajflow.stages.advantage.advantage_table``), the
 GX gate (``timing_s/gate`` from the run), Parquet writes + fsync + manifest updates, sha256 of
 written/read files, Parquet reads, MLflow ``log_batch``/artifacts, a no-op Prefect task round trip,
 no-op Ray actor calls carrying batch-sized payloads and Ray tasks defined per call (as the flow's
@@ -110,8 +110,8 @@ def probe_compute(run_dir: Path, iteration: int, cfg, repeats: int) -> dict[str,
     import pyarrow.parquet as pq
     from omegaconf import OmegaConf
 
-    from stages.advantage import advantage_table
-    from stages.reward import score_rows
+    from trajflow.stages.advantage import advantage_table
+    from trajflow.stages.reward import score_rows
     from trajflow.batch import join_stages
     from trajflow.store import RunStore
 
@@ -163,7 +163,7 @@ def probe_prefect(repeats: int) -> float:
     """Seconds per no-op Prefect task call inside a flow (the flow's task options)."""
     from prefect import flow, task
 
-    from flows.tasks import TASK_OPTS
+    from trajflow.flows.tasks import TASK_OPTS
 
     @task(name="noop", **TASK_OPTS)
     def noop(run_id: str, iteration: int) -> dict:

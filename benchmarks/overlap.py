@@ -65,7 +65,7 @@ def busy_intervals(run_dir: Path, mlflow_uri: str, mlflow_run_id: str, iteration
 
 
 def run_mode(staleness: int, args, root: Path) -> dict:
-    from flows.train import train
+    from trajflow.flows.train import train
 
     store = root / f"staleness{staleness}"
     overrides = [f"store.root={store}", f"trainer.total_iterations={args.iterations}", "trainer.test_freq=0",

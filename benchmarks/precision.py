@@ -39,8 +39,8 @@ def main() -> None:
     import numpy as np
     from omegaconf import OmegaConf
 
-    from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
-    from stages.rollout import SamplingParams
+    from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+    from trajflow.stages.rollout import SamplingParams
     from trajflow.config import load_config
     from trajflow.engines.hf import HFRolloutEngine, generated_token_count
     from trajflow.modeling.precision import bf16_is_fast

@@ -46,7 +46,7 @@ def make_model(out: Path, hidden: int, layers: int) -> Path:
 def make_batch(rows: int, prompt_len: int, response_len: int, seed: int = 0):
     import numpy as np
 
-    from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+    from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(10, 40000, size=int(rng.integers(prompt_len // 2, prompt_len + 1))).tolist()

@@ -39,7 +39,7 @@ def run(engine: str, iterations: int, extra: list[str], keep: bool) -> dict:
     """Train ``iterations`` iterations with ``rollout.engine=engine``; medians after the first."""
     from mlflow.tracking import MlflowClient
 
-    from flows.train import train
+    from trajflow.flows.train import train
     from trajflow.config import load_config
 
     root = scratch_dir(f"trajflow-bench-{engine}-", keep)

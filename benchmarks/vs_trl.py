@@ -14,7 +14,7 @@ Settings shared by both (the default recipe with 64 new tokens):
   iteration, the recipe's micro-batches (a 2048-token budget: the whole batch in one micro-batch; TRL,
   which has no token budget, gets ``per_device_train_batch_size`` = all rows); clip 0.2; token-mean loss (TRL: ``loss_type="dapo"``);
   GRPO advantages normalised by the group std; no KL term (no reference model); AdamW lr 1e-5,
-  constant; grad clip 1.0; no gradient checkpointing; reward = ``stages.scorers.reasoning_gym_scorer``
+  constant; grad clip 1.0; no gradient checkpointing; reward = ``trajflow.stages.scorers.reasoning_gym_scorer``
   (format bonus 0.1); torch threads = all CPUs. 1 warm-up iteration, then K timed ones.
 
 What is compared ("s/iter"): the wall time of a whole iteration, steady state.
@@ -126,7 +126,7 @@ def trl_dataset(s: dict):
 
 
 def make_reward_fn(format_bonus: float):
-    from stages.scorers import reasoning_gym_scorer
+    from trajflow.stages.scorers import reasoning_gym_scorer
 
     def reasoning_gym_reward(prompts, completions, ground_truth, data_source, extra_info, **_):
         """TRL reward signature -> trajflow's reasoning-gym scorer (same scorer, same format bonus)."""

@@ -1,4 +1,4 @@
-"""The dashboard: a Streamlit app (``app.py`` and its pages) over :mod:`dashboards.data`, its data layer.
+"""The dashboard: a Streamlit app (``app.py`` and its pages) over :mod:`trajflow.dashboards.data`, its data layer.
 
-:mod:`dashboards.data` needs no Streamlit; the pages do. ``trajflow dashboard`` serves the app.
+:mod:`trajflow.dashboards.data` needs no Streamlit; the pages do. ``trajflow dashboard`` serves the app.
 """

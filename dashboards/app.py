@@ -11,9 +11,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# Streamlit runs this file as a script with only dashboards/ on sys.path; the pages import the
-# dashboards package, so its parent (the repository root) must be importable too.
-_ROOT = str(Path(__file__).resolve().parents[1])
+# Streamlit runs this file as a script with only its own folder on sys.path; the pages import
+# trajflow.dashboards, so the folder holding the trajflow package must be importable too: the
+# checkout's root (dashboards/ is at its top level) or, installed, the one holding trajflow/dashboards/.
+_HERE = Path(__file__).resolve().parent
+_ROOT = str(_HERE.parents[1] if (_HERE.parent / "__init__.py").is_file() else _HERE.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
@@ -23,10 +25,10 @@ configure_environment()
 
 import streamlit as st  # noqa: E402
 
-from dashboards.common import settings  # noqa: E402
-from dashboards.gates_page import gates_page  # noqa: E402
-from dashboards.runs_page import runs_page  # noqa: E402
-from dashboards.trajectories_page import trajectories_page  # noqa: E402
+from trajflow.dashboards.common import settings  # noqa: E402
+from trajflow.dashboards.gates_page import gates_page  # noqa: E402
+from trajflow.dashboards.runs_page import runs_page  # noqa: E402
+from trajflow.dashboards.trajectories_page import trajectories_page  # noqa: E402
 
 st.set_page_config(page_title="trajflow", layout="wide")
 cfg = settings()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from dashboards.data import has_iterations, store_runs
+from trajflow.dashboards.data import has_iterations, store_runs
 from trajflow.tracking import store_tracking_uri
 
 

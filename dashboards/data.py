@@ -499,10 +499,12 @@ def serve(store_root: str | Path = "runs", tracking_uri: str | None = None, port
     if not root.is_dir() and not tracking_uri:
         raise DashboardError(f"store root {root} does not exist (--store); pass the folder that holds your runs")
     if not APP.exists():
-        raise DashboardError(f"dashboard app not found at {APP} (trajflow must run from a source checkout)")
+        raise DashboardError(f"dashboard app not found at {APP} (an incomplete trajflow install?)")
     print(f"trajflow dashboard: http://{address}:{port}  (store {root})", flush=True)
     env = dict(os.environ)
-    src = str(APP.parents[1])
+    from trajflow import IMPORT_ROOT
+
+    src = str(IMPORT_ROOT)  # the streamlit process imports this same trajflow
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = streamlit_command(root, tracking_uri, port, address)
     os.execve(cmd[0], cmd, env)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboards.common import run_picker, settings
-from dashboards.data import gate_reports
+from trajflow.dashboards.common import run_picker, settings
+from trajflow.dashboards.data import gate_reports
 
 
 @st.cache_data(ttl=15, show_spinner=False)

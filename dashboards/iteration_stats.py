@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dashboards.data import _iteration_rows, _read_parquet, _stage_file, _store
+from trajflow.dashboards.data import _iteration_rows, _read_parquet, _stage_file, _store
 
 #: The dashboard's name for the share of all-equal groups (computed from the stored trajectories).
 ALL_EQUAL_METRIC = "groups/all_equal_share"
@@ -104,7 +104,7 @@ def prompt_history(store_root: str | Path, run_id: str, prompt_id: str) -> list[
     to the same question changed.
 
     Returns:
-        As :func:`dashboards.data.find_groups`: ``{"iteration", "group_id", "prompt_text", "data_source",
+        As :func:`trajflow.dashboards.data.find_groups`: ``{"iteration", "group_id", "prompt_text", "data_source",
         "ground_truth", "score_mean", "score_std", "rows"}`` per iteration (a prompt sampled twice in one
         iteration gives one entry per group).
 

@@ -7,9 +7,9 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dashboards.common import client, mlflow_ready, query_list, settings
-from dashboards.data import has_iterations, list_runs
-from dashboards.iteration_stats import ALL_EQUAL_METRIC, all_equal_group_share
+from trajflow.dashboards.common import client, mlflow_ready, query_list, settings
+from trajflow.dashboards.data import has_iterations, list_runs
+from trajflow.dashboards.iteration_stats import ALL_EQUAL_METRIC, all_equal_group_share
 from trajflow.compare import (DEFAULT_METRICS, Comparison, choose_metrics, compare_runs, fmt_duration,
                               fmt_value, metric_goal)
 from trajflow.plots import PALETTE

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from dashboards.data import _read_parquet, _stage_file, _store
+from trajflow.dashboards.data import _read_parquet, _stage_file, _store
 from trajflow.errors import DashboardError
 
 #: Per-token columns read from each stage file when present (stage -> columns), in display order.

@@ -8,11 +8,11 @@ from urllib.parse import quote
 
 import streamlit as st
 
-from dashboards.common import run_picker, settings
-from dashboards.data import (SORT_KEYS, TrajectoryFilter, episode_messages, find_groups, find_trajectories,
+from trajflow.dashboards.common import run_picker, settings
+from trajflow.dashboards.data import (SORT_KEYS, TrajectoryFilter, episode_messages, find_groups, find_trajectories,
                              trajectory_facets, trajectory_source)
-from dashboards.iteration_stats import iteration_distributions, prompt_history, repeated_prompts
-from dashboards.tokens import COLOR_KEYS, run_tokenizer, token_html, token_rows
+from trajflow.dashboards.iteration_stats import iteration_distributions, prompt_history, repeated_prompts
+from trajflow.dashboards.tokens import COLOR_KEYS, run_tokenizer, token_html, token_rows
 
 
 @st.cache_data(ttl=15, show_spinner=False)

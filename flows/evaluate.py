@@ -1,7 +1,7 @@
 """The ``evaluate`` flow: validation of a run's newest (or a given) checkpoint, logged to MLflow.
 
 The checkpoint's policy is loaded into a policy worker on Ray and scored on the held-out prompts
-exactly as the train flow validates (:func:`flows.tasks.run_validation`). Results go to a new MLflow
+exactly as the train flow validates (:func:`trajflow.flows.tasks.run_validation`). Results go to a new MLflow
 run in the training run's experiment (a child of the training run's MLflow run), tagged with the
 evaluated run id and checkpoint, to ``<run>/evaluations/`` and to a Prefect markdown artifact. The
 evaluated run may still be training: nothing of it is changed.
@@ -22,8 +22,8 @@ from typing import Optional  # noqa: E402
 
 from prefect import flow, task  # noqa: E402
 
-from flows.reporting import artifact_key, metrics_markdown, mlflow_run_url, publish, rename_flow_run  # noqa: E402
-from flows.tasks import TASK_OPTS  # noqa: E402
+from trajflow.flows.reporting import artifact_key, metrics_markdown, mlflow_run_url, publish, rename_flow_run  # noqa: E402
+from trajflow.flows.tasks import TASK_OPTS  # noqa: E402
 from trajflow import checkpoint as ckpt  # noqa: E402
 from trajflow.config import load_config  # noqa: E402
 from trajflow.errors import StoreError  # noqa: E402

@@ -2,7 +2,7 @@
 
 :func:`learn` runs reward -> gate -> advantage -> update on a stored rollout; :func:`close_iteration`
 is every iteration's tail: its books closed, validation and checkpoint when due, the logs. Training
-(:func:`flows.train.train_flow`) and replay (:func:`flows.replay.replay_flow`) differ only in where a
+(:func:`trajflow.flows.train.train_flow`) and replay (:func:`trajflow.flows.replay.replay_flow`) differ only in where a
 rollout comes from (:class:`trajflow.run.schedule.RolloutSchedule`, or a parent run's files) and in
 which stages replay keeps.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.reporting import iteration_artifact
+from trajflow.flows.reporting import iteration_artifact
 from trajflow import run
 from trajflow.run.context import RunContext
 from trajflow.run.schedule import RolloutSchedule
@@ -22,7 +22,7 @@ def learn(stage: Any, run_id: str, iteration: int, rollout: StageRef) -> dict:
     """Reward, gate, advantage and the policy (and critic) update of one iteration's stored rollout.
 
     Args:
-        stage: the stage tasks (:func:`flows.tasks.stages_for`).
+        stage: the stage tasks (:func:`trajflow.flows.tasks.stages_for`).
         run_id: the run's id.
         iteration: the iteration.
         rollout: its stored rollout.

@@ -6,7 +6,7 @@ stored outputs of iteration N of RUN (the *parent*) and writes a new run:
 - the stages before ``--from-stage`` are copied from the parent byte for byte (their sha256 is
   checked on both sides); the stages from it on are computed with the new config (e.g. another
   ``reward.custom_function``, ``algorithm.adv_estimator`` or ``actor.policy_loss``) by the same
-  Prefect tasks as training (:mod:`flows.tasks`);
+  Prefect tasks as training (:mod:`trajflow.flows.tasks`);
 - the policy update starts from the policy that generated iteration N's rollouts: the parent's
   checkpoint N-1 (weights, optimizer, RNG, KL controller, score history), or the initial model for
   N = 1. Without that checkpoint (rotated away, or not saved at N-1) a replay from ``reward`` or
@@ -43,9 +43,9 @@ from typing import Optional, Sequence  # noqa: E402
 
 from prefect import flow  # noqa: E402
 
-from flows import tasks  # noqa: E402
-from flows.iteration import close_iteration  # noqa: E402
-from flows.reporting import rename_flow_run  # noqa: E402
+from trajflow.flows import tasks  # noqa: E402
+from trajflow.flows.iteration import close_iteration  # noqa: E402
+from trajflow.flows.reporting import rename_flow_run  # noqa: E402
 from trajflow import run  # noqa: E402
 from trajflow.infra.prefect_server import start_temporary_server  # noqa: E402
 from trajflow.run.replay import KEPT_STAGES, data_metrics, open_replay, parent_gate, prepare  # noqa: E402

@@ -22,16 +22,16 @@ from omegaconf import DictConfig
 from prefect import task
 from prefect.cache_policies import NONE
 
-from stages.advantage import advantage_table, fill_dropped_rows
-from stages.dynamic_sampling import GenerationBatch, dynamic_sampling, sampling_metrics
-from stages.multi_turn import multi_turn_table
-from stages.names import Stage
-from stages.critic_update import critic_batch
-from stages.policy_update import update_batch, update_batch_options, with_loss_mask
-from stages.reward import final_scores, overlong_floor_warning, reward_table, shaping_penalties
-from stages.rollout import rollout_table, rollout_temperature, sampling_params, with_sampling_columns
-from stages.staleness import check_staleness, row_staleness, staleness_metrics
-from stages.seeds import Salt, iteration_seed
+from trajflow.stages.advantage import advantage_table, fill_dropped_rows
+from trajflow.stages.dynamic_sampling import GenerationBatch, dynamic_sampling, sampling_metrics
+from trajflow.stages.multi_turn import multi_turn_table
+from trajflow.stages.names import Stage
+from trajflow.stages.critic_update import critic_batch
+from trajflow.stages.policy_update import update_batch, update_batch_options, with_loss_mask
+from trajflow.stages.reward import final_scores, overlong_floor_warning, reward_table, shaping_penalties
+from trajflow.stages.rollout import rollout_table, rollout_temperature, sampling_params, with_sampling_columns
+from trajflow.stages.staleness import check_staleness, row_staleness, staleness_metrics
+from trajflow.stages.seeds import Salt, iteration_seed
 from trajflow.batch import join_stages, lengths, trainable_lengths
 from trajflow.errors import NonFiniteError
 from trajflow.faults import fault_point
@@ -187,7 +187,7 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
 
 
 def _dynamic_sampling(ctx: RunContext, iteration: int) -> tuple[pa.Table, int]:
-    """Generate and score batches until enough groups have signal (:func:`stages.dynamic_sampling.dynamic_sampling`);
+    """Generate and score batches until enough groups have signal (:func:`trajflow.stages.dynamic_sampling.dynamic_sampling`);
     stores the dropped rows and the record; returns the kept rows and their policy version."""
     cfg, state = ctx.cfg, ctx.iteration(iteration)
     fg, target = cfg.algorithm.filter_groups, cfg.data.train_batch_size

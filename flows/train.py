@@ -16,9 +16,9 @@ from typing import Optional, Sequence  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from prefect import flow  # noqa: E402
 
-from flows import tasks  # noqa: E402
-from flows.iteration import close_iteration, learn  # noqa: E402
-from flows.reporting import quiet_expected_errors, rename_flow_run  # noqa: E402
+from trajflow.flows import tasks  # noqa: E402
+from trajflow.flows.iteration import close_iteration, learn  # noqa: E402
+from trajflow.flows.reporting import quiet_expected_errors, rename_flow_run  # noqa: E402
 from trajflow import run  # noqa: E402
 from trajflow.run.schedule import RolloutSchedule  # noqa: E402
 from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402

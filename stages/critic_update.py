@@ -1,6 +1,6 @@
 """Critic update batches: one iteration's stored stages -> the critic worker's typed inputs.
 
-The value loss itself is :func:`stages.policy_update.value_loss`; the worker is
+The value loss itself is :func:`trajflow.stages.policy_update.value_loss`; the worker is
 :class:`trajflow.workers.critic.CriticWorker`.
 """
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from stages.policy_update import check_rows
-from stages.seeds import Salt, iteration_seed
+from trajflow.stages.policy_update import check_rows
+from trajflow.stages.seeds import Salt, iteration_seed
 
 
 @dataclass(frozen=True)

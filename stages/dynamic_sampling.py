@@ -116,7 +116,7 @@ class GenerationBatch:
         rule_scores: ``(rows,)`` the scorers' scores.
         extras: ``rows`` scorer extras (dicts).
         rm_scores: ``(rows,)`` reward-model scores, or None without a reward model.
-        final_scores: ``(rows,)`` float32, the training score (:func:`stages.reward.final_scores`).
+        final_scores: ``(rows,)`` float32, the training score (:func:`trajflow.stages.reward.final_scores`).
     """
 
     table: pa.Table

@@ -1,4 +1,4 @@
-"""Input checks and per-group statistics shared by the advantage estimators (:mod:`stages.advantage`).
+"""Input checks and per-group statistics shared by the advantage estimators (:mod:`trajflow.stages.advantage`).
 
 Rewards and masks are validated here, at the estimators' boundary: errors name the argument, the
 row and what was expected. Statistics are float64 so that a group of equal scores gives exactly 0.

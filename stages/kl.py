@@ -25,7 +25,7 @@ the expected gradient of KL(pi || pi_ref) when the tokens are sampled from pi: k
 gradient is ``pi - pi_ref`` per logit, not the KL's. :data:`DEFAULT_KL_LOSS_TYPE` is therefore
 ``low_var_kl+`` (verl's default ``actor.kl_loss_type`` is ``low_var_kl``). When the tokens were
 sampled from an older policy, the k2 gradient needs the importance ratio pi / pi_old
-(:func:`has_k2_gradient`, :func:`stages.policy_update.kl_loss`).
+(:func:`has_k2_gradient`, :func:`trajflow.stages.policy_update.kl_loss`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from stages.registry import Registry
+from trajflow.stages.registry import Registry
 
 __all__ = [
     "DEFAULT_KL_LOSS_TYPE",

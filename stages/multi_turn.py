@@ -107,7 +107,7 @@ def multi_turn_table(iteration: int, prompts: Sequence[Any], episodes: Sequence[
         response_text: each episode's ``response_ids`` decoded (special tokens skipped).
         n: episodes per prompt.
         policy_version: the weights' version that generated.
-        offset: number of the first prompt (:func:`stages.rollout.sample_ids`).
+        offset: number of the first prompt (:func:`trajflow.stages.rollout.sample_ids`).
         extra_info_type: the dataset's ``extra_info`` struct type (None infers it).
         agent: the episodes are ``rollout.agent``'s: add ``agent_error``, ``agent_answer`` (string or
             null), ``tito_drift_tokens`` and ``agent_calls`` (int32).
@@ -115,7 +115,7 @@ def multi_turn_table(iteration: int, prompts: Sequence[Any], episodes: Sequence[
     Raises:
         ValueError: the episodes do not follow the row contract (lengths, finish reasons).
     """
-    from stages.rollout import sample_ids
+    from trajflow.stages.rollout import sample_ids
 
     if len(episodes) != len(prompts) * n:
         raise ValueError(f"multi_turn_table: {len(episodes)} episodes for {len(prompts)} prompts x n={n}")

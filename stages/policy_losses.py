@@ -13,7 +13,7 @@ Policy losses are registered in :data:`POLICY_LOSSES` under their config name
 where ``agg_kwargs`` are passed to :func:`agg_loss` (``global_num_tokens``,
 ``global_num_seqs``, ``horizon``) and ``metrics`` always holds ``actor/pg_clipfrac``,
 ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` (verl's names). ``rollout_is_weights``
-(``(batch, response_len)``, from :func:`stages.rollout_correction.rollout_is_weights`) multiplies
+(``(batch, response_len)``, from :func:`trajflow.stages.rollout_correction.rollout_is_weights`) multiplies
 the per-token policy-gradient loss before aggregation (truncated importance sampling for a rollout
 engine whose log-probs differ from the trainer's; Yao et al. 2025); it is treated as a constant.
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from stages.registry import Registry
+from trajflow.stages.registry import Registry
 
 __all__ = ["AGG_MODES", "POLICY_LOSSES", "PolicyLossConfig", "agg_loss", "compute_policy_loss",
            "compute_policy_loss_cispo", "compute_policy_loss_gpg", "compute_policy_loss_gspo",

@@ -2,9 +2,9 @@
 
 :func:`actor_loss` is the whole per-micro-batch actor objective (policy gradient - entropy bonus +
 KL loss) the policy worker backpropagates; the policy-gradient losses themselves are
-:mod:`stages.policy_losses`. :func:`update_batch` turns one iteration's stored stage tables into
+:mod:`trajflow.stages.policy_losses`. :func:`update_batch` turns one iteration's stored stage tables into
 the typed :class:`UpdateBatch` the policy worker's ``update_actor`` takes (verl's ``DataProto``,
-typed: per-row ragged lists plus update settings; the critic's is :mod:`stages.critic_update`). Shapes: per-token tensors are ``(batch, response_len)``.
+typed: per-row ragged lists plus update settings; the critic's is :mod:`trajflow.stages.critic_update`). Shapes: per-token tensors are ``(batch, response_len)``.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any, Mapping, Sequence
 import pyarrow as pa
 import torch
 
-from stages.kl import DEFAULT_KL_LOSS_TYPE, has_k2_gradient, kl_penalty
-from stages.policy_losses import (LOG_RATIO_CLAMP, PolicyLossConfig, agg_loss, bool_mask, check_same_shape,
+from trajflow.stages.kl import DEFAULT_KL_LOSS_TYPE, has_k2_gradient, kl_penalty
+from trajflow.stages.policy_losses import (LOG_RATIO_CLAMP, PolicyLossConfig, agg_loss, bool_mask, check_same_shape,
                                    compute_policy_loss, fill_outside, masked_mean_float)
-from stages.rollout import rollout_temperature
-from stages.seeds import Salt, iteration_seed
+from trajflow.stages.rollout import rollout_temperature
+from trajflow.stages.seeds import Salt, iteration_seed
 from trajflow.batch import lengths, trainable_mask
 
 __all__ = [
@@ -126,7 +126,7 @@ def kl_loss(
     """KL-in-loss term: ``agg_loss(w * kl_penalty(logprob, ref_logprob, kl_type))`` (GRPO, Shao et al. 2024, eq. 3-4).
 
     The tokens were sampled from pi_old. For the estimators with k2's gradient
-    (:func:`stages.kl.has_k2_gradient`), ``w = sg[pi / pi_old] = exp(logprob - old_logprob)``,
+    (:func:`trajflow.stages.kl.has_k2_gradient`), ``w = sg[pi / pi_old] = exp(logprob - old_logprob)``,
     detached, so that the expected gradient is grad KL(pi || pi_ref) also after the first
     optimizer step of an iteration (E_{pi_old}[w * grad k2] = E_pi[grad k2]); w = 1 exactly on
     the first on-policy step (old = current) and for the other estimators, whose gradient is not
@@ -209,7 +209,7 @@ class ActorLossConfig:
             entropy and KL terms).
         entropy_coeff: the entropy bonus coefficient (``actor.entropy_coeff``, >= 0).
         kl_loss_coef: the KL loss coefficient (``actor.kl_loss_coef``, >= 0; 0 = no KL term).
-        kl_loss_type: the KL estimator (``actor.kl_loss_type``, a name of :data:`stages.kl.KL_ESTIMATORS`;
+        kl_loss_type: the KL estimator (``actor.kl_loss_type``, a name of :data:`trajflow.stages.kl.KL_ESTIMATORS`;
             default ``low_var_kl+``, k3's value with k2's unbiased gradient).
     """
 
@@ -260,7 +260,7 @@ def actor_loss(
       coefficient ``c_H = cfg.entropy_coeff`` (detached, a metric only, when ``c_H = 0``);
     * ``KL``: the KL-to-reference loss of GRPO (Shao et al. 2024, arXiv:2402.03300, eq. 3-4),
       ``agg(kl_penalty(logp, ref_logp, cfg.kl_loss_type))`` with one of the per-token estimators of
-      :mod:`stages.kl` (k1, k2, k3 = ``low_var_kl``; Schulman 2020, "Approximating KL
+      :mod:`trajflow.stages.kl` (k1, k2, k3 = ``low_var_kl``; Schulman 2020, "Approximating KL
       divergence"), coefficient ``c_KL = cfg.kl_loss_coef``; only when ``ref_logp`` is given and
       ``c_KL > 0``. With k2's gradient it is importance-weighted by ``sg[exp(logp - old_logp)]``
       (:func:`kl_loss`), which is 1 on a single on-policy step (``old_logp`` = ``logp`` detached)
@@ -282,7 +282,7 @@ def actor_loss(
         cfg: :class:`ActorLossConfig`.
         agg_kw: ``global_num_tokens`` / ``global_num_seqs`` / ``horizon`` for :func:`agg_loss`.
         rollout_is_weights: optional ``(batch, response_len)`` truncated rollout importance weights
-            (:func:`stages.rollout_correction.rollout_is_weights`), constants.
+            (:func:`trajflow.stages.rollout_correction.rollout_is_weights`), constants.
 
     Returns:
         ``(loss, metrics)``: the 0-dim differentiable loss; ``metrics`` holds ``actor/kl_loss`` and
@@ -370,11 +370,11 @@ class UpdateSettings:
         rng_seed: seeds torch's global RNG before the update (no draw depends on what ran before in
             the worker's process), or ``None``.
         rollout_is: ``"token"`` / ``"sequence"``: weight the policy-gradient loss by truncated
-            rollout importance weights (:mod:`stages.rollout_correction`); ``None``: off.
+            rollout importance weights (:mod:`trajflow.stages.rollout_correction`); ``None``: off.
         rollout_is_threshold: their truncation bound ``C``.
         rollout_rs: ``"token"`` (IcePop) / ``"sequence"`` / ``"geometric"``: drop tokens or rows whose
             rollout ratio leaves ``[rollout_rs_threshold_lower, rollout_rs_threshold]`` from the
-            policy-gradient loss (:func:`stages.rollout_correction.rollout_rs_mask`); ``None``: off.
+            policy-gradient loss (:func:`trajflow.stages.rollout_correction.rollout_rs_mask`); ``None``: off.
         rollout_rs_threshold: the upper bound of the kept ratios.
         rollout_rs_threshold_lower: the lower bound; ``None``: ``1 / rollout_rs_threshold``.
         peak_tflops: one device's peak in TFLOP/s for ``perf/mfu/actor`` (``trainer.device_peak_tflops``);
@@ -481,7 +481,7 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         mask_truncated: ``algorithm.mask_truncated_samples``: zero loss mask on responses cut at the
             length cap (:func:`actor_loss_mask`).
         rollout_is: ``algorithm.rollout_is`` (``token``/``sequence``/None): the worker weights the
-            policy-gradient loss by truncated importance weights (:mod:`stages.rollout_correction`).
+            policy-gradient loss by truncated importance weights (:mod:`trajflow.stages.rollout_correction`).
         rollout_is_threshold: ``algorithm.rollout_is_threshold``.
         rollout_rs: ``algorithm.rollout_rs`` (``token``/``sequence``/``geometric``/None): the worker
             drops tokens or rows with an outlying rollout ratio from the policy-gradient loss.
@@ -498,7 +498,7 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         ``shuffle_seed`` (salt 1), ``rng_seed`` (salt 5: the worker seeds torch with it before
         updating, so no draw depends on what ran before) and, with rollout IS, ``rollout_is`` and
         ``rollout_is_threshold``, and the rows' sampling ``temperature``. Raises ``ValueError`` when
-        the rows were sampled at several temperatures (:func:`stages.rollout.rollout_temperature`).
+        the rows were sampled at several temperatures (:func:`trajflow.stages.rollout.rollout_temperature`).
     """
     cols = {c: joined.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "rollout_logprobs", "advantages")}
     loss_mask, _ = actor_loss_mask(joined, mask_truncated)

@@ -2,7 +2,7 @@
 Arrow output (scores, token-level rewards, reference log-probs).
 
 Plain functions over strings, numpy arrays and Arrow tables (no Ray, no Prefect); the scorers
-themselves are in :mod:`stages.scorers`. :func:`compute_scores` scores a batch and never raises
+themselves are in :mod:`trajflow.stages.scorers`. :func:`compute_scores` scores a batch and never raises
 because of a scorer (errors become score 0.0 plus an ``"error"`` extra).
 """
 
@@ -20,9 +20,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from stages.distillation import reverse_kl_metrics
-from stages.kl import apply_kl_penalty_to_rewards
-from stages.scorers import SCORERS, load_custom_function, select_scorer
+from trajflow.stages.distillation import reverse_kl_metrics
+from trajflow.stages.kl import apply_kl_penalty_to_rewards
+from trajflow.stages.scorers import SCORERS, load_custom_function, select_scorer
 from trajflow.batch import decode_nested, json_column, lengths, list_column, pad_ragged, to_ragged, trainable_mask
 from trajflow.errors import DataError
 
@@ -471,7 +471,7 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
         reward_baselines: ``(rows,)`` ReMax baseline score (the greedy response's final score) per row.
         teacher_logprobs: on-policy distillation's teacher log-probs per row (ragged): stored as
             ``teacher_logprobs``, with ``distill/*`` metrics against the rollout's log-probs
-            (:func:`stages.distillation.reverse_kl_metrics`) over the generated tokens.
+            (:func:`trajflow.stages.distillation.reverse_kl_metrics`) over the generated tokens.
 
     Returns:
         The table (``score``, ``rule_score``/``rm_score`` with a reward model, ``reward_baseline``

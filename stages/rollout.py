@@ -293,7 +293,7 @@ def sampling_params(rollout_cfg: Any, seed: int, *, n: int | None = None, temper
 
     Args:
         rollout_cfg: the ``rollout`` section (``n``, ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``).
-        seed: the generation's seed (:func:`stages.seeds.iteration_seed`).
+        seed: the generation's seed (:func:`trajflow.stages.seeds.iteration_seed`).
         n, temperature, top_p, top_k: replace the section's value (validation, greedy baselines).
     """
     def get(key: str):

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stages.registry import Registry
+from trajflow.stages.registry import Registry
 
 #: Reward scorers by config name (``reward.scorer``, ``reward.default_scorer``); values have verl's custom-reward signature.
 SCORERS = Registry("reward scorer")

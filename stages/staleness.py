@@ -8,7 +8,7 @@ the one the update of iteration k starts from; a row's staleness is
 where ``v_trainer`` is the trainer's policy version when it updates on the row and
 ``policy_version_i`` the version whose weights generated it (0 in a synchronous run). verl's
 one-step-off-policy pipeline and AReaL bound it by N; the update corrects for it with the rollout
-importance weights of :mod:`stages.rollout_correction`.
+importance weights of :mod:`trajflow.stages.rollout_correction`.
 
 Plain numpy; no Ray, no Prefect.
 """

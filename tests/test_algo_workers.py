@@ -8,8 +8,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from stages.critic_update import CriticBatch, CriticRows, CriticSettings
-from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+from trajflow.stages.critic_update import CriticBatch, CriticRows, CriticSettings
+from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
 from tests.algo_helpers import make_tiny_reward_model
 from trajflow.config import CriticConfig, ModelConfig, RewardModelConfig
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers as tf
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.modeling.lean_mlp import lean_mlp
 from trajflow.modeling.lean_norm import lean_norm

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 from trajflow.run.cache_keys import AdvantageSettings, RewardSettings, RolloutSettings, digest, stage_key
 
 SETTINGS = [

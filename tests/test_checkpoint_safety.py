@@ -51,7 +51,7 @@ def test_state_files_round_trip_optimizer_and_rng_exactly(tmp_path):
 
 def test_a_tampered_checkpoint_is_never_unpickled_and_is_skipped_on_resume(tiny_model_dir, ray_local, tmp_path,
                                                                            capfd):
-    from flows.train import resume, train
+    from trajflow.flows.train import resume, train
 
     old_mask = os.umask(0o022)
     try:
@@ -106,7 +106,7 @@ def _nan_gradient_worker():
 
 def test_non_finite_gradients_skip_the_step_and_stop_the_run(tiny_model_dir, ray_local, tmp_path):
     import trajflow.run.workers as workers
-    from flows.train import train
+    from trajflow.flows.train import train
     from trajflow.errors import NonFiniteError
 
     workers.policy_worker_cls = _nan_gradient_worker()
@@ -134,7 +134,7 @@ REWARD = "def score(data_source, solution_str, ground_truth, extra_info=None):\n
 
 
 def test_resume_refuses_a_custom_reward_function_the_run_did_not_record(tiny_model_dir, ray_local, tmp_path, capfd):
-    from flows.train import resume, train
+    from trajflow.flows.train import resume, train
     from trajflow.errors import ConfigError
 
     fn = tmp_path / "reward.py"

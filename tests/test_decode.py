@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.modeling.forward import compute_log_probs
 

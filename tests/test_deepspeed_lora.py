@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 from tests.test_deepspeed_ranks import ACTOR, ROLLOUT, assert_close, make_batch
 from tests.payloads import RunsCode
 from trajflow.config import ActorConfig, ModelConfig

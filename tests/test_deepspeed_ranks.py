@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.workers.group import WorkerGroup
 

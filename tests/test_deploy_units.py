@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -11,8 +12,8 @@ import pytest
 
 from trajflow.errors import ConfigError
 from trajflow.config import load_config
-from trajflow.infra.deploy import (DeployError, load_deployments, load_pools, resolve_placeholders, schedule_create,
-                             skip_reason)
+from trajflow.infra.deploy import (DeployError, DeploymentSpec, load_deployments, load_pools, resolve_placeholders,
+                                   schedule_create, skip_reason)
 
 # ---------------------------------------------------------------- definitions (infra/prefect)
 
@@ -20,16 +21,17 @@ from trajflow.infra.deploy import (DeployError, load_deployments, load_pools, re
 def test_shipped_deployments_pools_and_schedule(tmp_path):
     deps = {d.name: d for d in load_deployments(source=tmp_path, env={})}
     assert set(deps) == {"train", "evaluate", "replay"}
-    assert deps["train"].entrypoint == "flows.train.train_recipe"
+    assert deps["train"].entrypoint == "trajflow.flows.train.train_recipe"
     assert deps["train"].parameters == {"recipe": "grpo_default", "overrides": []}
     assert (deps["train"].work_pool, deps["train"].work_queue) == ("trajflow-cpu", "training")
     assert (deps["replay"].work_pool, deps["replay"].work_queue) == ("trajflow-cpu", "training")
     assert deps["evaluate"].schedules == [{"cron": "0 3 * * *", "timezone": "UTC", "active": True}]
-    # workers change into the source folder and import from it
+    # workers change into the source folder and import from it, and from this checkout (not installed)
     src = str(tmp_path.resolve())
+    checkout = str(Path(__file__).resolve().parents[1])
     for d in deps.values():
         assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": src}}]
-        assert d.job_variables == {"env": {"PYTHONPATH": src}}
+        assert d.job_variables == {"env": {"PYTHONPATH": f"{src}{os.pathsep}{checkout}"}}
     (pool,) = load_pools()
     assert (pool.name, pool.type) == ("trajflow-cpu", "process")
     assert {q.name: q.concurrency_limit for q in pool.queues} == {"training": 1, "evaluation": 1}
@@ -58,16 +60,25 @@ def test_schedules_are_validated():
         schedule_create({"rrule": "FREQ=DAILY"})
 
 
-def test_optional_replay_is_skipped_until_its_flow_exists(tmp_path):
+def test_source_defaults_to_the_callers_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (train,) = [d for d in load_deployments(env={}) if d.name == "train"]
+    assert train.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(tmp_path.resolve())
+
+
+def test_optional_replay_is_skipped_until_its_flow_exists(tmp_path, monkeypatch):
     (replay,) = [d for d in load_deployments(source=tmp_path, env={}) if d.name == "replay"]
-    assert skip_reason(replay, tmp_path) == "flows/replay.py does not exist"
-    (tmp_path / "flows").mkdir()
-    (tmp_path / "flows" / "replay.py").write_text("def replay(x):\n    pass\n")
-    assert skip_reason(replay, tmp_path) == "replay.py does not define replay_flow"
-    (tmp_path / "flows" / "replay.py").write_text("@flow\ndef replay_flow(run_id: str):\n    pass\n")
-    assert skip_reason(replay, tmp_path) is None
+    assert replay.entrypoint == "trajflow.flows.replay.replay_flow"
+    assert skip_reason(replay) is None  # the shipped flow exists
+    monkeypatch.syspath_prepend(str(tmp_path))
+    late = DeploymentSpec(name="replay", entrypoint="late_replay.replay_flow", work_pool="p")
+    assert skip_reason(late) == "module late_replay does not exist"
+    (tmp_path / "late_replay.py").write_text("def replay(x):\n    pass\n")
+    assert skip_reason(late) == "late_replay.py does not define replay_flow"
+    (tmp_path / "late_replay.py").write_text("@flow\ndef replay_flow(run_id: str):\n    pass\n")
+    assert skip_reason(late) is None
     (train,) = [d for d in load_deployments(source=tmp_path, env={}) if d.name == "train"]
-    assert skip_reason(train, tmp_path) is None  # never optional
+    assert skip_reason(train) is None  # never optional
 
 
 def test_deploy_without_a_server_is_an_error(monkeypatch):
@@ -106,7 +117,7 @@ def test_only_transient_failures_are_retried():
 
 
 def test_stage_timeouts_and_retries_come_from_config():
-    from flows.tasks import stages_for
+    from trajflow.flows.tasks import stages_for
     from trajflow.run.recovery import stage_timeout
 
     cfg = load_config(None, ["trainer.stage_timeout_s=600", "trainer.stage_timeouts={update_actor: 30, gate: 0}",
@@ -180,8 +191,8 @@ def test_stage_deadline_drops_a_stuck_worker_and_keeps_a_healthy_one(tmp_path, r
 
 
 def test_update_batch_and_loss_mask_match_the_formulas():
-    from stages.policy_update import update_batch, with_loss_mask
-    from stages.seeds import iteration_seed
+    from trajflow.stages.policy_update import update_batch, with_loss_mask
+    from trajflow.stages.seeds import iteration_seed
 
     joined = pa.table({"sample_id": ["a", "b", "c"], "prompt_ids": [[1, 2], [1, 2], [3]],
                        "response_ids": [[5, 6, 7], [8], [9, 9]],
@@ -204,7 +215,7 @@ def test_update_batch_and_loss_mask_match_the_formulas():
 
 
 def test_metrics_markdown_table_and_mlflow_link():
-    from flows.reporting import artifact_key, metrics_markdown, mlflow_run_url
+    from trajflow.flows.reporting import artifact_key, metrics_markdown, mlflow_run_url
 
     assert artifact_key("grpo_default-20261129-151146-e145", "metrics") == "grpo-default-20261129-151146-e145-metrics"
     url = mlflow_run_url("http://mlflow:5000/", "3", "abc123")
@@ -240,7 +251,7 @@ def _fake_run(root: Path, run_id: str, recipe: str, created: float, checkpoints:
 
 
 def test_evaluate_picks_the_newest_run_and_checkpoint(tmp_path):
-    from flows.evaluate import find_run, pick_checkpoint
+    from trajflow.flows.evaluate import find_run, pick_checkpoint
     from trajflow.errors import StoreError
 
     _fake_run(tmp_path, "a-old", "grpo_default", 100.0, [5, 10])

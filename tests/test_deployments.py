@@ -116,14 +116,18 @@ def stack(tmp_path_factory, tiny_model_dir):
                             base_env, logs["server"]))
         _wait_healthy(url, procs[0], logs["server"])
         t_server = time.monotonic() - t0
-        # Register with the real CLI, as a user would.
+        # Register with the real CLI, as a user would, from their own project folder: the flow runs
+        # work there (their runs/ store), not in trajflow's folder.
+        project = tmp / "project"
+        project.mkdir()
         out = subprocess.run([sys.executable, "-m", "trajflow.cli", "deploy", "--server", f"http://127.0.0.1:{port}"],
-                             env=client_env, cwd=str(REPO), capture_output=True, text=True, timeout=180)
+                             env=client_env, cwd=str(project), capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, f"trajflow deploy failed:\n{out.stdout}\n{out.stderr}"
         procs.append(_spawn([prefect, "worker", "start", "--pool", POOL, "--type", "process"],
                             client_env, logs["worker"]))
         with temporary_settings(updates={PREFECT_API_URL: url}):
-            yield {"url": url, "tmp": tmp, "logs": logs, "deploy_output": out.stdout, "model": tiny_model_dir,
+            yield {"url": url, "tmp": tmp, "project": project, "logs": logs, "deploy_output": out.stdout,
+                   "model": tiny_model_dir,
                    "t_server": t_server}
     finally:
         _stop(procs)
@@ -141,7 +145,9 @@ def test_deploy_registers_pool_queues_and_nightly_evaluate_schedule(stack):
         train = client.read_deployment_by_name("train-recipe/train")
         assert (train.work_pool_name, train.work_queue_name) == (POOL, "training")
         assert train.parameters == {"recipe": "grpo_default", "overrides": []}
-        assert train.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        project = str(stack["project"].resolve())
+        assert train.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": project}}]
+        assert f"flow runs work in {project} on the workers" in stack["deploy_output"]
         evaluate = client.read_deployment_by_name("evaluate/evaluate")
         assert evaluate.work_queue_name == "evaluation"
         assert len(evaluate.schedules) == 1
@@ -164,10 +170,10 @@ def test_train_deployment_runs_through_the_worker(stack):
     from prefect.deployments import run_deployment
     from prefect.states import Cancelled
 
-    from flows.reporting import artifact_key
+    from trajflow.flows.reporting import artifact_key
 
-    store_root = stack["tmp"] / "runs"
-    overrides = tiny_overrides(stack["model"], store_root, **{"trainer.val_before_train": False,
+    store_root = stack["project"] / "runs"  # store.root's default, in the deployments' working directory
+    overrides = tiny_overrides(stack["model"], "runs", **{"trainer.val_before_train": False,
                                                                "trainer.stage_retry_delay_s": 1})
     t0 = time.monotonic()
     flow_run = run_deployment("train-recipe/train", parameters={"recipe": "grpo_default", "overrides": overrides},

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
-from stages.rollout import SamplingParams
+from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+from trajflow.stages.rollout import SamplingParams
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.base import (EngineError, GenerationOutput, LogprobKind, RolloutEngine, WeightSync,
                                    choose_weight_sync)

@@ -37,8 +37,8 @@ def _overrides(model: Path, root: Path, environment: str, **extra) -> list[str]:
 
 @pytest.mark.usefixtures("ray_local")
 def test_env_reward_is_the_score_and_replay_recomputes_it(eos_model, tmp_path):
-    from flows.replay import replay
-    from flows.train import train
+    from trajflow.flows.replay import replay
+    from trajflow.flows.train import train
 
     root = tmp_path / "runs"
     summary = train("grpo_tool_calculator", _overrides(eos_model, root, "tests.mt_envs:rewarded_turns"))

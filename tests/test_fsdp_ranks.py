@@ -209,7 +209,7 @@ def test_lora_two_ranks_equal_one_process_resume_and_merged_final(ray_local, tin
 
 def critic_batch(worker_values, seed: int, rows: int = 10):
     """Random rows, the critic's own pre-update values, returns = values + noise, a masked row."""
-    from stages.critic_update import CriticBatch, CriticRows, CriticSettings
+    from trajflow.stages.critic_update import CriticBatch, CriticRows, CriticSettings
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(10, 2000, size=int(n)).tolist() for n in rng.integers(3, 14, size=rows)]

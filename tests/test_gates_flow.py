@@ -42,7 +42,7 @@ def scorer_file(tmp_path_factory):
 
 
 def _train(tiny_model_dir, root, scorer_file, fn, **extra):
-    from flows.train import train
+    from trajflow.flows.train import train
 
     over = tiny_overrides(tiny_model_dir, root, **{"gates.enabled": True, "reward.custom_function": f"{scorer_file}:{fn}",
                                                     "trainer.test_freq": 0, **extra})

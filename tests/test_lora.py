@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
-from stages.rollout import SamplingParams
+from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+from trajflow.stages.rollout import SamplingParams
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.modeling import lora

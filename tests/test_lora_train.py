@@ -19,7 +19,7 @@ KL = {"actor.kl_loss_coef": 0.1}
 
 
 def _train(model_dir, root, **extra):
-    from flows.train import train
+    from trajflow.flows.train import train
 
     # Hash-bit rewards: groups have reward variance, so the adapters get non-zero gradients.
     scorer = {"reward.custom_function": write_hash_scorer(root), "rollout.n": 4}
@@ -33,7 +33,7 @@ def runs(tiny_model_dir, ray_local, tmp_path_factory):
     _train(tiny_model_dir, root, **KL, **{"trainer.run_id": "cut", "trainer.total_iterations": 1})
     resumed = _train(tiny_model_dir, root, **KL, **{"trainer.run_id": "cut", "trainer.resume": "auto"})
     no_kl = _train(tiny_model_dir, root, **{"trainer.run_id": "nokl", "trainer.total_iterations": 1})
-    from flows.replay import replay
+    from trajflow.flows.replay import replay
 
     # Iteration 2 again from checkpoint 1: reference log-probs from the reloaded adapter's base, then the update.
     named = f"reward.custom_function={root / 'hash_scorer.py'}:compute_score"  # a stored function is named again

@@ -20,7 +20,7 @@ def eos_model(tmp_path_factory) -> Path:
 
 
 def test_multi_turn_train_run_stores_episodes_and_audits_tools(eos_model, tmp_path):
-    from flows.train import train
+    from trajflow.flows.train import train
     from trajflow.audit import query_audit
 
     over = tiny_overrides(eos_model, tmp_path / "runs", **{

@@ -38,8 +38,8 @@ def logprobs_and_entropy(model, prompt_ids, response_ids, temperature):
 
 @pytest.fixture(scope="module")
 def replayed(tiny_model_dir, ray_local, tmp_path_factory):
-    from flows.replay import replay
-    from flows.train import train
+    from trajflow.flows.replay import replay
+    from trajflow.flows.train import train
 
     root = tmp_path_factory.mktemp("store")
     parent = train(None, tiny_overrides(tiny_model_dir, root, **{

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from stages.multi_turn import multi_turn_metrics, multi_turn_table
-from stages.rollout import SamplingParams
+from trajflow.stages.multi_turn import multi_turn_metrics, multi_turn_table
+from trajflow.stages.rollout import SamplingParams
 from trajflow.engines.base import GenerationOutput
 from trajflow.engines.episodes import EpisodeLimits, run_episodes
 from trajflow.engines.hf import HFRolloutEngine

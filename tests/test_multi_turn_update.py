@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
 from tests.multi_turn_rows import episode
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.modeling.forward import uses_tree_packing
@@ -131,8 +131,8 @@ def test_critic_fits_generated_tokens_only(tiny_model_dir):
     import pyarrow as pa
     from omegaconf import OmegaConf
 
-    from stages.critic_update import critic_batch
-    from stages.policy_update import with_loss_mask
+    from trajflow.stages.critic_update import critic_batch
+    from trajflow.stages.policy_update import with_loss_mask
     from trajflow.config import CriticConfig
     from trajflow.workers.critic import CriticWorker
 

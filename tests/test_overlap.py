@@ -56,7 +56,7 @@ def test_bad_max_staleness_is_one_line_naming_the_key_and_the_fix(overrides, nee
 
 
 def test_staleness_turns_the_rollout_correction_on_unless_the_user_chose():
-    from stages.policy_update import update_batch_options
+    from trajflow.stages.policy_update import update_batch_options
 
     on = load_config(None, _ov(**{"trainer.max_staleness": 1}))
     assert on.algorithm.rollout_is == "token"
@@ -72,7 +72,7 @@ def test_staleness_turns_the_rollout_correction_on_unless_the_user_chose():
 
 
 def test_row_staleness_and_its_metrics_by_hand():
-    from stages.staleness import row_staleness, staleness_metrics
+    from trajflow.stages.staleness import row_staleness, staleness_metrics
 
     s = row_staleness([3, 2, 3, 1], 3)
     assert s.tolist() == [0, 1, 0, 2] and s.dtype == np.int64
@@ -106,7 +106,7 @@ def test_staleness_is_checked_at_use_not_at_submission():
     rollout recorded at version 3 is kept; and rows staler than the limit at use are refused."""
     from types import SimpleNamespace
 
-    from stages.staleness import check_staleness
+    from trajflow.stages.staleness import check_staleness
     from trajflow.errors import DataError
     from trajflow.run.schedule import behaviour_version
 
@@ -123,7 +123,7 @@ def test_staleness_is_checked_at_use_not_at_submission():
 def test_max_staleness_zero_stores_the_same_files_as_before(tiny_model_dir, ray_local, tmp_path):
     """An explicit ``trainer.max_staleness=0`` runs the synchronous pipeline: the same Parquet bytes
     as a run that does not set the key, and no staleness column or metric."""
-    from flows.train import train
+    from trajflow.flows.train import train
 
     runs = {}
     for name, extra in (("unset", {}), ("zero", {"trainer.max_staleness": 0})):
@@ -325,7 +325,7 @@ def test_a_failed_gate_stops_before_the_update_and_lets_the_rollout_in_flight_fi
     """The gate still runs before the update that would use the batch: a NaN score stops the run in
     iteration 1 with no advantages and no update, and the rollout of iteration 2 (submitted before
     the gate ran) ends and is stored before the workers close."""
-    from flows.train import train
+    from trajflow.flows.train import train
     from trajflow.errors import GateFailed
     from trajflow.store import RunStore
 

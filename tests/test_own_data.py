@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.reward import overlong_floor_warning, reward_table, shaping_penalties
+from trajflow.stages.reward import overlong_floor_warning, reward_table, shaping_penalties
 from tests.test_verl_data import gsm8k_row, math_row, write_verl_parquet
 from trajflow.config import load_config
 from trajflow.prompts.shape import describe_recipe, detect_shape

@@ -8,13 +8,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stages import advantage as advantage_stage
-from stages import dynamic_sampling, seeds
-from stages import reward as reward_stage
-from stages import rollout as rollout_stage
-from stages.critic_update import critic_batch
-from stages.policy_update import actor_loss_mask, update_batch, update_batch_options
-from stages.rollout import Generation
+from trajflow.stages import advantage as advantage_stage
+from trajflow.stages import dynamic_sampling, seeds
+from trajflow.stages import reward as reward_stage
+from trajflow.stages import rollout as rollout_stage
+from trajflow.stages.critic_update import critic_batch
+from trajflow.stages.policy_update import actor_loss_mask, update_batch, update_batch_options
+from trajflow.stages.rollout import Generation
 
 ALGO = {"adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True,
         "use_kl_in_reward": False, "kl_penalty": "kl"}

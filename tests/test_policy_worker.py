@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
-from stages.rollout import SamplingParams
+from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+from trajflow.stages.rollout import SamplingParams
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.modeling.forward import forward_micro_batch
 from trajflow.modeling.packing import pack
@@ -155,7 +155,7 @@ def test_dynamic_micro_batches_update_like_fixed_ones(tiny_model_dir):
 
 def test_split_generations_merge_in_row_order():
     # 3 prompts, 2 samples each; rank 0 got prompts [0, 2], rank 1 prompt [1] plus one padding prompt.
-    from stages.rollout import Generation
+    from trajflow.stages.rollout import Generation
     from trajflow.workers.group import merge_split
 
     g0 = Generation([[1], [2], [5], [6]], ["a", "b", "e", "f"], ["stop"] * 4, [[-1.0], [-2.0], [-5.0], [-6.0]], 3,

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
-from stages.rollout import SamplingParams
-from stages.rollout_correction import rollout_mismatch_metrics
+from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+from trajflow.stages.rollout import SamplingParams
+from trajflow.stages.rollout_correction import rollout_mismatch_metrics
 from trajflow.config import ActorConfig, MixedPrecisionConfig, ModelConfig, RolloutConfig, load_config
 from trajflow.errors import ConfigError
 from trajflow.modeling.backends import deepspeed_config
@@ -252,7 +252,7 @@ def test_a_run_prints_records_and_logs_its_precision(tiny_model_dir, ray_local, 
 
     from mlflow.tracking import MlflowClient
 
-    from flows.train import train
+    from trajflow.flows.train import train
     from tests.conftest import tiny_overrides
 
     monkeypatch.delenv("TRAJFLOW_AUTO_PRECISION")  # the suite's pin: this test is about the hardware's answer

@@ -29,7 +29,7 @@ def env(tmp_path_factory, tiny_model_dir):
 
 
 def run(env, recipe: str, **extra):
-    from flows.train import train
+    from trajflow.flows.train import train
 
     over = {"trainer.test_freq": 0, "trainer.log_samples": 0, "reward.custom_function": env.scorer, **extra}
     summary = train(recipe, tiny_overrides(env.model, env.root / "runs", **over))
@@ -258,7 +258,7 @@ def test_dapo(env, dapo_run):
 
 def test_dapo_resume_replays_the_extra_prompt_draws(env, dapo_run):
     """A resumed iteration whose rollout is already stored moves the data cursor exactly as generating it did."""
-    from flows.train import train
+    from trajflow.flows.train import train
 
     d = dapo_run
     it2 = d / "iterations" / "000002"
@@ -312,7 +312,7 @@ def test_dynamic_sampling_without_any_signal_stops_with_a_clear_error(env):
     """The built-in arithmetic scorer gives a random-weight policy 0 everywhere: no group has accuracy
     variance, so after max_num_gen_batches the iteration stops and says which keys to change."""
     from trajflow.errors import DynamicSamplingError
-    from flows.train import train
+    from trajflow.flows.train import train
 
     over = {"trainer.test_freq": 0, "trainer.log_samples": 0, "algorithm.filter_groups.enable": True,
             "algorithm.filter_groups.max_num_gen_batches": 2, "trainer.total_iterations": 1}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stages.rollout import logprobs_from_logits, response_lengths_and_finish, response_mask, sample_tokens
+from trajflow.stages.rollout import logprobs_from_logits, response_lengths_and_finish, response_mask, sample_tokens
 
 EOS = 2
 

@@ -117,7 +117,7 @@ def test_read_only_commands_never_import_or_contact_what_a_stored_config_names(p
 
 
 def test_dashboard_data_layer_reads_a_planted_run_without_running_it(planted):
-    from dashboards import data
+    from trajflow.dashboards import data
 
     root = planted["store"].root
     assert data.store_runs(root) == ["r1"]

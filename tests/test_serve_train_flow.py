@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def test_agent_rows_train_through_the_flow(tmp_path):
-    from flows.train import train
+    from trajflow.flows.train import train
 
     model = make_eos_model(tmp_path / "eos-model")
     over = tiny_overrides(model, tmp_path / "runs", **{

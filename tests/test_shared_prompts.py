@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 from trajflow.engines.hf import HFRolloutEngine
 from trajflow.modeling.forward import (forward_micro_batch, layout_prompts, length_buckets, shared_prompt_rows,
                                       uses_tree_packing)

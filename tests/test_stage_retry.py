@@ -59,7 +59,7 @@ def _kill_when_update_starts(log: Path, version: int, killed: dict, stop: thread
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory, tiny_model_dir, ray_local):
     import trajflow.run.workers as runtime
-    from flows.train import train
+    from trajflow.flows.train import train
 
     tmp = tmp_path_factory.mktemp("retry")
     log = tmp / "updates.jsonl"
@@ -115,7 +115,7 @@ def test_killed_policy_worker_is_recreated_and_the_flow_completes(killed_run):
 def test_evaluate_flow_reproduces_the_runs_validation(killed_run):
     from mlflow.tracking import MlflowClient
 
-    from flows.evaluate import evaluate_flow
+    from trajflow.flows.evaluate import evaluate_flow
 
     run_id = killed_run["summary"]["run_id"]
     meta = json.loads((Path(killed_run["summary"]["run_dir"]) / "run.json").read_text())
@@ -145,7 +145,7 @@ def test_evaluate_releases_its_policy_ranks_and_placement_groups(killed_run):
     evaluation must kill its policy ranks and remove its placement groups when it ends."""
     import ray
 
-    from flows.evaluate import evaluate_flow
+    from trajflow.flows.evaluate import evaluate_flow
 
     def live_policy_actors() -> set[str]:
         return {a["ActorID"] for a in ray._private.state.actors().values()

@@ -60,7 +60,7 @@ def _rollout_v2(n=2):
 
 
 def test_a_rollout_written_in_schema_2_reads_with_todays_names_and_the_configs_temperature(tmp_path):
-    from stages.policy_update import update_batch
+    from trajflow.stages.policy_update import update_batch
 
     store = RunStore(tmp_path, "old-run")
     ref = store.write_stage(0, "rollout", _rollout_v2(), 0)
@@ -77,8 +77,8 @@ def test_a_rollout_written_in_schema_2_reads_with_todays_names_and_the_configs_t
 
 
 def test_the_stored_sampling_temperature_wins_over_a_later_config():
-    from stages.policy_update import update_batch
-    from stages.rollout import SamplingParams, rollout_temperature, with_sampling_columns
+    from trajflow.stages.policy_update import update_batch
+    from trajflow.stages.rollout import SamplingParams, rollout_temperature, with_sampling_columns
 
     t = _rollout_v2().rename_columns(["sample_id", "prompt_ids", "response_ids", "rollout_logprobs"])
     t = with_sampling_columns(t, SamplingParams(temperature=0.6, top_p=0.9, top_k=5))
@@ -96,7 +96,7 @@ def test_the_trajectory_comparison_reads_both_schemas_and_finds_a_changed_value(
     import pyarrow.parquet as pq
 
     from benchmarks.same_trajectories import compare_file
-    from stages.rollout import SamplingParams, with_sampling_columns
+    from trajflow.stages.rollout import SamplingParams, with_sampling_columns
 
     old = _rollout_v2()
     new = with_sampling_columns(old.rename_columns(["sample_id", "prompt_ids", "response_ids", "rollout_logprobs"]),

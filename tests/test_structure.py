@@ -16,13 +16,16 @@ MAX_LINES = 600
 
 
 def project_modules() -> dict[str, Path]:
-    """``{dotted module name: file}`` for every ``.py`` file under :data:`PACKAGES`."""
+    """``{dotted module name: file}`` for every ``.py`` file under :data:`PACKAGES`; the top-level
+    ``flows/``, ``stages/`` and ``dashboards/`` are imported as ``trajflow.flows`` and so on."""
     out = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
+            if package != "trajflow":
+                parts = ("trajflow", *parts)
             out[".".join(parts)] = path
     return out
 

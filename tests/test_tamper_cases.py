@@ -81,7 +81,7 @@ def test_evaluate_refuses_a_checkpoint_that_does_not_verify_before_ray(stored_ru
         rc, _, err = run_cli("evaluate", "r1", "--checkpoint", "1", "--store", str(stored_run.root))
         assert expected in one_error(rc, err, str(weights), "checkpoint 1")
     else:
-        from flows.evaluate import prepare_evaluation
+        from trajflow.flows.evaluate import prepare_evaluation
 
         with pytest.raises(StoreError, match=rf"run 'r1' checkpoint 1: {weights}.*{expected}"):
             prepare_evaluation(stored_run.root, "r1", 1)
@@ -317,7 +317,7 @@ def test_the_gates_stop_names_what_the_custom_reward_raised(tmp_path):
 
 @pytest.mark.parametrize("damage", ["corrupt", "symlink to /dev/zero", "symlink to another file"])
 def test_dashboard_names_a_damaged_or_symlinked_parquet_file(stored_run, tmp_path, damage):
-    from dashboards import data
+    from trajflow.dashboards import data
     from trajflow.errors import DashboardError
 
     reward = stored_run.stage_path(2, "reward")

@@ -18,7 +18,7 @@ EXPECTED_METRICS = ["critic/score/mean", "actor/pg_loss", "actor/entropy", "resp
 
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, ray_local, tmp_path_factory):
-    from flows.train import train
+    from trajflow.flows.train import train
 
     root = tmp_path_factory.mktemp("store")
     summary = train(None, tiny_overrides(tiny_model_dir, root, **{"gates.enabled": True,

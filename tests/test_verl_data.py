@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.reward import score_rows
-from stages.scorers import select_scorer
+from trajflow.stages.reward import score_rows
+from trajflow.stages.scorers import select_scorer
 from trajflow.config import load_config
 from trajflow.errors import ConfigError
 from trajflow.prompts import DataError, data_spec, load_prompt_dataset
@@ -187,7 +187,7 @@ def test_verl_parquet_trains_end_to_end_with_struct_columns(tmp_path, tiny_model
     reward = pq.read_table(run_dir / "iterations" / "000002" / "reward.parquet")
     assert reward.column("reward_error").null_count == reward.num_rows
     # the audit table, and the dashboard's Parquet reader without it, show the struct prompts as text
-    from dashboards.data import find_trajectories, trajectory_source
+    from trajflow.dashboards.data import find_trajectories, trajectory_source
     from trajflow.audit import query_audit
 
     audited = query_audit(root, run_dir.name, limit=1000).to_pylist()
@@ -205,7 +205,7 @@ def test_verl_parquet_trains_end_to_end_with_struct_columns(tmp_path, tiny_model
 
 
 def test_nested_columns_round_trip_and_old_json_still_reads(tmp_path):
-    from dashboards.data import prompt_text as dashboard_prompt_text
+    from trajflow.dashboards.data import prompt_text as dashboard_prompt_text
     from trajflow.audit import prompt_text as audit_prompt_text
     from trajflow.batch import decode_nested, nested_column, nested_type
 
@@ -227,7 +227,7 @@ def test_nested_columns_round_trip_and_old_json_still_reads(tmp_path):
 def test_every_batch_of_a_dataset_gets_one_rollout_schema(tmp_path):
     """Batches whose rows lack different extra_info keys still concatenate (dynamic sampling) and
     read as one dataset across iterations: the type comes from the whole dataset."""
-    from stages.rollout import Generation, rollout_table
+    from trajflow.stages.rollout import Generation, rollout_table
 
     rows = [gsm8k_row(0), {**gsm8k_row(1), "extra_info": {"index": 1, "hint": "add"}}, math_row(0, "lighteval/MATH")]
     data = load_prompt_dataset(str(write_verl_parquet(tmp_path / "mixed.parquet", rows)))

@@ -261,8 +261,8 @@ ACTOR = dict(lr=1e-3, betas=[0.9, 0.999], weight_decay=0.0, ppo_micro_batch_size
 
 
 def test_separate_rollout_workers_get_weights_after_each_update(ray_local, tiny_model_dir):
-    from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
-    from stages.rollout import SamplingParams
+    from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+    from trajflow.stages.rollout import SamplingParams
     from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
     from trajflow.workers.policy import PolicyWorker
     from trajflow.workers.rollout import RolloutWorker

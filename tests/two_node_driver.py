@@ -19,7 +19,7 @@ def main() -> None:
     overrides = sys.argv[4:]
     import ray
 
-    from flows.train import train
+    from trajflow.flows.train import train
     from tests.conftest import tiny_overrides
 
     summary = train(None, tiny_overrides(Path(model_dir), Path(store_root), **{"resources.ray_address": address})

@@ -10,7 +10,7 @@ checkpoint was not saved after every iteration, the rollout policy is that check
 ``policy_version`` minus the checkpoint's version further updates, which ``trajflow replay``
 re-derives). ``prompt_text`` and ``response_text`` carry a full-text (BM25) index.
 
-Types match the dashboard's Parquet fallback (``dashboards.data``): ``score`` and
+Types match the dashboard's Parquet fallback (``trajflow.dashboards.data``): ``score`` and
 ``advantage_mean`` float64 (the stored float32 widened exactly), ``response_length`` int64.
 
 The table is derived data: the Parquet files are the record. Appending an iteration first deletes

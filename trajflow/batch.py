@@ -255,7 +255,7 @@ def upgrade_stage_table(table: pa.Table) -> pa.Table:
     """A stage table read from disk, with the column names of today's schema (:data:`SCHEMA_VERSION`):
     a file written by an earlier version reads as if written now (``old_logprobs`` of schema <= 2 is
     ``rollout_logprobs``). Columns an older file lacks stay absent; their readers fall back (e.g.
-    :func:`stages.rollout.rollout_temperature`)."""
+    :func:`trajflow.stages.rollout.rollout_temperature`)."""
     names = table.column_names
     if not any(old in names and new not in names for old, new in RENAMED_COLUMNS.items()):
         return table

@@ -22,7 +22,7 @@ from typing import List, Optional  # noqa: E402
 
 import typer  # noqa: E402
 
-from stages.names import REPLAY_FROM  # noqa: E402
+from trajflow.stages.names import REPLAY_FROM  # noqa: E402
 
 # rich_markup_mode=None: plain help text (Rich markup would eat [brackets] in the help strings, and
 # show flags that take no value as "<bool>").
@@ -31,7 +31,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="RL post-training for language models: rollout -> reward -> advantage -> update, "
                        "as Prefect flows over Ray workers with Arrow trajectories on disk.")
 
-#: ``replay --from-stage`` choices (``stages.names.REPLAY_FROM``).
+#: ``replay --from-stage`` choices (``trajflow.stages.names.REPLAY_FROM``).
 FromStage = Enum("FromStage", {name: name for name in REPLAY_FROM}, type=str)
 
 
@@ -120,7 +120,7 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help="config ove
 
     def go():
         _console(verbose)
-        from flows.train import train as train_entry  # checks config, data and model before Prefect/Ray start
+        from trajflow.flows.train import train as train_entry  # checks config, data and model before Prefect/Ray start
 
         return train_entry(config, _with_store(overrides, store), run_id)
 
@@ -153,7 +153,7 @@ def resume(run_id: str = typer.Argument(..., help="the run to continue"),
 
     def go():
         _console(verbose)
-        from flows.train import resume as resume_entry
+        from trajflow.flows.train import resume as resume_entry
 
         return resume_entry(run_id, _with_store(overrides, store))
 
@@ -185,7 +185,7 @@ def replay(run_id: str = typer.Argument(..., help="the run whose stored iteratio
 
     def go():
         _console(verbose)
-        from flows.replay import replay as replay_entry
+        from trajflow.flows.replay import replay as replay_entry
 
         return replay_entry(run_id, from_stage.value, iteration=iteration, iterations=iterations,
                             overrides=_with_store(overrides, store), run_id=new_run_id)
@@ -208,7 +208,7 @@ def evaluate(run_id: str = typer.Argument(..., help="the run whose checkpoint is
 
     def go():
         _console(verbose)
-        from flows.evaluate import evaluate_flow, prepare_evaluation
+        from trajflow.flows.evaluate import evaluate_flow, prepare_evaluation
         from trajflow.infra.prefect_server import start_temporary_server
 
         # Bad input (stored code not consented to, a checkpoint that does not verify) before Prefect and Ray.
@@ -366,8 +366,9 @@ def gate(run_id: str = typer.Argument(..., help="run id under the store root"),
 @app.command()
 def deploy(server: Optional[str] = typer.Option(None, "--server", help="Prefect server URL, e.g. "
                                                 "http://127.0.0.1:4200 (default: PREFECT_API_URL)"),
-           source: Optional[str] = typer.Option(None, "--source", help="trajflow source folder on the worker "
-                                                "machines (default: this checkout)"),
+           source: Optional[str] = typer.Option(None, "--source", help="working directory of the flow runs on the "
+                                                "worker machines, where their runs/ store goes (default: the "
+                                                "current directory)"),
            pool: Optional[str] = typer.Option(None, "--pool", help="work pool name (default: the one in "
                                               "infra/prefect/work-pools.yaml)")) -> None:
     """Register the Prefect deployments (train, evaluate, replay), their work pool, queues and schedules."""
@@ -428,7 +429,7 @@ def dashboard(store: Optional[str] = typer.Option(None, "--store", help=STORE_HE
               port: int = typer.Option(8501, "--port", help="port to serve on"),
               address: str = typer.Option("127.0.0.1", "--address", help="address to bind (0.0.0.0: all interfaces)")) -> None:
     """Serve the dashboard (Streamlit): runs and their curves, trajectory browser, gate results."""
-    from dashboards.data import serve
+    from trajflow.dashboards.data import serve
 
     _run(serve, _store_root(store), tracking_uri, port, address)  # replaces this process with Streamlit
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from stages.multi_turn import multi_turn_metrics
-from stages.pass_at_k import best_at_k, maj_at_k, pass_at_k, verl_ks
+from trajflow.stages.multi_turn import multi_turn_metrics
+from trajflow.stages.pass_at_k import best_at_k, maj_at_k, pass_at_k, verl_ks
 from trajflow.batch import lengths, trainable_lengths, trainable_mask
 
 
@@ -109,7 +109,7 @@ def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list
     Returns:
         ``val-core/<source>/acc/mean@<n>`` (accuracy averaged over all rows),
         ``val-aux/<source>/reward/mean@<n>`` and ``val-aux/response_length/mean`` (tokens); with ``n > 1``
-        also, averaged over prompts (:mod:`stages.pass_at_k`, each the exact expectation over the
+        also, averaged over prompts (:mod:`trajflow.stages.pass_at_k`, each the exact expectation over the
         k-subsets of a prompt's ``n`` responses, not a bootstrap):
         ``val-core/<source>/acc/pass@<k>/mean`` for every ``1 <= k <= n`` (Chen et al. 2021, Eq. 1:
         ``1 - C(n - c, k) / C(n, k)``, a response correct when its accuracy is >= 1);

@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trajflow.errors import StoreError
-from stages.names import STORED_STAGES
+from trajflow.stages.names import STORED_STAGES
 from trajflow.batch import SCHEMA_VERSION, upgrade_stage_table
 from trajflow.faults import fault_point
 

@@ -110,7 +110,7 @@ def _confirmed_by_hash(key: str, value, overrides: Sequence[str]) -> bool:
     want = override_value(overrides, "reward.custom_function_sha256")
     if not want:
         return False
-    from stages.scorers import custom_function_file
+    from trajflow.stages.scorers import custom_function_file
 
     try:
         path = custom_function_file(str(value))
@@ -122,7 +122,7 @@ def _confirmed_by_hash(key: str, value, overrides: Sequence[str]) -> bool:
 def _consent_hint(key: str, value) -> str:
     hint = f"pass {key}={value} again"
     if key == "reward.custom_function":
-        from stages.scorers import custom_function_file
+        from trajflow.stages.scorers import custom_function_file
 
         try:
             digest = file_sha256(custom_function_file(str(value)))
@@ -195,7 +195,7 @@ def check_custom_function_hash(cfg: DictConfig, source: str = "config") -> None:
     spec = _get(cfg, "reward.custom_function")
     if not spec:
         raise ConfigError(f"{source}: reward.custom_function_sha256 is set but reward.custom_function is not")
-    from stages.scorers import custom_function_file
+    from trajflow.stages.scorers import custom_function_file
 
     try:
         path = custom_function_file(str(spec))

@@ -25,23 +25,23 @@ Guarantees, for every valid input (finite rewards on masked tokens):
 
 Inputs are validated at this boundary; errors name the argument, the row and what was expected.
 
-The package: :mod:`~stages.advantage.registry` (the registry, :class:`AdvantageConfig`,
-:func:`masked_whiten`), :mod:`~stages.advantage.token_level` (GAE, REINFORCE++, ReMax, OPD),
-:mod:`~stages.advantage.outcome` (GRPO, RLOO, REINFORCE++ baseline, OPO, GPG, pass@k),
-:mod:`~stages.advantage.table` (:func:`compute_advantage`, :func:`advantage_table`). Importing this
+The package: :mod:`~trajflow.stages.advantage.registry` (the registry, :class:`AdvantageConfig`,
+:func:`masked_whiten`), :mod:`~trajflow.stages.advantage.token_level` (GAE, REINFORCE++, ReMax, OPD),
+:mod:`~trajflow.stages.advantage.outcome` (GRPO, RLOO, REINFORCE++ baseline, OPO, GPG, pass@k),
+:mod:`~trajflow.stages.advantage.table` (:func:`compute_advantage`, :func:`advantage_table`). Importing this
 package registers every estimator.
 """
 
 from __future__ import annotations
 
-from stages.advantage.outcome import (compute_gpg_outcome_advantage, compute_grpo_outcome_advantage,
+from trajflow.stages.advantage.outcome import (compute_gpg_outcome_advantage, compute_grpo_outcome_advantage,
                                       compute_grpo_passk_outcome_advantage, compute_opo_outcome_advantage,
                                       compute_reinforce_plus_plus_baseline_advantage,
                                       compute_rloo_outcome_advantage)
-from stages.advantage.registry import ADV_ESTIMATORS, WHITEN_EPS, AdvantageConfig, EstimatorMeta, masked_whiten
-from stages.advantage.token_level import (compute_gae_advantage_return, compute_opd_advantage,
+from trajflow.stages.advantage.registry import ADV_ESTIMATORS, WHITEN_EPS, AdvantageConfig, EstimatorMeta, masked_whiten
+from trajflow.stages.advantage.token_level import (compute_gae_advantage_return, compute_opd_advantage,
                                           compute_reinforce_plus_plus_advantage, compute_remax_advantage)
-from stages.advantage.table import advantage_table, compute_advantage, fill_dropped_rows
+from trajflow.stages.advantage.table import advantage_table, compute_advantage, fill_dropped_rows
 
 __all__ = [
     "ADV_ESTIMATORS",

@@ -2,7 +2,7 @@
 prompt (GRPO / Dr. GRPO, RLOO, REINFORCE++ with a group baseline, OPO, GPG, pass@k), broadcast to
 every generated token.
 
-All follow the contract of :mod:`stages.advantage` (signature, shapes, masking guarantees).
+All follow the contract of :mod:`trajflow.stages.advantage` (signature, shapes, masking guarantees).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from stages.advantage.registry import ADV_ESTIMATORS, AdvantageConfig, masked_whiten
-from stages.group_stats import GroupStats, broadcast_rows, check_inputs, group_ids
+from trajflow.stages.advantage.registry import ADV_ESTIMATORS, AdvantageConfig, masked_whiten
+from trajflow.stages.group_stats import GroupStats, broadcast_rows, check_inputs, group_ids
 
 
 def _outcome_setup(

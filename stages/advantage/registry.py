@@ -1,7 +1,7 @@
 """The advantage estimators' registry, the settings they share and batch whitening.
 
-Estimators register here (:mod:`stages.advantage.token_level`, :mod:`stages.advantage.outcome`) with
-:class:`EstimatorMeta`; :mod:`stages.advantage` imports them all, so import the registry from there.
+Estimators register here (:mod:`trajflow.stages.advantage.token_level`, :mod:`trajflow.stages.advantage.outcome`) with
+:class:`EstimatorMeta`; :mod:`trajflow.stages.advantage` imports them all, so import the registry from there.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.registry import Registry
+from trajflow.stages.registry import Registry
 
 
 @dataclass(frozen=True)

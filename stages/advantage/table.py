@@ -13,7 +13,7 @@ import torch
 
 from trajflow.batch import lengths, pad_ragged, to_ragged, trainable_mask
 
-from stages.advantage.registry import ADV_ESTIMATORS, AdvantageConfig
+from trajflow.stages.advantage.registry import ADV_ESTIMATORS, AdvantageConfig
 
 
 def compute_advantage(

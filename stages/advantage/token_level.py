@@ -2,7 +2,7 @@
 critic, REINFORCE++ and ReMax (returns-to-go, whitened or minus a greedy baseline), on-policy
 distillation (the teacher's log-probs against the student's).
 
-All follow the contract of :mod:`stages.advantage` (signature, shapes, masking guarantees).
+All follow the contract of :mod:`trajflow.stages.advantage` (signature, shapes, masking guarantees).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from stages.advantage.outcome import compute_grpo_outcome_advantage
-from stages.advantage.registry import ADV_ESTIMATORS, AdvantageConfig, masked_whiten
-from stages.distillation import opd_advantage
-from stages.group_stats import check_inputs, masked_finite, masked_tokens
+from trajflow.stages.advantage.outcome import compute_grpo_outcome_advantage
+from trajflow.stages.advantage.registry import ADV_ESTIMATORS, AdvantageConfig, masked_whiten
+from trajflow.stages.distillation import opd_advantage
+from trajflow.stages.group_stats import check_inputs, masked_finite, masked_tokens
 
 
 def _returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -176,7 +176,7 @@ def compute_remax_advantage(
 def compute_opd_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence[str | int],
                           config: AdvantageConfig, *, teacher_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
                           opd_coef: float = 1.0, opd_task_coef: float = 0.0, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """On-policy distillation (:func:`stages.distillation.opd_advantage`): per token
+    """On-policy distillation (:func:`trajflow.stages.distillation.opd_advantage`): per token
     ``opd_coef * (teacher - student) + opd_task_coef * A_grpo`` (the task reward's GRPO advantage)."""
     task = compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, config)[0] if opd_task_coef \
         else None

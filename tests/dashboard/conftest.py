@@ -65,7 +65,7 @@ def two_runs(request, tmp_path_factory) -> TwoRuns:
         shutil.rmtree(root)
     request.getfixturevalue("ray_local")
     tiny_model_dir = request.getfixturevalue("tiny_model_dir")
-    from flows.train import train
+    from trajflow.flows.train import train
 
     reward = tmp_path_factory.mktemp("reward") / "vowel_reward.py"
     reward.write_text(REWARD_FILE)

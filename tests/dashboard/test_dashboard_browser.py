@@ -90,7 +90,7 @@ def extra_runs(two_runs):
 @pytest.fixture(scope="module")
 def dashboard(two_runs, extra_runs, tmp_path_factory):
     """A running ``streamlit run dashboards/app.py`` over the two runs (and ``extra_runs``); yields its base URL."""
-    from dashboards.data import streamlit_command
+    from trajflow.dashboards.data import streamlit_command
 
     port = _free_port()
     log = tmp_path_factory.mktemp("streamlit") / "streamlit.log"

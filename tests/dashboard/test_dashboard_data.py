@@ -30,7 +30,7 @@ def stored_rows(run_dir: Path) -> list[dict]:
 
 
 def test_find_trajectories_filters_and_columns(two_runs):
-    from dashboards.data import TRAJECTORY_COLUMNS, TrajectoryFilter, find_trajectories, trajectory_facets
+    from trajflow.dashboards.data import TRAJECTORY_COLUMNS, TrajectoryFilter, find_trajectories, trajectory_facets
 
     run = two_runs.names[0]
     rows = stored_rows(two_runs.root / run)
@@ -77,7 +77,7 @@ def test_find_trajectories_filters_and_columns(two_runs):
 
 
 def test_where_clause_for_the_audit_table():
-    from dashboards.data import TrajectoryFilter, where_clause
+    from trajflow.dashboards.data import TrajectoryFilter, where_clause
 
     assert where_clause(TrajectoryFilter()) is None
     assert where_clause(TrajectoryFilter(iterations=(2, 5), data_sources=("gsm8k", "o'neil"), score_range=(0.0, 1.0),
@@ -88,7 +88,7 @@ def test_where_clause_for_the_audit_table():
 
 def test_gate_reports_match_gate_json(two_runs):
     from trajflow.errors import DashboardError
-    from dashboards.data import gate_reports
+    from trajflow.dashboards.data import gate_reports
 
     run = two_runs.names[1]
     reports = gate_reports(two_runs.root, run)
@@ -148,7 +148,7 @@ def _by_hand_prompt_text(prompt: list | str) -> str:
 def test_substring_search_and_sorting_agree_with_and_without_the_audit_table(two_runs, tmp_path):
     import shutil
 
-    from dashboards.data import TrajectoryFilter, find_trajectories, trajectory_source
+    from trajflow.dashboards.data import TrajectoryFilter, find_trajectories, trajectory_source
 
     run = two_runs.names[0]
     rows = stored_rows(two_runs.root / run)
@@ -180,7 +180,7 @@ def test_substring_search_and_sorting_agree_with_and_without_the_audit_table(two
 
 
 def test_group_view_holds_each_prompt_once_with_all_its_responses(two_runs):
-    from dashboards.data import TrajectoryFilter, find_groups
+    from trajflow.dashboards.data import TrajectoryFilter, find_groups
 
     run = two_runs.names[0]
     rows = stored_rows(two_runs.root / run)
@@ -205,7 +205,7 @@ def test_group_view_holds_each_prompt_once_with_all_its_responses(two_runs):
 
 
 def test_gate_reports_carry_each_expectations_threshold_and_status(two_runs):
-    from dashboards.data import gate_reports
+    from trajflow.dashboards.data import gate_reports
 
     run = two_runs.names[0]
     reports = gate_reports(two_runs.root, run)

@@ -49,7 +49,7 @@ ITERATIONS = {
 
 
 def test_all_equal_share_histograms_and_prompt_history_by_hand(tmp_path):
-    from dashboards.iteration_stats import (all_equal_group_share, iteration_distributions, prompt_history,
+    from trajflow.dashboards.iteration_stats import (all_equal_group_share, iteration_distributions, prompt_history,
                                             repeated_prompts)
 
     _write_run(tmp_path, "r", ITERATIONS)
@@ -81,7 +81,7 @@ def _stored(run_dir: Path, it: int) -> dict[str, dict]:
 def test_token_view_matches_the_stored_columns(two_runs):
     from transformers import AutoTokenizer
 
-    from dashboards.tokens import run_tokenizer, token_html, token_rows
+    from trajflow.dashboards.tokens import run_tokenizer, token_html, token_rows
 
     run = two_runs.names[0]
     run_dir = two_runs.root / run
@@ -123,7 +123,7 @@ def test_token_view_matches_the_stored_columns(two_runs):
 
 
 def test_token_view_without_tokenizer_and_a_bad_sample(two_runs, tmp_path):
-    from dashboards.tokens import token_html, token_rows
+    from trajflow.dashboards.tokens import token_html, token_rows
     from trajflow.errors import DashboardError
 
     run = two_runs.names[0]
@@ -140,7 +140,7 @@ def test_token_view_without_tokenizer_and_a_bad_sample(two_runs, tmp_path):
 def test_list_runs_says_which_runs_finished_an_iteration(two_runs):
     from mlflow.tracking import MlflowClient
 
-    from dashboards.data import has_iterations, list_runs
+    from trajflow.dashboards.data import has_iterations, list_runs
 
     rows = {r["run"]: r for r in list_runs(MlflowClient(two_runs.tracking_uri))}
     for name in two_runs.names:

@@ -1,6 +1,6 @@
 """The trajectory browser's turn-by-turn shaping of a stored multi-turn episode."""
 
-from dashboards.data import episode_turns
+from trajflow.dashboards.data import episode_turns
 
 
 def test_episode_turns_pairs_each_assistant_turn_with_its_tool_calls():

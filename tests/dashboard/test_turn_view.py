@@ -14,7 +14,7 @@ from tests.mt_envs import make_eos_model
 
 @pytest.fixture(scope="module")
 def mt_run(tmp_path_factory, ray_local):
-    from flows.train import train
+    from trajflow.flows.train import train
 
     model = make_eos_model(tmp_path_factory.mktemp("eos-model"))
     root = tmp_path_factory.mktemp("mt-store")
@@ -28,7 +28,7 @@ def mt_run(tmp_path_factory, ray_local):
 
 
 def _page():
-    from dashboards.trajectories_page import trajectories_page
+    from trajflow.dashboards.trajectories_page import trajectories_page
 
     trajectories_page()
 

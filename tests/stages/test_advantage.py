@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages.advantage import ADV_ESTIMATORS, AdvantageConfig, compute_advantage, masked_whiten
+from trajflow.stages.advantage import ADV_ESTIMATORS, AdvantageConfig, compute_advantage, masked_whiten
 
 GROUP_ESTIMATORS = ["grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "grpo_passk"]
 
@@ -372,7 +372,7 @@ def test_unknown_estimator_lists_registered_names():
 
 
 def test_registry_refuses_silent_replacement():
-    from stages.registry import Registry
+    from trajflow.stages.registry import Registry
 
     reg = Registry("thing")
 

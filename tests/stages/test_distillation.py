@@ -11,8 +11,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stages.advantage import advantage_table
-from stages.distillation import opd_advantage, reverse_kl_metrics
+from trajflow.stages.advantage import advantage_table
+from trajflow.stages.distillation import opd_advantage, reverse_kl_metrics
 
 # teacher - student per token: row 0 [ln 2, -ln 4, 0.5], row 1 [1.0, masked]
 T_LP = torch.tensor([[math.log(0.4), math.log(0.05), -1.0], [-0.5, 7.0, float("nan")]], dtype=torch.float64)
@@ -62,7 +62,7 @@ def test_tiny_teacher_and_student_give_the_hand_computed_reverse_kl(tiny_model_d
     from trajflow.config import ModelConfig, RolloutConfig
     from trajflow.models import load_causal_lm
     from trajflow.workers.reference import ReferenceWorker
-    from stages.reward import reward_table
+    from trajflow.stages.reward import reward_table
 
     teacher_dir = make_tiny_model(tmp_path / "teacher", seed=7)
     student = load_causal_lm(str(tiny_model_dir), "float32", "cpu", "sdpa").eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stages.dynamic_sampling import groups_with_signal, take_first_groups
+from trajflow.stages.dynamic_sampling import groups_with_signal, take_first_groups
 
 
 def test_groups_with_signal_keeps_groups_with_distinct_values():

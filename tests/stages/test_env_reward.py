@@ -7,8 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stages.reward import check_env_rewards, compute_scores, final_scores, rollout_env_rewards, score_rows
-from stages.scorers import SCORERS
+from trajflow.stages.reward import check_env_rewards, compute_scores, final_scores, rollout_env_rewards, score_rows
+from trajflow.stages.scorers import SCORERS
 from trajflow.errors import ConfigError, DataError
 
 SRC = "reasoning_gym/basic_arithmetic"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stages.kl import (
+from trajflow.stages.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,

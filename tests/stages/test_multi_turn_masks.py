@@ -15,10 +15,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stages.advantage import advantage_table, compute_advantage, AdvantageConfig
-from stages.policy_update import ActorLossConfig, actor_loss, update_batch, with_loss_mask
-from stages.policy_losses import PolicyLossConfig
-from stages.reward import reward_table
+from trajflow.stages.advantage import advantage_table, compute_advantage, AdvantageConfig
+from trajflow.stages.policy_update import ActorLossConfig, actor_loss, update_batch, with_loss_mask
+from trajflow.stages.policy_losses import PolicyLossConfig
+from trajflow.stages.reward import reward_table
 from trajflow.batch import trainable_lengths, trainable_mask
 from trajflow.gates.iteration import gate_view
 from trajflow.metrics import batch_metrics

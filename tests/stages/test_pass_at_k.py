@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from stages.pass_at_k import MAJ_EXACT_SUBSETS, best_at_k, maj_at_k, majority_accuracy, pass_at_k, verl_ks
+from trajflow.stages.pass_at_k import MAJ_EXACT_SUBSETS, best_at_k, maj_at_k, majority_accuracy, pass_at_k, verl_ks
 
 
 def test_pass_at_k_by_hand():

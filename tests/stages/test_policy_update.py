@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages.policy_losses import AGG_MODES, POLICY_LOSSES, PolicyLossConfig, agg_loss, compute_policy_loss
-from stages.policy_update import (
+from trajflow.stages.policy_losses import AGG_MODES, POLICY_LOSSES, PolicyLossConfig, agg_loss, compute_policy_loss
+from trajflow.stages.policy_update import (
     ACTOR_LOSS_SHARES,
     ActorLossConfig,
     UpdateRows,
@@ -398,7 +398,7 @@ def test_denominators_and_config_accept_numpy_and_tensor_scalars():
 
 
 def test_explained_variance_by_hand():
-    from stages.policy_update import explained_variance
+    from trajflow.stages.policy_update import explained_variance
 
     # valid tokens: R = [1, 2, 3, 4], V = [1, 2, 2, 5] -> R - V = [0, 0, 1, -1]
     # unbiased Var[R] = 5/3, Var[R - V] = (0 + 0 + 1 + 1) / 3 = 2/3 -> 1 - (2/3) / (5/3 + 1e-5)

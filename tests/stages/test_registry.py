@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from stages.advantage import ADV_ESTIMATORS, EstimatorMeta, needs_greedy_baseline, needs_groups, needs_values
-from stages.registry import Registry
+from trajflow.stages.advantage import ADV_ESTIMATORS, EstimatorMeta, needs_greedy_baseline, needs_groups, needs_values
+from trajflow.stages.registry import Registry
 
 
 def test_estimator_metadata():

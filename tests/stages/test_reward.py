@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from stages.reward import RewardResult, compute_scores, overlong_penalty
-from stages.scorers import SCORERS, extract_answer, has_answer_line, load_custom_function, select_scorer
+from trajflow.stages.reward import RewardResult, compute_scores, overlong_penalty
+from trajflow.stages.scorers import SCORERS, extract_answer, has_answer_line, load_custom_function, select_scorer
 
 # --------------------------------------------------------------------------------------------- extract_answer
 

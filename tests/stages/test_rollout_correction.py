@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from stages.policy_losses import PolicyLossConfig, compute_policy_loss
-from stages.rollout_correction import rollout_is_kept_metrics, rollout_is_weights, rollout_rs_mask
+from trajflow.stages.policy_losses import PolicyLossConfig, compute_policy_loss
+from trajflow.stages.rollout_correction import rollout_is_kept_metrics, rollout_is_weights, rollout_rs_mask
 
 # Row 0: old - rollout = [ln 1.5, ln 0.5, ln 4]   -> token weights 1.5, 0.5, min(4, 2) = 2
 # Row 1: old - rollout = [ln 3, (masked garbage)] -> token weight min(3, 2) = 2

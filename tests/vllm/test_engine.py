@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 
 # Tolerances of a bf16 engine against the float32 trainer, per token (nats): mean and worst.
 BF16_MEAN, BF16_MAX = 0.12, 1.0

@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 from tests.vllm.test_engine import BF16_MAX, BF16_MEAN, PROMPTS, teacher_forced
 from trajflow.engines.episodes import EpisodeLimits, run_episodes
 from trajflow.envs.registry import ENVIRONMENTS, EnvContext, Environment, StepResult, make_environment

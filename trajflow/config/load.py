@@ -11,12 +11,14 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from trajflow import LAYOUT_ROOT
 from trajflow.config.rules import validate
 from trajflow.config.schema import (DEFAULT_RECIPE, PRECISION_SECTIONS, TrajflowConfig, _closest, _expected_type,
                                     _field_for)
 from trajflow.errors import ConfigError
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "flows" / "configs"
+#: The shipped recipes (``flows/configs/`` of the repository; ``trajflow/flows/configs/`` when installed).
+RECIPES_DIR = LAYOUT_ROOT / "flows" / "configs"
 
 
 def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:

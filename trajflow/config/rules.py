@@ -15,20 +15,20 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from stages.names import STAGE_NAMES
+from trajflow.stages.names import STAGE_NAMES
 from trajflow.config.schema import PRECISION_SECTIONS, TrajflowConfig
 from trajflow.errors import ConfigError
 
 
 def _registry_names(kind: str) -> list[str]:
     if kind == "adv_estimator":
-        from stages.advantage import ADV_ESTIMATORS as reg
+        from trajflow.stages.advantage import ADV_ESTIMATORS as reg
     elif kind == "policy_loss":
-        from stages.policy_losses import POLICY_LOSSES as reg
+        from trajflow.stages.policy_losses import POLICY_LOSSES as reg
     elif kind == "kl":
-        from stages.kl import KL_ESTIMATORS as reg
+        from trajflow.stages.kl import KL_ESTIMATORS as reg
     elif kind == "scorer":
-        from stages.scorers import SCORERS as reg
+        from trajflow.stages.scorers import SCORERS as reg
     else:  # pragma: no cover - programming error
         raise KeyError(kind)
     return list(reg.names())
@@ -158,7 +158,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.algorithm.filter_groups.enable and cfg.rollout.n < 2:
         raise ConfigError(f"{source}: algorithm.filter_groups.enable=true needs rollout.n >= 2 (got "
                           f"{cfg.rollout.n}): a group of one response never has reward variance")
-    from stages.advantage import needs_groups
+    from trajflow.stages.advantage import needs_groups
 
     if cfg.rollout.n < 2 and needs_groups(cfg.algorithm.adv_estimator):
         raise ConfigError(f"{source}: algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares the samples of "

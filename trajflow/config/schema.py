@@ -14,7 +14,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from stages.names import STAGE_NAMES
+from trajflow.stages.names import STAGE_NAMES
 
 DEFAULT_RECIPE = "grpo_default"
 

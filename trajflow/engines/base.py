@@ -24,7 +24,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, ContextManager, Mapping, Sequence
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 
 
 class WeightSync(str, enum.Enum):

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from stages.rollout import SamplingParams, sample_tokens
+from trajflow.stages.rollout import SamplingParams, sample_tokens
 from trajflow.modeling.compat import cache_kwargs, output_cache
 from trajflow.modeling.forward import layout_prompts, encode_prompts
 from trajflow.modeling.support import final_logits
@@ -85,7 +85,7 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
     :func:`mergeable`) prompts are only admitted into an empty batch: each group then decodes alone
     until its last row ends, the loop without continuous batching.
 
-    Sampling (:func:`stages.rollout.sample_tokens`): group ``g``'s rows draw ``torch.rand(T, rows)``
+    Sampling (:func:`trajflow.stages.rollout.sample_tokens`): group ``g``'s rows draw ``torch.rand(T, rows)``
     (float64) from a generator seeded with ``seeds[g]``, and row ``r``'s ``t``-th token reads entry
     ``[t, r]``, the same values a per-group loop drawing one ``(rows,)`` vector per step reads.
 

@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from stages.multi_turn import Episode, tool_calls_json
-from stages.rollout import SamplingParams
+from trajflow.stages.multi_turn import Episode, tool_calls_json
+from trajflow.stages.rollout import SamplingParams
 from trajflow.envs.registry import Environment, StepResult
 from trajflow.envs.render import ChatRenderer
 from trajflow.envs.tool_format import parse_tool_calls

@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish
+from trajflow.stages.rollout import SamplingParams, logprobs_from_logits, response_lengths_and_finish
 from trajflow.engines.base import GenerationOutput, LogprobKind, RolloutEngine, WeightSync
 from trajflow.engines.batching import decode_continuous
 from trajflow.modeling.forward import PromptLayout, encode_prompts, layout_prompts, prefix_fits_window
@@ -30,7 +30,7 @@ class HFRolloutEngine(RolloutEngine):
     ``generate``: a row that emits EOS leaves the batch at once (its KV cache rows are dropped), and
     with ``continuous_batching`` the freed slots are refilled with the next prompts (prefilled, their
     cache joined to the running batch), so every step runs up to ``micro_batch_size`` rows until the
-    last prompts drain; tokens are drawn by :func:`stages.rollout.sample_tokens` with one pre-drawn
+    last prompts drain; tokens are drawn by :func:`trajflow.stages.rollout.sample_tokens` with one pre-drawn
     uniform per row and token from a generator seeded per group of ``micro_batch_size // n``
     prompts (the same samples whatever the schedule), and their log-probs come from the same logits. Under ZeRO-3 (``synced_gpus``) every rank must run
     the same number of forwards, so ``generate(synced_gpus=True)`` is used instead; a model the fast

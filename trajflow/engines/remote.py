@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from stages.rollout import Generation, SamplingParams
+from trajflow.stages.rollout import Generation, SamplingParams
 from trajflow.engines.base import GenerationOutput, LogprobKind, RolloutEngine, WeightSync
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 from trajflow.config import ModelConfig, RolloutConfig
 from trajflow.engines.base import EngineError, GenerationOutput, LogprobKind, RolloutEngine, WeightSync
 
@@ -25,7 +25,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 def logprobs_match_trainer(params: SamplingParams) -> bool:
     """Whether vLLM's ``processed_logprobs`` of a sampled token equal trajflow's rollout log-prob.
 
-    trajflow's rollout log-prob (the HF engine's, :func:`stages.rollout.sample_tokens`, and what the
+    trajflow's rollout log-prob (the HF engine's, :func:`trajflow.stages.rollout.sample_tokens`, and what the
     trainer recomputes teacher-forced) is ``log softmax(logits / T)`` of the sampled token, with no
     top-k / top-p filter. vLLM 0.32 offers ``raw_logprobs`` (``log softmax(logits)``: before the
     temperature) and ``processed_logprobs`` (after the temperature *and* the top-k / top-p filter,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from stages.registry import Registry
+from trajflow.stages.registry import Registry
 from trajflow.envs.sandbox import Sandbox, ToolResult
 from trajflow.envs.tool_format import parse_tool_calls
 from trajflow.envs.tools import Tool

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from trajflow import LAYOUT_ROOT
 from trajflow.gates.report import POLICIES
 from trajflow.gates.runtime import TABLES, gx_runtime
 from trajflow.gates.summary import QUARANTINE_ROWS
 
-#: Folder of the shipped suites: ``<repo>/datasets/expectations``.
-SUITE_DIR = Path(__file__).resolve().parents[2] / "datasets" / "expectations"
+#: Folder of the shipped suites: ``<repo>/datasets/expectations`` (``trajflow/datasets/expectations`` installed).
+SUITE_DIR = LAYOUT_ROOT / "datasets" / "expectations"
 #: The suite used when ``gates.suite`` is None.
 DEFAULT_SUITE = SUITE_DIR / "reward_default.json"
 
@@ -58,7 +59,7 @@ def _resolve_suite_path(suite: str | os.PathLike | None) -> Path:
         return DEFAULT_SUITE
     p = Path(suite).expanduser()
     # dict.fromkeys: run from the repository root, the first two are one folder
-    candidates = [p] if p.is_absolute() else list(dict.fromkeys([Path.cwd() / p, SUITE_DIR.parents[1] / p,
+    candidates = [p] if p.is_absolute() else list(dict.fromkeys([Path.cwd() / p, LAYOUT_ROOT / p,
                                                                  SUITE_DIR / p]))
     for c in candidates:
         if c.is_file():

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages.registry import Registry
+from trajflow.stages.registry import Registry
 from trajflow.config import GatesConfig
 
 

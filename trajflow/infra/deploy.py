@@ -4,8 +4,9 @@ The definitions are files, not code: ``infra/prefect/prefect.yaml`` (deployments
 format) and ``infra/prefect/work-pools.yaml`` (work pools and queues with concurrency limits).
 :func:`deploy` (``trajflow deploy``) creates or updates the pools and queues, then each deployment;
 running it again is harmless (an existing deployment is replaced in place, schedules included).
-Placeholders ``{{ $VAR }}`` come from the environment; ``TRAJFLOW_SOURCE`` defaults to the source
-folder (``--source``, else this checkout).
+Placeholders ``{{ $VAR }}`` come from the environment; ``TRAJFLOW_SOURCE``, the working directory of
+the deployments' flow runs (their ``runs/`` store), defaults to ``--source``, else the folder
+``trajflow deploy`` is called from; ``TRAJFLOW_PYTHONPATH`` defaults to :func:`default_pythonpath`.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+
+from trajflow import IMPORT_ROOT, LAYOUT_ROOT
 from trajflow.errors import DeployError
 
-SOURCE_DIR = Path(__file__).resolve().parents[2]
-INFRA_DIR = SOURCE_DIR / "infra" / "prefect"
+#: The definitions: ``infra/prefect/`` of the repository (``trajflow/infra/prefect/`` when installed).
+INFRA_DIR = LAYOUT_ROOT / "infra" / "prefect"
 PREFECT_FILE = INFRA_DIR / "prefect.yaml"
 POOLS_FILE = INFRA_DIR / "work-pools.yaml"
 
-#: Deployments registered only when their entrypoint module exists in the source folder.
+#: Deployments registered only when their entrypoint's module defines the flow.
 OPTIONAL_DEPLOYMENTS = ("replay",)
 
 _PLACEHOLDER = re.compile(r"\{\{\s*\$([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
@@ -129,13 +132,24 @@ def load_pools(path: Path = POOLS_FILE, pool: str | None = None) -> list[PoolSpe
     return pools
 
 
-def load_deployments(path: Path = PREFECT_FILE, source: Path = SOURCE_DIR, pool: str | None = None,
+def default_pythonpath(source: Path) -> str:
+    """The workers' ``PYTHONPATH``: the source folder (a user's own reward or environment modules import
+    from it), then, when this trajflow runs from a source checkout rather than an installed package,
+    that checkout, so that the flow process and its Ray workers import this same trajflow."""
+    parts = [str(source)]
+    if LAYOUT_ROOT == IMPORT_ROOT and IMPORT_ROOT != source:
+        parts.append(str(IMPORT_ROOT))
+    return os.pathsep.join(parts)
+
+
+def load_deployments(path: Path = PREFECT_FILE, source: Path | None = None, pool: str | None = None,
                      env: Mapping[str, str] | None = None) -> list[DeploymentSpec]:
     """The deployments of ``prefect.yaml``, placeholders resolved, top-level pull steps applied.
 
     Args:
         path: the ``prefect.yaml``.
-        source: the trajflow source folder on the workers (``TRAJFLOW_SOURCE`` unless exported).
+        source: the working directory of the flow runs on the workers (``TRAJFLOW_SOURCE`` unless
+            exported; default: the current directory).
         pool: put every deployment on this work pool instead of the file's.
         env: variables for placeholders (default: ``os.environ``).
 
@@ -143,7 +157,9 @@ def load_deployments(path: Path = PREFECT_FILE, source: Path = SOURCE_DIR, pool:
         DeployError: a deployment lacks a name, entrypoint or work pool, or a placeholder is unset.
     """
     env = dict(os.environ if env is None else env)
-    env.setdefault("TRAJFLOW_SOURCE", str(Path(source).resolve()))
+    source = Path(source or Path.cwd()).resolve()
+    env.setdefault("TRAJFLOW_SOURCE", str(source))
+    env.setdefault("TRAJFLOW_PYTHONPATH", default_pythonpath(source))
     data = _read_yaml(path)
     data.pop("definitions", None)  # anchors only; already expanded by the YAML loader
     data = resolve_placeholders(data, env, path.name)
@@ -191,21 +207,28 @@ def schedule_create(spec: Mapping[str, Any], where: str = "schedule") -> Any:
         raise DeployError(f"{where}: {str(e).splitlines()[0]}") from None
 
 
-def _module_file(entrypoint: str, source: Path) -> Path:
-    module = entrypoint.split(":")[0] if ":" in entrypoint else entrypoint.rsplit(".", 1)[0]
-    if module.endswith(".py"):
-        return source / module
-    return source / (module.replace(".", "/") + ".py")
+def _module_file(entrypoint: str) -> tuple[str, Path | None]:
+    """The module of an entrypoint (``package.module.function``) and its file (None: not found); the
+    module is located, not imported."""
+    import importlib.util
+
+    module = entrypoint.rsplit(".", 1)[0]
+    importlib.invalidate_caches()  # a module written since the last lookup
+    try:
+        spec = importlib.util.find_spec(module)
+    except ImportError:  # a parent package is missing
+        spec = None
+    return module, Path(spec.origin) if spec is not None and spec.origin else None
 
 
-def skip_reason(spec: DeploymentSpec, source: Path = SOURCE_DIR) -> str | None:
-    """Why an optional deployment is skipped (its entrypoint is not in the source yet); None: register it."""
+def skip_reason(spec: DeploymentSpec) -> str | None:
+    """Why an optional deployment is skipped (its entrypoint's flow does not exist yet); None: register it."""
     if spec.name not in OPTIONAL_DEPLOYMENTS:
         return None
-    path = _module_file(spec.entrypoint, source)
-    if not path.exists():
-        return f"{path.relative_to(source) if path.is_relative_to(source) else path} does not exist"
-    func = spec.entrypoint.split(":")[-1] if ":" in spec.entrypoint else spec.entrypoint.rsplit(".", 1)[-1]
+    module, path = _module_file(spec.entrypoint)
+    if path is None or not path.is_file():
+        return f"module {module} does not exist"
+    func = spec.entrypoint.rsplit(".", 1)[-1]
     if not re.search(rf"^(async\s+)?def\s+{re.escape(func)}\s*\(", path.read_text(), re.M):
         return f"{path.name} does not define {func}"
     return None
@@ -324,7 +347,8 @@ def deploy(server: str | None = None, source: str | Path | None = None, pool: st
 
     Args:
         server: the server's URL (default: ``PREFECT_API_URL``).
-        source: the trajflow source folder on the worker machines (default: this checkout).
+        source: the working directory of the flow runs on the worker machines, where their ``runs/``
+            store goes (default: the current directory).
         pool: use this work pool name instead of the one in the files.
         prefect_file: the deployments file.
         pools_file: the work pools file.
@@ -341,7 +365,7 @@ def deploy(server: str | None = None, source: str | Path | None = None, pool: st
 
     from trajflow.tracking import git_commit
 
-    source = Path(source or SOURCE_DIR).resolve()
+    source = Path(source or Path.cwd()).resolve()
     url = api_url(server)
     pools = load_pools(Path(pools_file), pool)
     specs = load_deployments(Path(prefect_file), source, pool)
@@ -355,7 +379,7 @@ def deploy(server: str | None = None, source: str | Path | None = None, pool: st
             for line in ensure_pools(client, pools):
                 echo(line)
             for spec in specs:
-                reason = skip_reason(spec, source)
+                reason = skip_reason(spec)
                 if reason:
                     out["skipped"][spec.name] = reason
                     echo(f"skipped deployment {spec.name}: {reason}")
@@ -365,4 +389,7 @@ def deploy(server: str | None = None, source: str | Path | None = None, pool: st
                 sched = ", ".join(s.get("cron") or f"every {s.get('interval')} s" for s in spec.schedules)
                 echo(f"deployment {spec.name} -> {spec.work_pool}/{spec.work_queue or 'default'}"
                      f"{' schedule ' + sched if sched else ''} ({spec.entrypoint})")
+    echo(f"flow runs work in {source} on the workers: runs and their MLflow store go to {source / 'runs'} "
+         f"(--source DIR to change)")
+    out["source"] = str(source)
     return out

@@ -84,7 +84,7 @@ class RunLogHandler(logging.Handler):
     memory (the newest :data:`BUFFER_RECORDS`) and writes them when it is."""
 
     #: Filters that hide expected errors from the console leave this handler alone (see
-    #: ``flows.reporting.quiet_expected_errors``): the file keeps the whole story.
+    #: ``trajflow.flows.reporting.quiet_expected_errors``): the file keeps the whole story.
     keeps_everything = True
 
     def __init__(self) -> None:

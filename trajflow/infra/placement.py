@@ -106,8 +106,8 @@ def role_enabled(cfg: Any, role: str) -> bool:
         in_actor = cfg.model.lora_rank > 0 and not cfg.reference.path
         return needed and not in_actor
     if role == "critic":
-        # Lazy: stages.advantage imports torch, and the config layer stays importable without it.
-        from stages.advantage import needs_values
+        # Lazy: trajflow.stages.advantage imports torch, and the config layer stays importable without it.
+        from trajflow.stages.advantage import needs_values
 
         return needs_values(cfg.algorithm.adv_estimator)
     if role == "rollout":

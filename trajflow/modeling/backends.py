@@ -404,7 +404,7 @@ class DeepSpeedBackend(DataParallel):
     Exactness with the single-process update rests on three facts:
 
     1. every rank sees the whole mini-batch and computes the loss denominators over all of it
-       (``global_num_tokens`` / ``global_num_seqs`` of :func:`stages.policy_update.agg_loss`), then
+       (``global_num_tokens`` / ``global_num_seqs`` of :func:`trajflow.stages.policy_update.agg_loss`), then
        takes its own rows (a token-balanced, equal-count cut of the mini-batch); so the ranks'
        losses *sum* to the single-process loss;
     2. DeepSpeed *averages* gradients over ranks, so each rank's loss is multiplied by

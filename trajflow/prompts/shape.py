@@ -100,7 +100,7 @@ def shape_of_rows(rows: list[Mapping[str, Any]]) -> DataShape | None:
 
     A row is GSM8K-shaped when its ``data_source`` is ``openai/gsm8k``/``gsm8k`` or its prompt or
     reference solution (``extra_info.answer``) uses ``####``; MATH-shaped when its data source is
-    one of the math sets :func:`stages.scorers.select_scorer` maps to ``math_verify`` (other than
+    one of the math sets :func:`trajflow.stages.scorers.select_scorer` maps to ``math_verify`` (other than
     GSM8K) or its prompt or solution uses ``\\boxed``.
 
     Args:
@@ -109,7 +109,7 @@ def shape_of_rows(rows: list[Mapping[str, Any]]) -> DataShape | None:
     Returns:
         The shape, or None when no row shows either (or as many show each).
     """
-    from stages.scorers import MATH_DATA_SOURCE_PREFIXES, MATH_DATA_SOURCES
+    from trajflow.stages.scorers import MATH_DATA_SOURCE_PREFIXES, MATH_DATA_SOURCES
 
     votes = {"gsm8k": [], "math": []}
     for row in rows:

@@ -16,10 +16,11 @@ from typing import Any
 
 import yaml
 
+from trajflow import LAYOUT_ROOT
 from trajflow.errors import DataError
 
-#: The repository's ``datasets/`` folder (data, not an importable package).
-DATASETS_DIR = Path(__file__).resolve().parents[2] / "datasets"
+#: The repository's ``datasets/`` folder (data, not an importable package; ``trajflow/datasets/`` when installed).
+DATASETS_DIR = LAYOUT_ROOT / "datasets"
 
 _COMMON_KEYS = {
     "name": "dataset name (defaults to the spec file's stem)",
@@ -214,7 +215,7 @@ def load_spec(spec_name_or_path: str | Path | Mapping[str, Any], overrides: Mapp
 
     Raises:
         DataError: unreadable YAML, unknown ``source``, an unknown key (named, with the allowed keys), a
-            ``scorer`` that is not registered in ``stages.scorers.SCORERS``,
+            ``scorer`` that is not registered in ``trajflow.stages.scorers.SCORERS``,
             or a value of the wrong type or range (named, with what was expected).
     """
     if not isinstance(spec_name_or_path, Mapping) and file_format(Path(str(spec_name_or_path))) is not None:
@@ -257,7 +258,7 @@ def load_spec(spec_name_or_path: str | Path | Mapping[str, Any], overrides: Mapp
     if not isinstance(spec["name"], str) or not spec["name"]:
         raise DataError(f"{where}: 'name' must be a non-empty string, got {spec['name']!r}")
     if spec.get("scorer") is not None:
-        from stages.scorers import SCORERS
+        from trajflow.stages.scorers import SCORERS
 
         try:
             SCORERS.get(spec["scorer"])

@@ -3,7 +3,7 @@
 
 A stage output is reused (resume, retry, replay) only when its recorded inputs equal
 :func:`stage_key` of the stage's settings and upstream inputs. The key digests *every* field of the
-settings object (``dataclasses.asdict``), and the stage tasks (:mod:`flows.tasks`) read their
+settings object (``dataclasses.asdict``), and the stage tasks (:mod:`trajflow.flows.tasks`) read their
 settings from the same object, so a setting added to a stage is in its key by construction: it can
 never let a stale stored output be reused.
 """
@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 from omegaconf import OmegaConf
 
-from stages.rollout import SamplingParams, sampling_params
-from stages.seeds import Salt, iteration_seed
+from trajflow.stages.rollout import SamplingParams, sampling_params
+from trajflow.stages.seeds import Salt, iteration_seed
 from trajflow.run.context import RunContext
 from trajflow.store import StageRef
 
@@ -95,7 +95,7 @@ class RewardSettings:
 
     @classmethod
     def of(cls, ctx: RunContext) -> "RewardSettings":
-        from stages.scorers import custom_function_file, file_sha256
+        from trajflow.stages.scorers import custom_function_file, file_sha256
 
         cfg = ctx.cfg
         spec = cfg.reward.custom_function
@@ -108,7 +108,7 @@ class RewardSettings:
                    teacher_path=cfg.teacher.path if ctx.needs_teacher() else None)
 
     def algorithm(self) -> dict:
-        """The ``algorithm`` keys :func:`stages.reward.reward_table` reads."""
+        """The ``algorithm`` keys :func:`trajflow.stages.reward.reward_table` reads."""
         return {"use_kl_in_reward": self.use_kl_in_reward, "kl_penalty": self.kl_penalty}
 
 

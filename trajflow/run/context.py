@@ -122,7 +122,7 @@ class RunContext:
     tracker: Any = None          # trajflow.tracking.Tracker
     sampler: Any = None          # trajflow.prompts.PromptSampler (the data cursor)
     datasets: Any = None         # trajflow.prompts.PromptDatasets
-    kl_ctrl: Any = None          # stages.kl controller (KL in reward)
+    kl_ctrl: Any = None          # trajflow.stages.kl controller (KL in reward)
     score_history: list[float] = field(default_factory=list)
     policy_version: int = 0
     started_ray: bool = False
@@ -183,13 +183,13 @@ class RunContext:
 
     def needs_critic(self) -> bool:
         """The advantage estimator needs a critic's values (registry metadata of the estimator)."""
-        from stages.advantage import needs_values
+        from trajflow.stages.advantage import needs_values
 
         return needs_values(self.cfg.algorithm.adv_estimator)
 
     def needs_greedy_baseline(self) -> bool:
         """The estimator needs a greedy rollout's reward as a per-prompt baseline (ReMax)."""
-        from stages.advantage import needs_greedy_baseline
+        from trajflow.stages.advantage import needs_greedy_baseline
 
         return needs_greedy_baseline(self.cfg.algorithm.adv_estimator)
 

@@ -148,7 +148,7 @@ def check_scorers(cfg: DictConfig, datasets) -> None:
     Raises:
         trajflow.errors.ConfigError: names the data_source, where it occurs and the keys that fix it.
     """
-    from stages.scorers import SCORERS, select_scorer
+    from trajflow.stages.scorers import SCORERS, select_scorer
     from trajflow.errors import ConfigError
 
     if cfg.reward.custom_function:
@@ -200,7 +200,7 @@ def check_reward_and_gates(cfg: DictConfig) -> None:
     from trajflow.errors import ConfigError
 
     if cfg.reward.custom_function:
-        from stages.scorers import load_custom_function
+        from trajflow.stages.scorers import load_custom_function
         from trajflow.trust import check_custom_function_hash
 
         check_custom_function_hash(cfg)  # reward.custom_function_sha256: hashed before anything is imported
@@ -246,7 +246,7 @@ def check_model_weights(model_dir: Path) -> None:
 
 def custom_function_record(cfg: DictConfig) -> dict | None:
     """What ``run.json`` records of ``reward.custom_function``: its spec, resolved file and sha256."""
-    from stages.scorers import custom_function_file, file_sha256
+    from trajflow.stages.scorers import custom_function_file, file_sha256
 
     spec = cfg.reward.custom_function
     if not spec:

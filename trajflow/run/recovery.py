@@ -213,7 +213,7 @@ def _stored_updates(ctx: RunContext, base: int | None, through: int) -> Iterator
     """The iterations after checkpoint ``base`` up to ``through`` that recorded an update (iterations
     without ``update.json`` changed no weights, e.g. a replay that stops before the update), in
     order, each with its stored stages joined and the gate's loss mask applied."""
-    from stages.policy_update import with_loss_mask
+    from trajflow.stages.policy_update import with_loss_mask
     from trajflow.batch import join_stages
     from trajflow.store import STAGES
 
@@ -239,7 +239,7 @@ def restore_policy(ctx: RunContext, through: int) -> int:
     Raises:
         RuntimeError: the restored policy version differs from the run's.
     """
-    from stages.policy_update import update_batch, update_batch_options
+    from trajflow.stages.policy_update import update_batch, update_batch_options
     from trajflow import checkpoint as ckpt
 
     base = _newest_checkpoint(ctx, through)
@@ -268,7 +268,7 @@ def restore_critic(ctx: RunContext, through: int) -> int:
     Raises:
         trajflow.errors.StoreError: an iteration to re-apply lacks verified stage outputs.
     """
-    from stages.critic_update import critic_batch
+    from trajflow.stages.critic_update import critic_batch
     from trajflow import checkpoint as ckpt
 
     base = _newest_checkpoint(ctx, through)

@@ -1,5 +1,5 @@
 """Replay planning: check what a replay asks of its parent run, build its config and id, and open
-it (the new run's folder, workers, the parent's starting checkpoint). :mod:`flows.replay` is the flow
+it (the new run's folder, workers, the parent's starting checkpoint). :mod:`trajflow.flows.replay` is the flow
 that runs the stages; this module starts nothing until :func:`open_replay`.
 """
 
@@ -11,7 +11,7 @@ from typing import Sequence
 
 from omegaconf import DictConfig
 
-from stages.names import REPLAY_FROM, STORED_STAGES
+from trajflow.stages.names import REPLAY_FROM, STORED_STAGES
 from trajflow import checkpoint as ckpt
 from trajflow.batch import join_stages
 from trajflow.config import load_config

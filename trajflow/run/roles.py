@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from stages.reward import check_env_rewards, rollout_env_rewards, score_rows
-from stages.rollout import Generation, SamplingParams, baseline_columns
+from trajflow.stages.reward import check_env_rewards, rollout_env_rewards, score_rows
+from trajflow.stages.rollout import Generation, SamplingParams, baseline_columns
 from trajflow.batch import decode_nested
 from trajflow.faults import fault_point
 from trajflow.run.context import RunContext
@@ -103,7 +103,7 @@ def generate_episodes(ctx: RunContext, prompts: list, params: SamplingParams, it
     environment's (``rollout.multi_turn``), or ``rollout.agent``'s through the served endpoint.
 
     Returns:
-        :class:`stages.multi_turn.EpisodeGeneration`, ``len(prompts) * n`` episodes, prompt-major.
+        :class:`trajflow.stages.multi_turn.EpisodeGeneration`, ``len(prompts) * n`` episodes, prompt-major.
     """
     rows = [{"messages": p.messages, "ground_truth": str(p.ground_truth), "data_source": p.data_source,
              "extra_info": p.extra_info, "prompt_id": str(p.prompt_id)} for p in prompts for _ in range(params.n)]

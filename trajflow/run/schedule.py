@@ -1,6 +1,6 @@
 """The rollout schedule: which iteration's rollout runs when, and with which weights.
 
-Training has one loop (:func:`flows.train.train_flow`) over the iterations this schedule yields.
+Training has one loop (:func:`trajflow.flows.train.train_flow`) over the iterations this schedule yields.
 ``trainer.max_staleness = N`` is how many rollouts run ahead of the update (docs/overlap.md):
 
 - ``N = 0`` (synchronous): the rollout of iteration k runs at the top of iteration k, on the policy

@@ -197,7 +197,7 @@ def build_context(cfg: DictConfig, store: RunStore) -> RunContext:
     ctx = RunContext(cfg=cfg, store=store, model_path=model_path, datasets=datasets)
     ctx.sampler = PromptSampler(datasets.train, cfg.data.train_batch_size, cfg.trainer.seed)
     if cfg.algorithm.use_kl_in_reward:
-        from stages.kl import make_kl_controller
+        from trajflow.stages.kl import make_kl_controller
 
         k = cfg.algorithm.kl_ctrl
         ctx.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import time
 
-from stages.reward import score_rows
-from stages.rollout import sampling_params
-from stages.seeds import Salt, iteration_seed
+from trajflow.stages.reward import score_rows
+from trajflow.stages.rollout import sampling_params
+from trajflow.stages.seeds import Salt, iteration_seed
 from trajflow.metrics import validation_metrics
 from trajflow.run.context import RunContext
 from trajflow.run.recovery import wait

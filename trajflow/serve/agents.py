@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from stages.multi_turn import Episode
+from trajflow.stages.multi_turn import Episode
 
 if TYPE_CHECKING:  # the endpoint (FastAPI, uvicorn) is imported only where episodes run
     from trajflow.serve.app import AgentServer

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from stages.rollout import SamplingParams
+from trajflow.stages.rollout import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from stages.multi_turn import Episode
+from trajflow.stages.multi_turn import Episode
 from trajflow.serve.chat import RequestError, message_key
 
 
@@ -272,7 +272,7 @@ class Session:
         return out[::-1]
 
     def episode(self, eos_id: int, prompt_ids: Sequence[int] = (), prompt_messages: Sequence[dict] = ()) -> Episode:
-        """The episode's training row (:class:`stages.multi_turn.Episode`) from the recorded tokens.
+        """The episode's training row (:class:`trajflow.stages.multi_turn.Episode`) from the recorded tokens.
 
         A session without any call (the agent failed before its first one) is ``prompt_ids`` (the
         task's messages, ``prompt_messages``, rendered) and one EOS token with ``loss_mask`` 0: a row

@@ -3,7 +3,7 @@
 :class:`PPOActor` is what verl's ``dp_actor.DataParallelPPOActor`` is to its ``fsdp_workers``: the
 algorithm's update over one batch, apart from the worker process that hosts it
 (:class:`trajflow.workers.policy.PolicyWorker` owns the model, the engine and the checkpoints and
-calls :meth:`PPOActor.update`). The loss itself is :func:`stages.policy_update.actor_loss`; the
+calls :meth:`PPOActor.update`). The loss itself is :func:`trajflow.stages.policy_update.actor_loss`; the
 distribution strategy (one process, DeepSpeed) is the backend's (:mod:`trajflow.modeling.backends`).
 
 Log-probs are named by their policy (docs/architecture.md, "Whose log-prob is it"): ``logp`` the
@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from stages.policy_update import ACTOR_LOSS_SHARES, ActorLossConfig, UpdateBatch, UpdateRows, UpdateSettings, actor_loss
-from stages.rollout_correction import (rollout_is_kept_metrics, rollout_is_weights, rollout_mismatch_metrics,
+from trajflow.stages.policy_update import ACTOR_LOSS_SHARES, ActorLossConfig, UpdateBatch, UpdateRows, UpdateSettings, actor_loss
+from trajflow.stages.rollout_correction import (rollout_is_kept_metrics, rollout_is_weights, rollout_mismatch_metrics,
                                        rollout_rs_mask)
 from trajflow.config import ActorConfig
 from trajflow.modeling.flops import device_peak_tflops, mfu, train_flops
@@ -97,9 +97,9 @@ class PPOActor:
         self.steps = steps
 
     def update(self, batch: UpdateBatch, temperature: float) -> dict:
-        """PPO-style policy update over one iteration's batch (:func:`stages.policy_update.update_batch`).
+        """PPO-style policy update over one iteration's batch (:func:`trajflow.stages.policy_update.update_batch`).
 
-        The loss of each micro-batch is :func:`stages.policy_update.actor_loss` (policy gradient,
+        The loss of each micro-batch is :func:`trajflow.stages.policy_update.actor_loss` (policy gradient,
         entropy bonus, KL loss), with every log-prob under ``softmax(logits / temperature)``, the
         rows' sampling temperature. The proximal policy's log-probs in the PPO ratio
         (``old_logprobs``) are the trainer's own: when the whole batch is one optimizer step of one
@@ -110,12 +110,12 @@ class PPOActor:
         and, with ``settings.rollout_is`` (``"token"``/``"sequence"``, threshold
         ``settings.rollout_is_threshold``), weight the policy-gradient loss by
         min(pi_old / pi_rollout, threshold), and with ``settings.rollout_rs`` drop outlying tokens or rows
-        from it (:mod:`stages.rollout_correction`; metrics ``rollout_corr/*``). ``settings.shuffle_seed`` sets the mini-batch order and
+        from it (:mod:`trajflow.stages.rollout_correction`; metrics ``rollout_corr/*``). ``settings.shuffle_seed`` sets the mini-batch order and
         ``settings.rng_seed`` (optional) seeds torch's global RNG first. The batch is cut into
         mini-batches of ``settings.mini_batch_rows`` rows (one optimizer step each) and those into
         micro-batches of ``ppo_micro_batch_size`` rows, or of at most ``ppo_max_token_len_per_gpu``
         computed tokens with ``use_dynamic_bsz`` (gradient accumulation, exact thanks to the
-        mini-batch-wide denominators of :func:`stages.policy_update.agg_loss`), for ``ppo_epochs``
+        mini-batch-wide denominators of :func:`trajflow.stages.policy_update.agg_loss`), for ``ppo_epochs``
         passes. Under DeepSpeed every rank gets the whole batch, keeps the mini-batch-wide
         denominators and trains on its token-balanced share of each mini-batch
         (:class:`trajflow.modeling.backends.DeepSpeedBackend`); metrics are combined across ranks.
@@ -285,7 +285,7 @@ class PPOActor:
                             ) -> dict:
         """``rollout_corr/*`` over the whole batch from each row's (trainer old, engine) log-probs and
         the mask of the tokens that count: the mismatch diagnostics
-        (:func:`stages.rollout_correction.rollout_mismatch_metrics`) always, the IS weights'
+        (:func:`trajflow.stages.rollout_correction.rollout_mismatch_metrics`) always, the IS weights'
         statistics when ``settings.rollout_is`` is set, the rejection's when ``settings.rollout_rs`` is."""
         threshold = float(settings.rollout_is_threshold)
         ordered = [rows[r] for r in sorted(rows)]

@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.critic_update import CriticBatch, CriticRows
-from stages.policy_update import explained_variance, value_loss
+from trajflow.stages.critic_update import CriticBatch, CriticRows
+from trajflow.stages.policy_update import explained_variance, value_loss
 from trajflow.config import CriticConfig, ModelConfig
 from trajflow.modeling.backends import adamw
 from trajflow.modeling.packing import PackedBatch, micro_batch_slices, pack
@@ -157,9 +157,9 @@ class CriticWorker(Worker):
 
     # ------------------------------------------------------------------ update
     def update_critic(self, batch: CriticBatch) -> dict:
-        """Clipped value-loss regression of V onto the returns (:func:`stages.critic_update.critic_batch`).
+        """Clipped value-loss regression of V onto the returns (:func:`trajflow.stages.critic_update.critic_batch`).
 
-        The loss is :func:`stages.policy_update.value_loss` with ``critic.cliprange_value``,
+        The loss is :func:`trajflow.stages.policy_update.value_loss` with ``critic.cliprange_value``,
         token-mean over each mini-batch of ``settings.mini_batch_rows`` rows (exact under
         micro-batching), rows in ``settings.shuffle_seed``'s order with ``settings.shuffle``, for
         ``critic.ppo_epochs`` passes.

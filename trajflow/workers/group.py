@@ -97,7 +97,7 @@ def merge_split(results: Sequence[Any], parts: Sequence[list[int]], pads: Sequen
     """Put per-rank results of a ``split`` call back into the original row order.
 
     A list result (or a dict's or frozen dataclass's list value, e.g. the fields of
-    :class:`stages.rollout.Generation`) with ``b`` entries per input row on every rank is
+    :class:`trajflow.stages.rollout.Generation`) with ``b`` entries per input row on every rank is
     reassembled row by row (``b`` = e.g. ``rollout.n`` samples per prompt); padding rows are
     dropped. Other values come from rank 0 (a ``Generation``'s ``policy_version``: the ranks
     hold the same weights), except timings: ``timing_s/*`` entries of a dict, or of a dataclass's

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.multi_turn import EpisodeGeneration
-from stages.policy_update import UpdateBatch
-from stages.rollout import Generation, SamplingParams
+from trajflow.stages.multi_turn import EpisodeGeneration
+from trajflow.stages.policy_update import UpdateBatch
+from trajflow.stages.rollout import Generation, SamplingParams
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.base import RolloutEngine, WeightSync, choose_weight_sync
 from trajflow.engines.registry import EngineContext, make_engine
@@ -267,7 +267,7 @@ class PolicyWorker(Worker):
         (no second forward pass); ``recompute_log_prob`` recomputes them teacher-forced instead.
 
         Returns:
-            :class:`~stages.rollout.Generation`, rows prompt-major; ``rollout_logprobs`` is ``None`` for
+            :class:`~trajflow.stages.rollout.Generation`, rows prompt-major; ``rollout_logprobs`` is ``None`` for
             greedy decoding; ``timing`` has ``timing_s/gen`` and, when recomputed,
             ``timing_s/old_log_prob`` (seconds).
         """
@@ -300,7 +300,7 @@ class PolicyWorker(Worker):
         row ``n`` times; ``params.n`` is ignored.
 
         Returns:
-            :class:`~stages.multi_turn.EpisodeGeneration` with the episodes in row order; the engine's
+            :class:`~trajflow.stages.multi_turn.EpisodeGeneration` with the episodes in row order; the engine's
             log-probs are the episodes' ``rollout_logprobs`` (0.0 everywhere for greedy decoding).
         """
         from trajflow.engines.episodes import EpisodeRunner
@@ -330,7 +330,7 @@ class PolicyWorker(Worker):
         this method's thread.
 
         Returns:
-            :class:`~stages.multi_turn.EpisodeGeneration`; each episode carries ``agent_error``,
+            :class:`~trajflow.stages.multi_turn.EpisodeGeneration`; each episode carries ``agent_error``,
             ``agent_answer``, ``tito_drift_tokens`` and ``agent_calls``.
         """
         from trajflow.serve.agents import AgentLimits, load_agent, run_agent_episodes
@@ -402,7 +402,7 @@ class PolicyWorker(Worker):
     # ------------------------------------------------------------------ update
     @dispatch("broadcast")
     def update_actor(self, batch: UpdateBatch) -> dict:
-        """PPO-style policy update over one iteration's batch (:func:`stages.policy_update.update_batch`):
+        """PPO-style policy update over one iteration's batch (:func:`trajflow.stages.policy_update.update_batch`):
         :meth:`trajflow.workers.actor_update.PPOActor.update` at the rows' sampling temperature
         (``settings.temperature``; ``rollout.temperature`` when the batch does not say), then the
         engine gets the new weights (unless ``settings.defer_weight_sync``: the driver pushes them).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from stages.rollout import Generation, SamplingParams
+from trajflow.stages.rollout import Generation, SamplingParams
 from trajflow.config import ModelConfig, RolloutConfig
 from trajflow.engines.base import RolloutEngine
 from trajflow.engines.registry import EngineContext, engine_spec, make_engine
@@ -67,7 +67,7 @@ class RolloutWorker(Worker):
         """Sample ``params.n`` responses per prompt (prompt-major).
 
         Returns:
-            :class:`~stages.rollout.Generation` with the engine's log-probs as ``rollout_logprobs``
+            :class:`~trajflow.stages.rollout.Generation` with the engine's log-probs as ``rollout_logprobs``
             (``None`` for greedy decoding), this engine's weight version as ``policy_version`` and
             ``timing_s/gen``.
         """
