@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
-from stages.rollout import SamplingParams
+from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
+from trajflow.stages.rollout import SamplingParams
 from tests.vllm.test_engine import BF16_MAX, BF16_MEAN, PROMPTS, score, teacher_forced
 from trajflow.config import ActorConfig, ModelConfig, RolloutConfig
 from trajflow.engines.base import WeightSync
