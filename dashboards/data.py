@@ -43,8 +43,13 @@ def store_runs(store_root: str | Path) -> list[str]:
 
 
 def has_iterations(store_root: str | Path, run_id: str) -> bool:
-    """Whether the run folder holds a stored rollout (a run still at step 0 has none)."""
-    d = Path(store_root).expanduser().resolve() / run_id / "iterations"
+    """Whether the run folder holds a stored rollout (a run still at step 0 has none). False for a name that
+    is no run folder of the store (an MLflow run name such as ``../x`` names no folder here)."""
+    try:
+        store = RunStore(Path(store_root).expanduser().resolve(), run_id)
+    except StoreError:
+        return False
+    d = store.run_dir / "iterations"
     return d.is_dir() and any((p / "rollout.parquet").exists() for p in d.iterdir() if p.name.isdigit())
 
 

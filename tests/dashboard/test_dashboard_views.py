@@ -148,3 +148,4 @@ def test_list_runs_says_which_runs_finished_an_iteration(two_runs):
         assert has_iterations(two_runs.root, name)
         assert rows[name]["prefect_flow_run_id"]  # trained inside a Prefect flow run
     assert not has_iterations(two_runs.root, "no-such-run")
+    assert not has_iterations(two_runs.root / "lr-high" / "iterations", "..")  # a name that leaves the store
