@@ -20,7 +20,7 @@ Settings shared by both (the default recipe with 64 new tokens):
 What is compared ("s/iter"): the wall time of a whole iteration, steady state.
   * trajflow: from the end of iteration i-1's bookkeeping to the end of iteration i's (rollout,
     reward, gate, advantage, update, Prefect/Ray/Parquet/manifest/MLflow), checkpoint saves excluded
-    (``trainer.save_freq=0``: only the final one, which is subtracted). ``timing_s/step`` is shown too.
+    (``trainer.save_freq=0``: none is written). ``timing_s/step`` is shown too.
   * TRL: between consecutive ``on_step_end`` callbacks (one optimizer step = one generation of all
     completions + its micro-batches' forward/backward passes + logging of the previous step).
 Ratio = median TRL s/iter / median trajflow s/iter over the K warm iterations (> 1: trajflow faster).

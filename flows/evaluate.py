@@ -194,7 +194,7 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
                 "trajflow.checkpoint": str(step), "trajflow.policy_version": str(ctx.policy_version)}
         if meta.get("mlflow_run_id") and meta.get("tracking_uri") == tracking_uri(cfg):
             tags["mlflow.parentRunId"] = str(meta["mlflow_run_id"])  # the training run is in this store
-        tracker = Tracker(cfg, f"eval-{store.run_id}-ckpt{step:06d}", tags=tags)
+        tracker = Tracker(cfg, f"eval-{store.run_id}-ckpt{step:06d}", tags=tags, logged_model=False)
         tracker.log_metrics(metrics, step=step)
         result = {"run_id": store.run_id, "checkpoint": step, "policy_version": ctx.policy_version,
                   "metrics": metrics, "mlflow_run_id": tracker.run_id, "evaluated_at": time.time()}

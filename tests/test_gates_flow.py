@@ -126,7 +126,15 @@ def test_gate_command_revalidates_with_a_stricter_suite(tiny_model_dir, ray_loca
     stored = json.loads((Path(summary["run_dir"]) / "iterations" / "000001" / "gate.json").read_text())
     equal = next(e for e in stored["expectations"] if e["name"] == "equal_reward_group_frac")
     assert (equal["status"], equal["threshold"], equal["observed"]) == ("warn", "<= 0.9 (gates.max_equal_group_frac)", 1.0)
-    assert stored["data_docs"] and (Path(summary["run_dir"]) / "iterations" / "000001" / stored["data_docs"]).exists()
+    # MLflow's tags say what happened: the warned expectation, the passed ones, the run's worst
+    from mlflow import MlflowClient
+
+    tags = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(summary["mlflow_run_id"]).data.tags
+    assert (tags["trajflow.gate"], tags["trajflow.gate.equal_reward_group_frac"]) == ("warned", "warned")
+    assert tags["trajflow.gate.score_in_range"] == "passed"
+    assert tags["trajflow.gate_rule.equal_reward_group_frac"] == "warn: <= 0.9 (gates.max_equal_group_frac)"
+    # a warning writes no HTML data docs by default (gates.data_docs=on_failure): gate.json holds the results
+    assert stored["data_docs"] is None and not (Path(summary["run_dir"]) / "iterations" / "000001" / "data_docs").exists()
     suite = json.loads((Path(__file__).parents[1] / "datasets/expectations/reward_default.json").read_text())
     for e in suite["expectations"]:
         if e["meta"]["name"] == "equal_reward_group_frac":

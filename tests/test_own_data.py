@@ -146,3 +146,22 @@ def test_own_gsm8k_parquet_trains_end_to_end(tmp_path, tiny_model_dir, gsm8k_fil
     assert [e["overlong_penalty"] for e in extras] == pytest.approx([-n / 6 for n in lengths], abs=1e-6)
     assert lengths == [6] * 4 and reward.column("score").to_pylist() == [-1.0] * 4  # a random model: cut, wrong
     assert "warning: iteration 1: all 4 scores are -1.000, the overlong floor" in p.stderr
+    # Disk: the recipe's trainer.save_freq=0 writes no checkpoint; the final model is in MLflow by
+    # reference (a LoggedModel pointing at final/), not copied into the artifact store.
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    assert (run_dir / "final" / "model.safetensors").exists()
+    assert not list((tmp_path / "mlartifacts").rglob("*.safetensors"))
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow_run = client.get_run(json.loads((run_dir / "run.json").read_text())["mlflow_run_id"])
+    model = client.get_logged_model(mlflow_run.data.tags["trajflow.model_id"])
+    assert str(model.status) == "READY" and model.tags["trajflow.model_path"] == str((run_dir / "final").resolve())
+    assert {m.key for m in model.metrics} >= {"critic/score/mean", "actor/pg_loss"}
+    # ... so there is nothing to continue from: asking for more iterations is one line, not a restart
+    more = subprocess.run(TRAJFLOW + ["resume", run_dir.name, "trainer.total_iterations=2", "--store", str(root),
+                                      f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert more.returncode == 2 and more.stderr.strip() == (
+        f"error: run {run_dir.name!r} finished 1 iterations with trainer.save_freq=0: it has no checkpoint to "
+        f"continue from; train a new run from its final model (model.path={run_dir / 'final'})"), more.stderr

@@ -2,7 +2,7 @@
 
 The run uses an instrumented :class:`PolicyWorker` subclass that records its pid, policy version and
 a digest of its weights at the start of every update, and holds iteration 2's first update until the
-test has SIGKILLed its process. There is no checkpoint before the end (``save_freq=0``), so the
+test has SIGKILLed its process. There is no checkpoint before the end (``save_freq=2`` of 2 iterations), so the
 retry must rebuild the policy from the initial model plus iteration 1's stored update: the weights
 at the start of the retried update must equal, bit for bit, those the killed worker had.
 
@@ -71,7 +71,7 @@ def killed_run(tmp_path_factory, tiny_model_dir, ray_local):
     t0 = time.monotonic()
     try:
         summary = train(None, tiny_overrides(tiny_model_dir, tmp / "runs", **{
-            "trainer.save_freq": 0, "trainer.test_freq": 2, "trainer.val_before_train": False,
+            "trainer.save_freq": 2, "trainer.test_freq": 2, "trainer.val_before_train": False,
             "trainer.stage_retries": 2, "trainer.stage_retry_delay_s": 1}))
     finally:
         runtime.policy_worker_cls = None

@@ -122,7 +122,7 @@ def test_mlflow_record_has_model_system_metrics_datasets_links_and_validation_sa
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     mlrun = client.get_run(summary["mlflow_run_id"])
     tags = mlrun.data.tags
-    assert tags["trajflow.segment"] == "1" and tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.user"]
+    assert tags["trajflow.sessions"] == "1" and tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.user"]
     assert tags["prefect.flow_run_name"] == f"train-{summary['run_id']}" and len(tags["prefect.flow_run_id"]) == 36
     assert any(k.startswith("system/cpu_utilization") for k in mlrun.data.metrics)
     # The prompt sets as dataset inputs, with the rows the run drew from.

@@ -298,11 +298,47 @@ def runs(store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
     from rich.table import Table
 
     table = Table(box=None, pad_edge=False)
-    for name in ("run", "kind", "recipe", "status", "iterations", "checkpoints", "validation", "created"):
+    for name in ("run", "kind", "recipe", "status", "iterations", "checkpoints", "validation", "size", "created"):
         table.add_column(name, no_wrap=name == "run")
     for cells in format_runs(rows):
         table.add_row(*cells)
     Console(width=200).print(table)
+    from trajflow.runs import format_bytes
+
+    typer.echo(f"{len(rows)} runs, {format_bytes(sum(int(r['bytes']) for r in rows))} (trajflow gc frees what no "
+               f"resume or replay needs)")
+
+
+@app.command()
+def gc(run_ids: Optional[List[str]] = typer.Argument(None, help="only these runs (default: all)"),
+       store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
+       older_checkpoints: bool = typer.Option(False, "--older-checkpoints",
+                                              help="also delete checkpoints no resume needs (all but the newest, "
+                                                   "the best and replays' starting points); a replay of an "
+                                                   "iteration after one needs it"),
+       yes: bool = typer.Option(False, "--yes", "-y", help="delete; without it, only list what would go")) -> None:
+    """Free disk space: leftovers of killed writers, gate data docs of passed gates, with
+    --older-checkpoints checkpoints no resume needs. Lists only, unless --yes."""
+    from trajflow.prune import apply, plan
+    from trajflow.runs import format_bytes
+
+    root = _store_root(store)
+    plans = _run(plan, root, list(run_ids or []), older_checkpoints)
+    total = 0
+    for p in plans:
+        if p.skipped:
+            typer.echo(f"{p.run_id}: skipped, {p.skipped}")
+            continue
+        for c in p.candidates:
+            typer.echo(f"{p.run_id}: {format_bytes(c.bytes):>9}  {c.what}  ({c.path})")
+            total += c.bytes
+        for k in p.kept:
+            typer.echo(f"{p.run_id}: kept {k}")
+    if not yes:
+        typer.echo(f"would free {format_bytes(total)} in {root}; nothing deleted (pass --yes to delete)")
+        return
+    freed = _run(apply, root, plans)
+    typer.echo(f"freed {format_bytes(freed)} in {root}")
 
 
 def _print_audit_table(table, output: Optional[Path]) -> None:

@@ -8,6 +8,7 @@ failing the listing.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -17,7 +18,35 @@ from trajflow.checkpoint import list_checkpoints
 from trajflow.errors import StoreError
 from trajflow.store import RunStore, run_folders
 
-__all__ = ["list_runs", "format_runs"]
+__all__ = ["folder_bytes", "format_bytes", "list_runs", "format_runs"]
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes a file or folder takes (apparent sizes, each hard-linked inode once); 0 when missing."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    seen, total = set(), 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def format_bytes(n: int) -> str:
+    """``1.6 GB``, ``4.1 MB``, ``812 B`` (powers of 1000, as ``du --si``)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _last_validation(meta: dict) -> tuple[int | None, str | None, float | None]:
@@ -58,8 +87,9 @@ def list_runs(root: str | Path) -> list[dict[str, Any]]:
     Each row: ``run_id``, ``kind`` (``train`` or ``replay``), ``parent_run_id`` (replays), ``recipe``,
     ``status`` (``run.json``'s: running, finished, failed, interrupted; ``killed`` when it says
     running but no driver on this machine holds the run's lock; ``unreadable`` for a damaged file), ``iterations`` (stored iteration folders), ``checkpoints`` (complete ones, ascending),
-    ``policy_version``, ``created`` (Unix seconds, or None), and the newest validation as
-    ``val_iteration``, ``val_metric`` and ``val_value``.
+    ``policy_version``, ``created`` (Unix seconds, or None), the newest validation as
+    ``val_iteration``, ``val_metric`` and ``val_value``, and ``bytes`` (the run folder's size on disk;
+    MLflow's store under the root is not counted).
 
     Raises:
         StoreError: ``root`` is not a folder.
@@ -86,13 +116,15 @@ def list_runs(root: str | Path) -> list[dict[str, Any]]:
             "checkpoints": list_checkpoints(store), "policy_version": meta.get("policy_version"),
             "created": float(created) if isinstance(created, (int, float)) else None,
             "val_iteration": val_it, "val_metric": val_metric, "val_value": val_value,
+            "bytes": folder_bytes(d),
         })
     rows.sort(key=lambda r: (r["created"] is None, r["created"] or 0.0, r["run_id"]))
     return rows
 
 
 def format_runs(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """The rows as table cells: run, kind, recipe, status, iterations, checkpoints, last validation, created."""
+    """The rows as table cells: run, kind, recipe, status, iterations, checkpoints, last validation, size,
+    created."""
     out = []
     for r in rows:
         kind = r["kind"] if not r["parent_run_id"] else f"{r['kind']} of {r['parent_run_id']}"
@@ -102,5 +134,6 @@ def format_runs(rows: list[dict[str, Any]]) -> list[list[str]]:
         val = "-" if r["val_metric"] is None else \
             f"{r['val_value']:.3f} at {r['val_iteration']} ({r['val_metric'].split('/')[-2]})"
         created = "-" if r["created"] is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"]))
-        out.append([r["run_id"], kind, str(r["recipe"] or "-"), r["status"], str(r["iterations"]), shown, val, created])
+        out.append([r["run_id"], kind, str(r["recipe"] or "-"), r["status"], str(r["iterations"]), shown, val,
+                    format_bytes(int(r.get("bytes") or 0)), created])
     return out

@@ -1,13 +1,15 @@
-"""MLflow tracking: one MLflow run per session of a trajflow run, verl metric names, the resolved
-config as params.
+"""MLflow tracking: one MLflow run per trajflow run (across resumes), verl metric names, the
+resolved config as params, the policy as an MLflow 3 LoggedModel.
 
 The default tracking store is SQLite under the store root (``sqlite:///<root>/mlflow.db``), with
 artifacts beside it in ``<root>/mlartifacts``, so a run directory tree is self-contained.
 
 What a run records (see docs/compare.md):
 
-- experiment ``trajflow/<recipe>`` (or ``trainer.experiment_name``); run name = the trajflow run id;
-- tags ``trajflow.run_id``, ``trajflow.recipe``, ``trajflow.segment``, MLflow's source tags
+- experiment ``trajflow/<recipe>`` (or ``trainer.experiment_name``), tagged as a model-training
+  experiment (``mlflow.experimentKind=custom_model_development``, MLflow 3's "Machine learning");
+  run name = the trajflow run id;
+- tags ``trajflow.run_id``, ``trajflow.recipe``, ``trajflow.sessions``, MLflow's source tags
   (``mlflow.user``, ``mlflow.source.name``, ``mlflow.source.type``, ``mlflow.source.git.commit``),
   the Prefect flow run's (:func:`prefect_tags`) and, for a replay, the lineage tags of
   :func:`lineage_tags`;
@@ -15,20 +17,20 @@ What a run records (see docs/compare.md):
 - inputs: the training and validation prompt sets as MLflow datasets (:meth:`Tracker.log_datasets`);
 - metrics: verl's names per iteration (step = iteration, 0 = before training), made valid for MLflow
   by :func:`mlflow_metric_name` (``@`` as ``_at_``, any other character MLflow rejects as ``_``);
-  two names that would become the same are kept apart by :meth:`Tracker.metric_name`; MLflow's
-  ``system/*`` metrics (``tracking.system_metrics``);
+  two names that would become the same are kept apart by :meth:`Tracker.metric_name`; each is
+  logged with the run's LoggedModel id, so the model lists them; MLflow's ``system/*`` metrics
+  (``tracking.system_metrics``);
 - artifacts ``samples/iteration_NNNNNN.json`` (sample generations with their prompts, a table as
   JSON: see :meth:`Tracker.log_table`), ``validation/iteration_NNNNNN.json`` (validation
   generations), ``gates/iteration_NNNNNN/`` (gate reports), at the end of a run ``plots/*.png``
-  (see :mod:`trajflow.plots`) and the final model ``model/`` (:meth:`Tracker.log_model`).
+  (see :mod:`trajflow.plots`);
+- output: the LoggedModel ``policy`` (:mod:`trajflow.mlflow_model`), READY at the end of the run,
+  pointing at the run's ``final/`` (or holding a copy with ``tracking.model_copy``).
 
-Resume: each session of a run is its own MLflow run of the same name, tagged with its
-``trajflow.segment`` number and the MLflow run id of the session it resumed. It starts with the
-metric points and per-iteration artifacts of the iterations it keeps (those up to the checkpoint it
-resumed from) copied from that session, and logs the iterations it re-runs afresh; so the newest
-segment alone holds the run's whole history with one value per metric and step, and every latest
-value is the resumed session's. The earlier segment is tagged ``trajflow.superseded_by`` (and set
-to KILLED if its driver died); ``trajflow compare`` and the dashboard pick the newest segment.
+Resume: a resumed session reopens the run's MLflow run (``run.json``'s ``mlflow_run_id``) and
+continues it, so a trajflow run is one MLflow run, with one value per metric and step: points the
+earlier session logged stay, and are not logged again when their iteration is re-run
+(:meth:`Tracker._continue`).
 """
 
 from __future__ import annotations
@@ -51,12 +53,17 @@ TAG_PARENT_RUN = "trajflow.parent_run_id"          # the parent's trajflow run i
 TAG_PARENT_ITERATION = "trajflow.parent_iteration"  # the parent iteration whose stored output was replayed
 TAG_FROM_STAGE = "trajflow.from_stage"              # the first stage recomputed (rollout, reward, advantage, ...)
 
-# Sessions: a resumed run continues in a new MLflow run (a "segment") of the same name.
-TAG_SEGMENT = "trajflow.segment"                      # 1 for a run's first session, 2 after its first resume, ...
-TAG_PREVIOUS_SEGMENT = "trajflow.previous_mlflow_run_id"  # the MLflow run of the session this one resumed
-TAG_SUPERSEDED_BY = "trajflow.superseded_by"          # set on a segment once a resume has taken over from it
-#: Artifact folders holding one ``iteration_NNNNNN`` entry per iteration, carried over on resume.
-ITERATION_ARTIFACT_DIRS = ("samples", "validation", "gates")
+# Sessions: a resumed run continues its MLflow run (one MLflow run per trajflow run).
+TAG_SESSIONS = "trajflow.sessions"                    # 1 for a run's first session, 2 after its first resume, ...
+#: Re-run steps (past the resumed checkpoint) whose metrics keep the earlier session's values.
+TAG_KEPT_RERUN_STEPS = "trajflow.kept_rerun_steps"
+#: Set on the MLflow runs of sessions before this version (one MLflow run per session then); read
+#: by compare and the dashboard to pick a resumed run's newest record.
+TAG_SUPERSEDED_BY = "trajflow.superseded_by"
+#: The experiment tag MLflow 3's UI files experiments by; ``custom_model_development`` is its
+#: "Machine learning" (model training) kind, not GenAI's evaluation views.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 
 
 def lineage_tags(parent_run_id: str, parent_iteration: int, from_stage: str) -> dict[str, str]:
@@ -221,12 +228,21 @@ class Tracker:
         cfg: the resolved run config.
         run_id: the trajflow run id (MLflow run name).
         tags: extra MLflow tags (e.g. replay lineage).
-        mlflow_run_id: reattach to this MLflow run (resume) instead of creating one.
+        continue_from: the MLflow run id of the run's earlier session (resume): that run is reopened
+            and continued instead of creating one.
+        keep_step: on resume, whether the earlier session's values at a step are the ones kept
+            (the iterations up to the checkpoint resumed from); used only to record, in the tag
+            :data:`TAG_KEPT_RERUN_STEPS`, which re-run steps keep the earlier session's values.
+        logged_model: create the run's LoggedModel (:mod:`trajflow.mlflow_model`) and log every
+            metric with its id (train and replay; an evaluation has no model of its own).
     """
 
     def __init__(self, cfg: DictConfig, run_id: str, tags: Mapping[str, str] | None = None,
-                 continue_from: str | None = None, keep_step: Callable[[int], bool] | None = None) -> None:
+                 continue_from: str | None = None, keep_step: Callable[[int], bool] | None = None,
+                 logged_model: bool = True) -> None:
         from mlflow.tracking import MlflowClient
+
+        from trajflow.mlflow_model import TAG_MODEL_ID, create_policy_model
 
         self.uri = tracking_uri(cfg)
         self.client = MlflowClient(tracking_uri=self.uri)
@@ -236,30 +252,42 @@ class Tracker:
             artifact_location = None
             if self.uri.startswith("sqlite:///"):
                 artifact_location = (Path(self.uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-            exp_id = self.client.create_experiment(name, artifact_location=artifact_location)
+            exp_id = self.client.create_experiment(name, artifact_location=artifact_location,
+                                                   tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         else:
             exp_id = exp.experiment_id
+            if EXPERIMENT_KIND_TAG not in exp.tags:  # made by an older trajflow: filed as GenAI otherwise
+                self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         self.experiment_id = exp_id
         self._metric_names: dict[str, str] = {}   # reported name -> MLflow name, for the whole run
         self._metric_owners: dict[str, str] = {}  # MLflow name -> reported name
+        self._logged: set[tuple[str, int]] = set()  # (MLflow name, step) already in the run (resume)
         self._system_monitor = None
-        previous = self._previous_segment(continue_from)
+        self.model_id: str | None = None
+        previous = self._previous_session(continue_from)
         all_tags = session_tags(cfg)
-        all_tags.update({"trajflow.run_id": run_id, "trajflow.recipe": str(cfg.recipe), TAG_SEGMENT: "1"})
-        if previous is not None:
-            all_tags[TAG_SEGMENT] = str(int(previous.data.tags.get(TAG_SEGMENT, "1")) + 1)
-            all_tags[TAG_PREVIOUS_SEGMENT] = previous.info.run_id
+        all_tags.update({"trajflow.run_id": run_id, "trajflow.recipe": str(cfg.recipe)})
         all_tags.update(tags or {})
-        run = self.client.create_run(exp_id, run_name=run_id, tags=all_tags)
-        self.run_id = run.info.run_id
-        self.log_params(flatten(cfg))
+        if previous is None:
+            all_tags[TAG_SESSIONS] = "1"
+            run = self.client.create_run(exp_id, run_name=run_id, tags=all_tags)
+            self.run_id = run.info.run_id
+            self.log_params(flatten(cfg))
+        else:
+            self.run_id = previous.info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            all_tags[TAG_SESSIONS] = str(int(previous.data.tags.get(TAG_SESSIONS, "1")) + 1)
+            self.set_tags(all_tags)
+            self._continue(previous, cfg, keep_step or (lambda step: True))
+            self.model_id = previous.data.tags.get(TAG_MODEL_ID)
+        if logged_model and self.model_id is None:
+            self.model_id = create_policy_model(self.client, exp_id, self.run_id, run_id, cfg)
+            self.client.set_tag(self.run_id, TAG_MODEL_ID, self.model_id)
         self.log_text(to_yaml(cfg), "config.yaml")
-        if previous is not None:
-            self._take_over(previous, keep_step or (lambda step: False))
         if cfg.tracking.system_metrics:
-            self._start_system_metrics(float(cfg.tracking.system_metrics_interval_s))
+            self._start_system_metrics(float(cfg.tracking.system_metrics_interval_s), resume=previous is not None)
 
-    def _previous_segment(self, mlflow_run_id: str | None):
+    def _previous_session(self, mlflow_run_id: str | None):
         """The MLflow run of the session a resume continues, or None (none recorded, or deleted)."""
         if not mlflow_run_id:
             return None
@@ -272,55 +300,44 @@ class Tracker:
                         mlflow_run_id, str(e).splitlines()[0])
             return None
 
-    def _take_over(self, previous, keep_step: Callable[[int], bool]) -> None:
-        """Copy what this session keeps of the previous one, then mark that one superseded.
+    def _continue(self, previous, cfg: DictConfig, keep_step: Callable[[int], bool]) -> None:
+        """Take up the run of the earlier session: every (metric, step) it logged stays and is not
+        logged again (MLflow cannot delete a point, and a second value at a step would make the
+        history ambiguous); params it logged stay (MLflow's params are immutable), and a param the
+        resume changed is recorded as the tag ``trajflow.param_changed.<key>`` (``old -> new``),
+        new params are logged.
 
-        Kept: every metric point whose step ``keep_step`` accepts (the iterations up to the
-        checkpoint this session resumed from; the re-run ones are logged afresh, so no step holds two
-        values) with its original timestamp, and the per-iteration artifacts (``samples/``,
-        ``validation/``, ``gates/``) of those iterations. MLflow's system metrics are the previous
-        session's own and stay with it. The previous run gets the tag :data:`TAG_SUPERSEDED_BY`
-        and, if it still says RUNNING (its driver was killed), the status KILLED.
+        Steps past the checkpoint the resume restarts from, which the earlier session had logged
+        before it stopped, are re-run; their metrics keep the earlier values (the same for an exact
+        resume, except ``timing_s/*``), listed in the tag :data:`TAG_KEPT_RERUN_STEPS`.
         """
-        from mlflow.entities import Metric
+        from mlflow.entities import Param
 
-        old = previous.info.run_id
-        points = []
+        rerun: set[int] = set()
         for key in sorted(previous.data.metrics):
-            if key.startswith("system/"):
-                continue
-            points += [Metric(key, m.value, m.timestamp, m.step)
-                       for m in self.client.get_metric_history(old, key) if keep_step(int(m.step))]
-        for i in range(0, len(points), 1000):
-            self.client.log_batch(self.run_id, metrics=points[i:i + 1000])
-        self._copy_iteration_artifacts(old, keep_step)
-        self.client.set_tag(old, TAG_SUPERSEDED_BY, self.run_id)
-        if previous.info.status == "RUNNING":
-            self.client.set_terminated(old, status="KILLED")
+            for m in self.client.get_metric_history(self.run_id, key):
+                self._logged.add((key, int(m.step)))
+                if not key.startswith("system/") and not keep_step(int(m.step)):
+                    rerun.add(int(m.step))
+        if rerun:
+            self.client.set_tag(self.run_id, TAG_KEPT_RERUN_STEPS, ",".join(str(s) for s in sorted(rerun)))
+        old = previous.data.params
+        new = {k: str(v)[:6000] for k, v in flatten(cfg).items()}
+        fresh = [Param(k, v) for k, v in new.items() if k not in old]
+        for i in range(0, len(fresh), 100):  # MLflow caps a batch at 100 params
+            self.client.log_batch(self.run_id, params=fresh[i:i + 100])
+        for k, v in new.items():
+            if k in old and old[k] != v:
+                self.client.set_tag(self.run_id, f"trajflow.param_changed.{k}"[:250], f"{old[k]} -> {v}"[:5000])
 
-    def _copy_iteration_artifacts(self, old: str, keep_step: Callable[[int], bool]) -> None:
-        import tempfile
-
-        for folder in ITERATION_ARTIFACT_DIRS:
-            for entry in self.client.list_artifacts(old, folder):
-                m = re.search(r"iteration_(\d+)", posixpath.basename(entry.path))
-                if not m or not keep_step(int(m.group(1))):
-                    continue
-                with tempfile.TemporaryDirectory() as tmp:
-                    local = self.client.download_artifacts(old, entry.path, tmp)
-                    target = posixpath.dirname(entry.path) if not entry.is_dir else entry.path
-                    if entry.is_dir:
-                        self.client.log_artifacts(self.run_id, local, target)
-                    else:
-                        self.client.log_artifact(self.run_id, local, target)
-
-    def _start_system_metrics(self, interval_s: float) -> None:
-        """MLflow's system-metrics monitor (CPU, memory, disk, network, GPU where present) on this run."""
+    def _start_system_metrics(self, interval_s: float, resume: bool = False) -> None:
+        """MLflow's system-metrics monitor (CPU, memory, disk, network, GPU where present) on this run;
+        a resumed session's samples continue after the earlier session's steps."""
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             self._system_monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s,
-                                                        tracking_uri=self.uri)
+                                                        tracking_uri=self.uri, resume_logging=resume)
             self._system_monitor.start()
         except Exception as e:  # psutil missing or similar: the run's own metrics matter more
             log.warning("MLflow system metrics are off: %s", e)
@@ -359,7 +376,9 @@ class Tracker:
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """One ``log_batch`` per call (one SQLite transaction instead of one per metric).
 
-        Names go through :meth:`metric_name`. Should MLflow still reject the batch, the metrics are
+        Names go through :meth:`metric_name`; each point carries the run's LoggedModel id; a (name,
+        step) that an earlier session of a resumed run logged is not logged again. Should MLflow
+        still reject the batch, the metrics are
         logged one by one and only those it rejects are dropped (with a warning naming them), so one
         bad name never costs an iteration's metrics or the run.
         """
@@ -374,7 +393,8 @@ class Tracker:
         # Names MLflow takes verbatim claim themselves before any rewritten name can land on them.
         for k in sorted(finite, key=lambda k: (mlflow_metric_name(k, keep="") != k, k)):
             self.metric_name(k)
-        items = [Metric(self.metric_name(k), v, ts, step) for k, v in finite.items()]
+        items = [Metric(self.metric_name(k), v, ts, step, model_id=self.model_id) for k, v in finite.items()
+                 if (self.metric_name(k), int(step)) not in self._logged]
         for i in range(0, len(items), 1000):
             chunk = items[i:i + 1000]
             try:
@@ -451,66 +471,37 @@ class Tracker:
         if inputs:
             self.client.log_inputs(self.run_id, datasets=inputs)
 
-    def log_model(self, model_dir: str | Path, registered_name: str | None = None,
-                  description: str = "") -> str:
-        """Log an exported Hugging Face model directory as the MLflow model ``model`` (transformers
-        flavour, task ``text-generation``), optionally registering it.
-
-        ``mlflow.transformers.load_model("runs:/<id>/model")`` loads it back. The model is loaded
-        here (on the CPU, in its stored dtype) because MLflow's local-checkpoint path does not
-        support this transformers version; call this after the workers have released their memory.
+    def log_model(self, model_dir: str | Path, step: int, registered_name: str | None = None,
+                  description: str = "", copy: bool = False) -> str:
+        """Finalise the run's LoggedModel as the policy in ``model_dir`` after iteration ``step``:
+        by reference (its tag ``trajflow.model_path`` names the folder; no second copy of the
+        weights) or, with ``copy``, as an MLflow transformers-flavour model in its artifacts
+        (``mlflow.transformers.load_model("models:/<model_id>")``), optionally registered.
 
         Args:
             model_dir: a ``from_pretrained``-loadable directory (the run's ``final/``).
-            registered_name: register the logged model under this name (a new version each call).
+            step: the iteration the model is the policy after.
+            registered_name: register the copied model under this name (a new version each call).
             description: the model card's text.
+            copy: copy the weights into MLflow's artifact store.
 
         Returns:
-            ``runs:/<mlflow run id>/model``, or ``models:/<name>/<version>`` when registered.
+            ``models:/<model_id>``, or ``models:/<name>/<version>`` when registered.
+
+        Raises:
+            ValueError: ``registered_name`` without ``copy``, or a tracker made without a LoggedModel.
         """
-        from transformers.utils import logging as hf_logging
+        from trajflow.mlflow_model import finalize_policy_model, register_policy_model
 
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # the console shows the run, not transformers' load/save bars
-        try:
-            return self._log_model(model_dir, registered_name, description)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
-
-    def _log_model(self, model_dir: str | Path, registered_name: str | None, description: str) -> str:
-        import tempfile
-
-        import mlflow.transformers
-        from huggingface_hub import ModelCard
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        with tempfile.TemporaryDirectory(prefix="trajflow-mlflow-model-") as tmp:
-            out = Path(tmp) / "model"
-            # An explicit card and requirements: MLflow would otherwise ask the Hub for a card and
-            # import-trace the model in a subprocess to infer requirements.
-            mlflow.transformers.save_model({"model": model, "tokenizer": tokenizer}, str(out), task="text-generation",
-                                           pip_requirements=_model_requirements(),
-                                           model_card=ModelCard(f"---\nlicense: other\n---\n{description}\n"))
-            del model
-            self.client.log_artifacts(self.run_id, str(out), "model")
-        uri = f"runs:/{self.run_id}/model"
-        if not registered_name:
-            return uri
-        from mlflow.exceptions import MlflowException
-
-        try:
-            self.client.create_registered_model(registered_name)
-        except MlflowException as e:
-            if e.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-        source = f"{self.client.get_run(self.run_id).info.artifact_uri}/model"
-        version = self.client.create_model_version(registered_name, source, run_id=self.run_id,
-                                                   description=description or None)
-        self.set_tags({"trajflow.registered_model": f"{registered_name}/{version.version}"})
-        return f"models:/{registered_name}/{version.version}"
+        if self.model_id is None:
+            raise ValueError("log_model: this MLflow run has no LoggedModel (Tracker(logged_model=False))")
+        if registered_name and not copy:
+            raise ValueError("log_model: the registry serves copied models; pass copy=True to register")
+        uri = finalize_policy_model(self.client, self.run_id, self.model_id, model_dir, step, copy=copy,
+                                    description=description)
+        if registered_name:
+            return register_policy_model(self.client, self.run_id, self.model_id, registered_name, description)
+        return uri
 
     def finish(self, status: str = "FINISHED") -> None:
         """Stop the system-metrics monitor (flushing its last samples) and close the MLflow run."""
@@ -533,15 +524,3 @@ def prompt_text(messages: Any) -> str:
         last = messages[-1]
         return str(last.get("content", "")) if isinstance(last, Mapping) else str(last)
     return "" if messages is None else str(messages)
-
-
-def _model_requirements() -> list[str]:
-    from importlib.metadata import version
-
-    out = []
-    for dist in ("torch", "transformers", "safetensors", "tokenizers"):
-        try:
-            out.append(f"{dist}=={version(dist)}")
-        except Exception:
-            out.append(dist)
-    return out

@@ -145,9 +145,10 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if rm.enable and not rm.path:
         raise ConfigError(f"{source}: reward.reward_model.enable=true needs reward.reward_model.path "
                           "(a sequence-classification model directory)")
-    if cfg.tracking.register_model and not cfg.tracking.log_model:
+    if cfg.tracking.register_model and not (cfg.tracking.log_model and cfg.tracking.model_copy):
         raise ConfigError(f"{source}: tracking.register_model={cfg.tracking.register_model!r} needs "
-                          "tracking.log_model=true (only a logged model can be registered)")
+                          "tracking.log_model=true and tracking.model_copy=true (the registry serves a copy of the "
+                          "model, not a reference to final/)")
     _check_finite(cfg, "", source)
     for section in ("actor", "critic"):
         betas = cfg[section].get("betas") if "betas" in cfg[section] else None

@@ -364,11 +364,15 @@ class TrainerConfig:
     """The training loop."""
 
     total_iterations: int = _f(20, "iterations to train (each: rollout, reward, advantage, update)", ge=1)
-    save_freq: int = _f(10, "checkpoint every this many iterations (0 = only at the end)", ge=0)
+    save_freq: int = _f(10, "checkpoint every this many iterations and after the last (0 = never: ~1.6 GB less "
+                        "per checkpoint of SmolLM2-135M, but the run cannot be resumed or continued and a replay "
+                        "has no checkpoint to start from; final/ still holds the trained model)", ge=0)
     test_freq: int = _f(5, "validate every this many iterations (0 = no validation)", ge=0)
     val_before_train: bool = _f(True, "validate before the first iteration (when test_freq > 0)")
     seed: int = _f(42, "seed for data order, sampling and initialisation", ge=0, le=2**32 - 1)
-    max_checkpoints: int = _f(2, "checkpoints kept (0 = keep all); the newest is never deleted", ge=0)
+    max_checkpoints: int = _f(1, "checkpoints kept (0 = keep all); the newest is never deleted (what resume "
+                              "needs); a replay of iteration N needs checkpoint N-1, so keep more for runs you "
+                              "mean to replay", ge=0)
     keep_best: Optional[str] = _f(None, "also keep the best checkpoint by this validation metric (e.g. "
                                   "val-core/reasoning_gym/basic_arithmetic/acc/mean@1), scored by the validation of "
                                   "its own iteration (save_freq a multiple of test_freq); its iteration is "
@@ -441,10 +445,13 @@ class TrackingConfig:
     system_metrics: bool = _f(True, "log MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, "
                               "network, GPU) for the driver's machine")
     system_metrics_interval_s: float = _f(10.0, "seconds between system-metric samples", gt=0.0)
-    log_model: bool = _f(True, "log the final model as an MLflow model (transformers flavour, artifact 'model'); "
-                         "it copies the exported weights into the artifact store")
-    register_model: Optional[str] = _f(None, "register the logged final model under this name in the MLflow "
-                                       "model registry (a new version per run); needs tracking.log_model")
+    log_model: bool = _f(True, "record the final model in MLflow as a LoggedModel of the run, linked to its metrics")
+    model_copy: bool = _f(False, "also copy the final model's weights into MLflow's artifact store as a "
+                          "transformers-flavour model (mlflow.transformers.load_model reads it; ~0.5 GB for "
+                          "SmolLM2-135M); false: the LoggedModel points at the run's final/ folder, no second copy")
+    register_model: Optional[str] = _f(None, "register the final model under this name in the MLflow model "
+                                       "registry (a new version per run); needs tracking.log_model and "
+                                       "tracking.model_copy (the registry serves copies)")
 
 
 @dataclass
@@ -461,6 +468,9 @@ class GatesConfig:
     drift_band: float = _f(1.0, "max |mean score - mean of previous iterations|", ge=0.0)
     drift_window: int = _f(5, "previous iterations averaged for the drift check", ge=1)
     policies: dict = _f({}, "expectation name -> fail|warn|quarantine (overrides the defaults)")
+    data_docs: str = _f("on_failure", "write Great Expectations' HTML data docs (~4 MB) beside an iteration's "
+                        "gate.json: when its gate fails, also when one only warns, or never (gate.json holds the "
+                        "same results)", choices=["on_failure", "on_warning", "never"])
 
 
 @dataclass

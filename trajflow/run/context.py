@@ -76,6 +76,8 @@ class RunState:
         workers_lost: roles dropped after a failed stage attempt, to be recreated by the retry.
         progress: the console progress line (:class:`trajflow.run.progress.Progress`), or None.
         gate_thresholds_logged: the gate's expectations and thresholds are on the MLflow run as tags.
+        gate_outcomes: each expectation's worst outcome in the run so far (``passed``, ``warned``,
+            ``quarantined``, ``failed``), as its MLflow tag says; None until read from the run.
     """
 
     policy_source: str = "initial"
@@ -91,6 +93,7 @@ class RunState:
     workers_lost: list[str] = field(default_factory=list)
     progress: Any = None
     gate_thresholds_logged: bool = False
+    gate_outcomes: dict[str, str] | None = None
 
     @property
     def deadline(self) -> float | None:

@@ -23,6 +23,44 @@ from trajflow.store import StageRef
 log = logging.getLogger(__name__)
 
 
+#: Run tags: ``trajflow.gate`` (the run's worst gate outcome so far) and ``trajflow.gate.<name>``
+#: (each expectation's): ``passed``, ``warned``, ``quarantined`` or ``failed``.
+TAG_GATE = "trajflow.gate"
+#: Run tags ``trajflow.gate_rule.<name>``: each expectation's policy and threshold (``warn: <= 0.9 ...``).
+TAG_GATE_RULE = "trajflow.gate_rule"
+_OUTCOME = {"pass": "passed", "skipped": "passed", "warn": "warned", "quarantined": "quarantined", "FAIL": "failed"}
+_RANK = {"passed": 0, "warned": 1, "quarantined": 2, "failed": 3}
+
+
+def _tag_outcomes(ctx: RunContext, report) -> None:
+    """Each expectation's worst outcome over the run's iterations as the tag ``trajflow.gate.<name>``
+    and the worst of all as ``trajflow.gate`` (what a person filters runs by in MLflow); a resumed
+    run starts from the tags its earlier sessions left."""
+    if ctx.state.gate_outcomes is None:
+        tags = ctx.tracker.client.get_run(ctx.tracker.run_id).data.tags
+        ctx.state.gate_outcomes = {k[len(TAG_GATE) + 1:]: v for k, v in tags.items()
+                                   if k.startswith(TAG_GATE + ".") and v in _RANK}
+    worst, changed = ctx.state.gate_outcomes, {}
+    for o in report.results:
+        now = _OUTCOME.get(o.status, "failed")
+        if _RANK[now] > _RANK.get(worst.get(o.name, "passed"), 0) or o.name not in worst:
+            worst[o.name] = now
+            changed[f"{TAG_GATE}.{o.name}"] = now
+    if changed:
+        changed[TAG_GATE] = max(worst.values(), key=_RANK.__getitem__, default="passed")
+        ctx.tracker.set_tags(changed)
+
+
+def _want_data_docs(when: str, report) -> bool:
+    """``gates.data_docs``: ``on_failure`` (the default: ~4 MB of HTML per iteration is too much to
+    write for every warning), ``on_warning`` (any expectation not passed) or ``never``."""
+    if when == "never":
+        return False
+    if when == "on_failure":
+        return not report.success
+    return not all(o.status in ("pass", "skipped") for o in report.results)
+
+
 def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef) -> dict:
     """Validate one iteration's rewards and store the result as the iteration's ``gate.json``.
 
@@ -49,7 +87,7 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
     metrics = dict(report.metrics())
     metrics["timing_s/gate"] = time.perf_counter() - t0
     docs = None
-    if not all(o.status in ("pass", "skipped") for o in report.results):  # a person will want GX's own page
+    if _want_data_docs(cfg.gates.data_docs, report):  # a person will want GX's own page
         try:
             docs = write_data_docs(report, ctx.store.iteration_dir(iteration) / "data_docs")
         except Exception as e:  # data docs are a convenience; the JSON result is stored regardless
@@ -67,8 +105,9 @@ def run_iteration_gate(ctx: RunContext, iteration: int, rollout: StageRef, rewar
             # What each expectation accepts, as tags (mutable: a resumed run may change gates.* settings),
             # once per session: the suite and settings do not change within one.
             ctx.state.gate_thresholds_logged = True
-            ctx.tracker.set_tags({f"trajflow.gate.{o.name}": f"{o.policy}: {o.details.get('threshold') or o.details.get('type')}"
+            ctx.tracker.set_tags({f"{TAG_GATE_RULE}.{o.name}": f"{o.policy}: {o.details.get('threshold') or o.details.get('type')}"
                                  for o in report.results})
+        _tag_outcomes(ctx, report)
         ctx.tracker.log_artifact(path, f"gates/iteration_{iteration:06d}")
         if docs is not None:
             ctx.tracker.log_artifact(Path(docs).parent, f"gates/iteration_{iteration:06d}/data_docs")

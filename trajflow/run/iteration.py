@@ -102,9 +102,10 @@ def validation_due(ctx: RunContext, iteration: int) -> bool:
 
 
 def checkpoint_due(ctx: RunContext, iteration: int) -> bool:
-    """Checkpoint after ``iteration``: every ``trainer.save_freq`` iterations and after the last."""
+    """Checkpoint after ``iteration``: every ``trainer.save_freq`` iterations and after the last; never
+    with ``save_freq=0`` (a run that is not meant to be resumed saves ~1.6 GB per checkpoint)."""
     freq = ctx.cfg.trainer.save_freq
-    return bool(freq and iteration % freq == 0) or iteration == ctx.state.last_iteration
+    return bool(freq) and (iteration % freq == 0 or iteration == ctx.state.last_iteration)
 
 
 def log_iteration(ctx: RunContext, iteration: int, metrics: dict) -> None:

@@ -167,7 +167,7 @@ def open_replay(job: ReplayJob, from_stage: str, overrides: Sequence[str]) -> Ru
         parent_mlflow = parent.read_run_meta().get("mlflow_run_id")
         if parent_mlflow:
             tags["trajflow.parent_mlflow_run_id"] = parent_mlflow
-        ctx.tracker = Tracker(cfg, job.run_id, tags=tags)
+        ctx.tracker = Tracker(cfg, job.run_id, tags=tags, logged_model=bool(cfg.tracking.log_model))
         store.update_run_meta(mlflow_run_id=ctx.tracker.run_id, tracking_uri=ctx.tracker.uri)
     except BaseException:
         close(ctx)

@@ -140,10 +140,23 @@ def restore_checkpoint(ctx: RunContext, iteration: int, source: RunStore | None 
 
 def finished_summary(cfg: DictConfig, run_id: str) -> dict | None:
     """The summary of a run with nothing left to do (all iterations checkpointed, final model
-    exported), or ``None`` when there is something to train. Starts nothing."""
+    exported, or finished without checkpoints and asked for no more iterations), or ``None`` when
+    there is something to train. Starts nothing.
+
+    Raises:
+        StoreError: the run finished without a checkpoint (``trainer.save_freq=0``) and
+            ``trainer.total_iterations`` asks for more iterations than it trained.
+    """
     store = RunStore(cfg.store.root, run_id)
     latest = ckpt.latest_checkpoint(store)
-    if latest is None or latest < cfg.trainer.total_iterations or not store.final_dir.exists():
+    if latest is None and store.final_dir.exists() and store.read_run_meta().get("status") == "finished":
+        # trainer.save_freq=0: the run finished without a checkpoint, so there is nothing to continue from
+        trained = int(store.read_config().trainer.total_iterations)
+        if cfg.trainer.total_iterations > trained:
+            raise StoreError(f"run {run_id!r} finished {trained} iterations with trainer.save_freq=0: it has no "
+                             f"checkpoint to continue from; train a new run from its final model "
+                             f"(model.path={store.final_dir})")
+    elif latest is None or latest < cfg.trainer.total_iterations or not store.final_dir.exists():
         return None
     meta = store.read_run_meta()
     return {"run_id": run_id, "run_dir": str(store.run_dir), "mlflow_run_id": meta.get("mlflow_run_id"),

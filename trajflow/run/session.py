@@ -116,7 +116,7 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         if resume:
             _report_resume(ctx, latest, start)
         ctx.tracker = Tracker(cfg, run_id, continue_from=previous_mlflow_run,
-                              keep_step=_kept_steps(store, latest))
+                              keep_step=_kept_steps(store, latest), logged_model=bool(cfg.tracking.log_model))
         _log_datasets(ctx)
         sessions = store.read_run_meta().get("sessions", [])
         sessions.append({"started": time.time(), "resumed_from_checkpoint": latest if resume else None,
@@ -301,11 +301,13 @@ def _close_tracker(ctx: RunContext, status: str) -> None:
 
 
 def _log_final_model(ctx: RunContext) -> None:
-    """``final/`` as the MLflow model of the run (``tracking.log_model``), registered under
-    ``tracking.register_model``; a failure is one warning line (the model is in ``final/`` anyway)."""
+    """``final/`` as the run's LoggedModel (``tracking.log_model``): by reference, or copied with
+    ``tracking.model_copy`` and then registered under ``tracking.register_model``; a failure is one
+    warning line (the model is in ``final/`` anyway)."""
     cfg = ctx.cfg
     try:
-        uri = ctx.tracker.log_model(ctx.store.final_dir, registered_name=cfg.tracking.register_model or None,
+        uri = ctx.tracker.log_model(ctx.store.final_dir, int(ctx.state.last_iteration),
+                                    registered_name=cfg.tracking.register_model or None, copy=cfg.tracking.model_copy,
                                     description=f"trajflow run {ctx.run_id} (recipe {cfg.recipe}), policy version "
                                                 f"{ctx.policy_version}, trained from {cfg.model.path}")
         print(f"final model logged to MLflow: {uri}", flush=True)
