@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 
 from trajflow.stages.kl import DEFAULT_KL_LOSS_TYPE, has_k2_gradient, kl_penalty
+from trajflow.stages.lr_schedule import lr_factor, warmup_steps
 from trajflow.stages.policy_losses import (LOG_RATIO_CLAMP, PolicyLossConfig, agg_loss, bool_mask, check_same_shape,
                                    compute_policy_loss, fill_outside, masked_mean_float)
 from trajflow.stages.rollout import rollout_temperature
@@ -383,6 +384,8 @@ class UpdateSettings:
             update (``trainer.max_staleness`` > 0: the driver pushes them when no rollout is in flight).
         temperature: the rows' sampling temperature (stored with the rollout), at which the trainer's
             log-probs are computed; ``None``: the worker's ``rollout.temperature`` (hand-built batches).
+        lr: the learning rate of this update (warmup / cosine schedule, :mod:`trajflow.stages.lr_schedule`);
+            ``None``: the optimizer's as it is (``actor.lr``).
     """
 
     mini_batch_rows: int | None = None
@@ -396,6 +399,7 @@ class UpdateSettings:
     peak_tflops: float | None = None
     defer_weight_sync: bool = False
     temperature: float | None = None
+    lr: float | None = None
 
 
 @dataclass(frozen=True)
@@ -464,8 +468,8 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
                  use_ref_logprobs: bool, mask_truncated: bool = False, rollout_is: str | None = None,
                  rollout_is_threshold: float = 2.0, rollout_rs: str | None = None,
                  rollout_rs_threshold: float | None = None, rollout_rs_threshold_lower: float | None = None,
-                 peak_tflops: float | None = None, defer_weight_sync: bool = False, temperature: float = 1.0
-                 ) -> UpdateBatch:
+                 peak_tflops: float | None = None, defer_weight_sync: bool = False, temperature: float = 1.0,
+                 lr_schedule: tuple | None = None) -> UpdateBatch:
     """The policy worker's ``update_actor`` batch for one iteration, from its stored stages.
 
     The same stored tables always give the same batch (the shuffle seed derives from the
@@ -491,6 +495,8 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
         defer_weight_sync: the worker does not push the new weights to the rollout workers; the
             driver does, when no rollout is in flight (``trainer.max_staleness`` > 0).
         temperature: ``rollout.temperature``, for a rollout stored before schema 3 (a stored one wins).
+        lr_schedule: ``(lr, total_steps, num_warmup, style, min_lr_ratio)``: the update's ``lr`` is
+            ``lr * lr_factor(iteration - 1, ...)`` (:func:`trajflow.stages.lr_schedule.lr_factor`); None: no schedule.
 
     Returns:
         :class:`UpdateBatch`: rows ``prompt_ids``, ``response_ids``, ``rollout_logprobs``,
@@ -516,7 +522,9 @@ def update_batch(joined: pa.Table, iteration: int, *, seed: int, n: int, ppo_min
                               if rollout_rs and rollout_rs_threshold_lower is not None else None,
                               peak_tflops=float(peak_tflops) if peak_tflops else None,
                               defer_weight_sync=bool(defer_weight_sync),
-                              temperature=rollout_temperature(joined, temperature))
+                              temperature=rollout_temperature(joined, temperature),
+                              lr=None if lr_schedule is None else
+                              float(lr_schedule[0]) * lr_factor(iteration - 1, *lr_schedule[1:]))
     return UpdateBatch(rows, settings)
 
 
@@ -534,4 +542,15 @@ def update_batch_options(cfg: Any) -> dict[str, Any]:
                 rollout_rs_threshold_lower=cfg.algorithm.get("rollout_rs_threshold_lower"),
                 peak_tflops=cfg.trainer.get("device_peak_tflops"),
                 defer_weight_sync=int(cfg.trainer.max_staleness) > 0,
-                temperature=float(cfg.rollout.temperature))
+                temperature=float(cfg.rollout.temperature), lr_schedule=_lr_schedule(cfg))
+
+
+def _lr_schedule(cfg: Any) -> tuple | None:
+    """``update_batch``'s ``lr_schedule`` from ``actor.lr_warmup_steps(_ratio)``, ``warmup_style``,
+    ``min_lr_ratio``; None when the rate never moves (no warmup, constant)."""
+    a, total = cfg.actor, int(cfg.trainer.total_iterations)
+    num_warmup = warmup_steps(total, int(a.get("lr_warmup_steps", -1)), float(a.get("lr_warmup_steps_ratio", 0.0)))
+    style = str(a.get("warmup_style", "constant"))
+    if num_warmup <= 0 and style == "constant":
+        return None
+    return (float(a.lr), total, num_warmup, style, float(a.get("min_lr_ratio", 0.0)))

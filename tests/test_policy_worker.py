@@ -169,3 +169,16 @@ def test_split_generations_merge_in_row_order():
     greedy = [Generation([[1]], ["a"], ["stop"], None, 0, {"timing_s/gen": 1.0}),
               Generation([[2]], ["b"], ["stop"], None, 0, {"timing_s/gen": 1.5})]
     assert merge_split(greedy, [[0], [1]], [0, 0], 2).rollout_logprobs is None
+
+
+def test_the_scheduled_learning_rate_reaches_the_optimizer(worker):
+    """A warmup's first iteration (lr 0) leaves the weights as they are; the next one's rate is used."""
+    rows, out = _rollout(worker, temperature=0.7)
+    before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    batch = _batch(rows, out, mini_rows=4)
+    metrics = worker.update_actor(UpdateBatch(batch.rows, UpdateSettings(4, lr=0.0)))
+    assert metrics["actor/lr"] == 0.0 and metrics["actor/grad_norm"] > 0
+    assert all(torch.equal(before[k], v) for k, v in worker.model.state_dict().items())
+    metrics = worker.update_actor(UpdateBatch(batch.rows, UpdateSettings(4, lr=3e-4)))
+    assert metrics["actor/lr"] == 3e-4
+    assert not all(torch.equal(before[k], v) for k, v in worker.model.state_dict().items())

@@ -285,6 +285,14 @@ class ActorConfig:
     lr: float = _f(1e-5, "AdamW learning rate", gt=0.0)
     weight_decay: float = _f(0.0, "AdamW weight decay", ge=0.0)
     betas: list = _f([0.9, 0.999], "AdamW betas")
+    lr_warmup_steps_ratio: float = _f(0.0, "warm the learning rate up linearly from 0 over this share of "
+                                      "trainer.total_iterations (verl's optim.lr_warmup_steps_ratio)", ge=0.0, le=1.0)
+    lr_warmup_steps: int = _f(-1, "warmup iterations; > 0 overrides lr_warmup_steps_ratio (verl's "
+                              "optim.lr_warmup_steps)")
+    warmup_style: str = _f("constant", "after the warmup: constant, or cosine decay to min_lr_ratio * lr at the "
+                           "last iteration (verl's optim.warmup_style)", choices=["constant", "cosine"])
+    min_lr_ratio: float = _f(0.0, "cosine's final learning rate as a share of lr (verl's optim.min_lr_ratio)",
+                             ge=0.0, le=1.0)
     ppo_mini_batch_size: Optional[int] = _f(None, "prompts per optimizer step (rows = this * rollout.n); "
                                                   "unset: data.train_batch_size (one step per iteration)", ge=1)
     ppo_micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation)", ge=1)

@@ -123,6 +123,11 @@ class LocalBackend:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def set_lr(self, lr: float) -> None:
+        """Every parameter group's learning rate (the schedule's value for this update)."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = float(lr)
+
     def reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float],
                        means: dict[str, list[float]] | None = None) -> dict[str, float]:
         """The update's metrics (one process: nothing to combine); ``means`` lists are averaged."""
@@ -518,6 +523,11 @@ class DeepSpeedBackend(DataParallel):
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def set_lr(self, lr: float) -> None:
+        """Every parameter group's learning rate (DeepSpeed has no scheduler of its own here)."""
+        for g in self.engine.optimizer.param_groups:
+            g["lr"] = float(lr)
 
     # ---------------------------------------------------------------- weights
     def gathered(self):

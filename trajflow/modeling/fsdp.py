@@ -189,6 +189,11 @@ class FSDP2Backend(DataParallel):
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def set_lr(self, lr: float) -> None:
+        """Every parameter group's learning rate (the schedule's value for this update)."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = float(lr)
+
     # ---------------------------------------------------------------- forwards outside training
     def _reshard_all(self) -> None:
         for unit in (self.root, *self.units):

@@ -138,6 +138,8 @@ class PPOActor:
             # Any draw inside the update (dropout, ...) depends on (seed, iteration) only, not on
             # whatever ran in this process before: a resumed run updates exactly as an uninterrupted one.
             torch.manual_seed(int(settings.rng_seed))
+        if settings.lr is not None:  # warmup / cosine: the rate of this iteration (trajflow.stages.lr_schedule)
+            self.backend.set_lr(settings.lr)
         old_logprobs = None  # the proximal policy's (the trainer's before this update)
         if not (self.actor.ppo_epochs == 1 and mini_rows >= n_rows):
             t_old = time.perf_counter()
