@@ -22,7 +22,7 @@ import abc
 import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, ContextManager, Mapping, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Iterable, Mapping, Sequence
 
 from trajflow.stages.rollout import SamplingParams
 
@@ -117,11 +117,15 @@ class RolloutEngine(abc.ABC):
         """
 
     # ------------------------------------------------------------ weight updates (declared above)
-    def refresh(self, gathered: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+    def refresh(self, gathered: Callable[[], ContextManager] = contextlib.nullcontext,
+                buckets: Callable[[], Iterable[Mapping[str, Any]]] | None = None) -> None:
         """:attr:`WeightSync.SHARED`: the trained module changed; re-read it (re-cast a copy held in
         another dtype) inside ``gathered()``, in which the module's parameters are whole (ZeRO-3
-        shards them; entering it is a collective, so enter it only to read them). The default does
-        nothing: the engine samples from the module itself."""
+        shards them; entering it is a collective, so enter it only to read them). Where the trained
+        module can hand its whole weights out one block at a time (FSDP2), ``buckets()`` iterates
+        them (``{name: tensor}`` each, a collective: iterate to the end) and is read instead, so the
+        whole model is never gathered at once. The default does nothing: the engine samples from the
+        module itself."""
 
     def update_weights(self, named_tensors: Mapping[str, Any], version: int | None = None) -> None:
         """:attr:`WeightSync.FULL`: load ``{name: tensor}`` (Hugging Face names, any device).
@@ -146,9 +150,11 @@ class RolloutEngine(abc.ABC):
         """Release what the engine holds in device memory (weights, KV cache, a cast copy) until
         :meth:`wake_up`; called after every generation call and before every update. Idempotent."""
 
-    def wake_up(self, gathered: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+    def wake_up(self, gathered: Callable[[], ContextManager] = contextlib.nullcontext,
+                buckets: Callable[[], Iterable[Mapping[str, Any]]] | None = None) -> None:
         """Restore what :meth:`sleep` released; called before every generation call. Idempotent.
-        ``gathered`` as in :meth:`refresh` (for an engine that restores from the trained module)."""
+        ``gathered`` and ``buckets`` as in :meth:`refresh` (for an engine that restores from the
+        trained module)."""
 
     def on_sharded_module(self, world_size: int) -> None:
         """The trained module's parameters are sharded across ``world_size`` data-parallel ranks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -96,22 +96,41 @@ class HFRolloutEngine(RolloutEngine):
         return self.model is not self.source
 
     @torch.no_grad()
-    def sync(self) -> None:
+    def sync(self, buckets: Iterable[Mapping[str, torch.Tensor]] | None = None) -> None:
         """Copy the trained module's current weights into the engine's copy, cast to its dtype
         (a no-op when the engine shares the module). Parameters and buffers are matched by name;
-        a released copy (:meth:`release`) gets new storage."""
+        a released copy (:meth:`release`) gets new storage.
+
+        Args:
+            buckets: the whole weights one part at a time (``{name: tensor}``, e.g. one transformer
+                block of FSDP2-sharded parameters gathered at a time), read in place of the module's
+                parameters; each is cast into the copy before the next is taken. Buffers (never
+                sharded) still come from the module.
+        """
         if not self.own_copy:
             return
-        src = dict(self.source.named_parameters())
-        src.update(dict(self.source.named_buffers()))
-        for name, t in _tensors(self.model):
-            if name not in src:
-                continue
-            if self._released and t.is_floating_point():
-                t.data = src[name].detach().to(self._dtype, copy=True)
-            else:
-                t.copy_(src[name])
+        mine = dict(_tensors(self.model))
+        src: dict[str, torch.Tensor] = dict(self.source.named_buffers())
+        if buckets is None:
+            src.update(dict(self.source.named_parameters()))
+        else:
+            for bucket in buckets:
+                for name in [n for n in bucket if n in mine]:
+                    self._cast_into(mine.pop(name), bucket[name])
+                del bucket  # before the next one is gathered
+        missing = [name for name in mine if name not in src and isinstance(mine[name], torch.nn.Parameter)]
+        if buckets is not None and missing:
+            raise RuntimeError(f"sync: the weight buckets lack {missing[:3]} of the engine's copy")
+        for name, t in mine.items():
+            if name in src:
+                self._cast_into(t, src[name])
         self._released = False
+
+    def _cast_into(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        if self._released and t.is_floating_point():
+            t.data = value.detach().to(self._dtype, copy=True)
+        else:
+            t.copy_(value)
 
     def release(self) -> None:
         """Free the storage of the engine's own copy of the weights (a no-op when it shares the
@@ -126,10 +145,16 @@ class HFRolloutEngine(RolloutEngine):
         self._released = True
 
     # ------------------------------------------------------------ contract
-    def refresh(self, gathered=contextlib.nullcontext) -> None:
+    def refresh(self, gathered=contextlib.nullcontext, buckets=None) -> None:
         """WeightSync.SHARED: the trained module changed; re-cast the copy (:meth:`sync`, inside
-        ``gathered()``); nothing when the module is shared."""
+        ``gathered()``, or from ``buckets()`` when given); nothing when the module is shared."""
         if self.own_copy:
+            self._sync_from(gathered, buckets)
+
+    def _sync_from(self, gathered, buckets) -> None:
+        if buckets is not None:
+            self.sync(buckets())
+        else:
             with gathered():
                 self.sync()
 
@@ -137,11 +162,11 @@ class HFRolloutEngine(RolloutEngine):
         """Free the cast copy's storage (:meth:`release`); nothing when the module is shared."""
         self.release()
 
-    def wake_up(self, gathered=contextlib.nullcontext) -> None:
-        """Re-cast a released copy from the trained module (inside ``gathered()``: whole parameters)."""
+    def wake_up(self, gathered=contextlib.nullcontext, buckets=None) -> None:
+        """Re-cast a released copy from the trained module (inside ``gathered()``: whole parameters;
+        or from ``buckets()``, as in :meth:`refresh`)."""
         if self._released:
-            with gathered():
-                self.sync()
+            self._sync_from(gathered, buckets)
 
     def on_sharded_module(self, world_size: int) -> None:
         """Sharded parameters (ZeRO-3) read in place: every decoding step gathers them, so the ranks

@@ -208,9 +208,9 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.sleep(level=1)
             self.asleep = True
 
-    def wake_up(self, gathered=None) -> None:
-        """Restore the weights and the KV cache :meth:`sleep` released (``gathered`` is not needed:
-        the engine holds its own weights)."""
+    def wake_up(self, gathered=None, buckets=None) -> None:
+        """Restore the weights and the KV cache :meth:`sleep` released (``gathered`` and ``buckets`` are not
+        needed: the engine holds its own weights)."""
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False

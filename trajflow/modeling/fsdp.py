@@ -19,14 +19,15 @@ moments and its RNG states with :func:`trajflow.state_files.save_state` (safeten
 rank 0 a JSON record of the mesh and every parameter's global shape; ``torch.distributed.checkpoint``
 (whose metadata file is a pickle) is not used.
 
-The critic (``critic.strategy=fsdp2``) uses the same backend with its value model as the root unit.
+The critic (``critic.strategy=fsdp2``) uses the same backend with its value model as the root unit;
+the reference policy (``reference.strategy=fsdp2``, as verl's ``ref`` role) shards its frozen model
+the same way, without an optimizer (``train=False``), and only runs forwards inside :meth:`FSDP2Backend.inference`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -34,14 +35,13 @@ import torch
 
 from trajflow.config import ActorConfig
 from trajflow.modeling.backends import DataParallel, PackedLogProbs, adamw, join_process_group
+from trajflow.modeling.buckets import by_block
 from trajflow.modeling.packing import pack
 from trajflow.modeling.precision import autocast, section_dtype
 from trajflow.state_files import load_state, rng_state, save_state, set_rng_state
 
 FORMAT = "fsdp2"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: The part of a parameter name that says which transformer block it belongs to (one bucket each).
-_BLOCK = re.compile(r"^(.*?\.layers\.\d+)\.")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def device_mesh(device: str, world_size: int, fsdp_size: int = -1):
@@ -118,10 +118,12 @@ class FSDP2Backend(DataParallel):
             :class:`~trajflow.modeling.backends.PackedLogProbs` around it); False: ``model`` itself is
             the root and ``forward`` calls it (the critic's value model).
         state_name: stem of rank 0's checkpoint record (``actor_state``, ``critic_state``).
+        train: build the optimizer; False for a frozen model (the reference policy: ``actor`` then
+            needs only ``fsdp`` and ``mixed_precision``), which has no update, step or checkpoint.
     """
 
     def __init__(self, model: torch.nn.Module, actor: ActorConfig, device: str, rank: int,
-                 world_size: int, policy: bool = True, state_name: str = "actor_state") -> None:
+                 world_size: int, policy: bool = True, state_name: str = "actor_state", train: bool = True) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         from trajflow.infra.devices import collective_backend
@@ -148,7 +150,7 @@ class FSDP2Backend(DataParallel):
         # LoRA: the frozen base is reloaded from model.path; a checkpoint holds the adapters only.
         self.frozen_base = len(self.trainable) < sum(1 for _ in model.parameters())
         self.optimizer = adamw(self.trainable, actor.lr, getattr(actor, "betas", (0.9, 0.999)),
-                               float(getattr(actor, "weight_decay", 0.0)), device)
+                               float(getattr(actor, "weight_decay", 0.0)), device) if train else None
         self._inference_depth = 0
         # FSDP2 takes the first module to run a forward as its root: run one through the wrapper now,
         # before any generation or log-prob forward calls the blocks directly.
@@ -226,32 +228,37 @@ class FSDP2Backend(DataParallel):
             self._reshard_all()
 
     # ---------------------------------------------------------------- weights out
-    def state_buckets(self, all_ranks: bool = False) -> Iterator[dict[str, torch.Tensor] | None]:
-        """The full weights, one transformer block (bucket) at a time, as CPU tensors under the
-        model's own names; a collective (every rank must iterate to the end).
-
-        Each tensor is gathered on its own (``full_tensor()``); a bucket is yielded as soon as the
-        next block begins, so no rank holds more than one block's full weights at a time.
+    def state_buckets(self, all_ranks: bool = False, cpu: bool = True) -> Iterator[dict[str, torch.Tensor] | None]:
+        """The full weights, one transformer block (bucket) at a time, under the model's own names
+        (peft's under LoRA: base weights and adapters apart); a collective (every rank must iterate to
+        the end). :func:`trajflow.modeling.buckets.by_block` says why no rank then holds more than one
+        block's full weights: each tensor is gathered on its own (``full_tensor()``) when its entry is
+        reached.
 
         Args:
             all_ranks: every rank gets the buckets (an engine per rank); else rank 0 gets them and
                 the other ranks ``None`` per bucket.
+            cpu: hand the tensors over on the CPU (to send them elsewhere); False keeps them on the
+                device (a copy on this rank's device is cast from them).
         """
         keep = all_ranks or self.rank == 0
-        bucket: dict[str, torch.Tensor] = {}
-        current = None
-        for name, t in self.model.state_dict().items():
-            m = _BLOCK.match(name)
-            block = m.group(1) if m else None
-            if bucket and block != current:
-                yield bucket if keep else None
-                bucket = {}
-            current = block
-            full = _full(t.detach())
-            if keep:
-                bucket[name] = full.cpu()
-        if bucket or current is not None:
-            yield bucket if keep else None
+
+        def produce(t: torch.Tensor):
+            @torch.no_grad()
+            def gather():
+                full = _full(t.detach())
+                return (full.cpu() if cpu else full) if keep else None
+            return gather
+
+        yield from by_block(((name, produce(t)) for name, t in self.model.state_dict().items()), keep)
+
+    def merged_buckets(self, all_ranks: bool = False) -> Iterator[dict[str, torch.Tensor] | None]:
+        """Under LoRA: the merged weights ``W + s B A`` under the base model's names, one transformer
+        block at a time (:func:`trajflow.modeling.lora.merged_buckets`), as CPU tensors on rank 0 (every
+        rank with ``all_ranks``), ``None`` per bucket elsewhere; a collective."""
+        from trajflow.modeling import lora
+
+        yield from lora.merged_buckets(self.model, keep=all_ranks or self.rank == 0)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on CPU on rank 0 (``None`` elsewhere); a collective, gathered

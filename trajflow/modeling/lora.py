@@ -17,8 +17,9 @@ What this module adds on top of peft:
 - :func:`apply_lora`: the ``model.lora_*`` config keys (verl's names) as a ``LoraConfig``;
 - :func:`adapter_state` / :func:`load_adapter_state`: the trainable tensors only (what a
   checkpoint stores: megabytes instead of the whole model);
-- :func:`merged_state_dict`: ``W + s B A`` under the base model's own parameter names,
-  without touching the live module (weight sync to engines that load plain Hugging Face weights);
+- :func:`merged_state_dict` / :func:`merged_buckets`: ``W + s B A`` under the base model's own parameter
+  names, without touching the live module (weight sync to engines that load plain Hugging Face
+  weights; one transformer block at a time from sharded parameters);
 - :func:`save_final`: ``final/`` as a plain merged Hugging Face directory plus ``final/adapter/`` in
   peft's format.
 
@@ -43,7 +44,7 @@ import contextlib
 import copy
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -186,50 +187,79 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
 def merged_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """The merged weights ``W + s B A`` (``s``: :func:`adapter_scaling`) under the base model's parameter names, the live
     module left as it is (adapters unmerged): what ``merge_and_unload().state_dict()`` would give,
-    computed with the same addition peft's merge does. Tensors in the model's dtype and device.
-
-    Under ZeRO-3 (a collective: every rank must call it) each tensor is gathered on its own, one
-    LoRA layer's adapters at a time, and returned as a CPU copy, so no rank ever holds more than
-    one full layer beyond the result. Under FSDP2 each tensor is gathered alone (``full_tensor()``)
-    and the delta is peft's formula (``get_delta_weight`` of a ``Linear``: ``B @ A * scaling``) on
-    the gathered adapters.
+    computed with the same addition peft's merge does. Tensors in the model's dtype and device
+    (CPU copies when the parameters are sharded). The union of :func:`merged_buckets`, which see.
 
     Args:
         keep: whether to return the tensors; ranks that only take part in the gathering pass
             False and get ``{}`` (no rank but the writer holds the whole model).
     """
+    out: dict[str, torch.Tensor] = {}
+    for bucket in merged_buckets(model, keep=keep):
+        out.update(bucket or {})
+    return out
+
+
+def merged_buckets(model: torch.nn.Module, keep: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+    """:func:`merged_state_dict` one transformer block at a time (:func:`trajflow.modeling.buckets.by_block`):
+    each weight is merged when it is reached, so with sharded parameters no rank holds more than
+    one block's merged weights (and that layer's adapters) at once.
+
+    Under ZeRO-3 (a collective: every rank must iterate to the end) each tensor is gathered on its
+    own (``GatheredParameters``), one LoRA layer's adapters at a time, and handed out as a CPU copy.
+    Under FSDP2 each tensor is gathered alone (``full_tensor()``) and the delta is peft's formula
+    (``get_delta_weight`` of a ``Linear``: ``B @ A * scaling``) on the gathered adapters.
+
+    Args:
+        keep: whether to hand out the tensors; a rank that only takes part in the gathering passes
+            False and gets None per bucket (as many as the others).
+
+    Yields:
+        ``{base-model name: merged tensor}`` per block (None when not ``keep``).
+    """
     from peft.tuners.lora import LoraLayer
     from torch.distributed.tensor import DTensor
 
+    from trajflow.modeling.buckets import by_block
+
     base = model.get_base_model()
     sharded = parameters_sharded(model)
-    deltas = {}
-    for name, mod in base.named_modules():
-        if isinstance(mod, LoraLayer):
-            lora_params = [p for n, p in mod.named_parameters() if ".lora_" in f".{n}"]
-            if any(isinstance(p, DTensor) for p in lora_params):
-                a, b = _full(mod.lora_A[ADAPTER].weight), _full(mod.lora_B[ADAPTER].weight)
-                delta = (b @ a).transpose(0, 1) if mod.fan_in_fan_out else b @ a
-                delta = delta * mod.scaling[ADAPTER]
+    modules = dict(base.named_modules())
+
+    def produce(k: str, v: torch.Tensor):
+        @torch.no_grad()
+        def merged():
+            if isinstance(v, DTensor):
+                w = v.detach().full_tensor().cpu()  # a new tensor already: no copy needed
+            elif sharded:
+                with _gathered([v]):
+                    w = v.detach().cpu().clone()
             else:
-                with _gathered(lora_params):
-                    delta = mod.get_delta_weight(ADAPTER)
-            if keep:
-                deltas[f"{name}.weight"] = delta.cpu().clone() if sharded else delta
-    out = {}
-    for k, v in base.state_dict(keep_vars=True).items():
-        if ".lora_" in k:
-            continue
-        if sharded:
-            with _gathered([v]):
-                v = _full(v.detach()).cpu().clone()
-        else:
-            v = v.detach()
-        if not keep:
-            continue
-        name = k.replace(".base_layer.", ".")
-        out[name] = v + deltas[name] if name in deltas else v
-    return out
+                w = v.detach()
+            mod = modules.get(k[:-len(".base_layer.weight")]) if k.endswith(".base_layer.weight") else None
+            if isinstance(mod, LoraLayer):
+                delta = _delta(mod)
+                # In place on a gathered copy (one tensor less at a time); the live weight stays as it is.
+                w = w.add_(delta.cpu()) if sharded else w + delta
+            return w if keep else None
+        return merged
+
+    yield from by_block(((k.replace(".base_layer.", "."), produce(k, v))
+                         for k, v in base.state_dict(keep_vars=True).items() if ".lora_" not in k), keep)
+
+
+def _delta(mod: torch.nn.Module) -> torch.Tensor:
+    """``s B A`` of one LoRA layer (transposed for ``fan_in_fan_out``), its adapters gathered first
+    when sharded (a collective then)."""
+    from torch.distributed.tensor import DTensor
+
+    lora_params = [p for n, p in mod.named_parameters() if ".lora_" in f".{n}"]
+    if any(isinstance(p, DTensor) for p in lora_params):
+        a, b = _full(mod.lora_A[ADAPTER].weight), _full(mod.lora_B[ADAPTER].weight)
+        delta = (b @ a).transpose(0, 1) if mod.fan_in_fan_out else b @ a
+        return delta.mul_(mod.scaling[ADAPTER])
+    with _gathered(lora_params):
+        return mod.get_delta_weight(ADAPTER)  # computed from the gathered adapters: a new tensor
 
 
 def reference_mode(model: torch.nn.Module):

@@ -165,14 +165,22 @@ class PolicyWorker(Worker):
 
     def _wake_engine(self) -> None:
         """Before generating: restore what the engine released (a cast copy is cast again from the
-        module, whose parameters the backend gathers under ZeRO-3)."""
-        self.engine.wake_up(self.backend.gathered)
+        module, whose parameters the backend gathers under ZeRO-3, or block by block under FSDP2)."""
+        self.engine.wake_up(self.backend.gathered, **self._cast_buckets())
+
+    def _cast_buckets(self) -> dict:
+        """FSDP2: ``{"buckets": ...}``, the full weights one block at a time on this rank's device, every
+        rank getting them (:meth:`~trajflow.modeling.fsdp.FSDP2Backend.state_buckets`), from which an
+        engine casts its copy without the whole model ever being gathered; ``{}`` for the other
+        backends (``gathered`` serves them, and engines written before ``buckets`` keep working)."""
+        buckets = getattr(self.backend, "state_buckets", None)
+        return {} if buckets is None else {"buckets": lambda: buckets(all_ranks=True, cpu=False)}
 
     def _push_weights(self) -> None:
         """Bring the engine to the current weights, the way chosen for it (:attr:`weight_sync`)."""
         mode = self.weight_sync
         if mode is WeightSync.SHARED:  # the trained module itself; a copy in rollout.dtype is cast again
-            self.engine.refresh(self.backend.gathered)
+            self.engine.refresh(self.backend.gathered, **self._cast_buckets())
         elif mode is WeightSync.ADAPTER:  # vLLM serves the frozen base plus the adapter: only it travels
             self.engine.update_adapter(lora.adapter_state(self.model), self.model.peft_config[lora.ADAPTER],
                                        self.policy_version)
@@ -180,13 +188,17 @@ class PolicyWorker(Worker):
             with tempfile.TemporaryDirectory(prefix="trajflow-weights-") as d:
                 self.export_hf(d)  # merged under LoRA; under DeepSpeed rank 0 writes, all ranks gather
                 self.engine.load_weights_from_path(d, self.policy_version)
-        elif getattr(self.backend, "state_buckets", None) is not None and not self.lora:
-            # FSDP2: the weights leave one block at a time, gathered from the shards (rank 0 sends to
-            # separate rollout workers; an engine per rank loads on every rank).
+        elif getattr(self.backend, "state_buckets", None) is not None:
+            # FSDP2: the weights leave one block at a time, gathered from the shards (merged under
+            # LoRA); rank 0 sends to separate rollout workers, an engine per rank loads on every rank.
             to_all = not self.engine.weights_from_rank0
-            for bucket in self.backend.state_buckets(all_ranks=to_all):
-                if bucket is not None:
+            # An engine per rank (vLLM on this rank's GPU) takes the buckets where they were gathered.
+            buckets = self.backend.merged_buckets(all_ranks=to_all) if self.lora else \
+                self.backend.state_buckets(all_ranks=to_all, cpu=not to_all)
+            for bucket in buckets:
+                if bucket is not None:  # None: this rank only takes part in the gathering
                     self.engine.update_weights(bucket, version=self.policy_version)
+                del bucket  # before the next block is gathered
         elif self.engine.weights_from_rank0:
             # Separate rollout workers: rank 0 sends one full copy (merged under LoRA), tagged with its
             # policy version (recorded by every row the engines generate).
