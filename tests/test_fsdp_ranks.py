@@ -265,3 +265,34 @@ def test_critic_two_ranks_equal_one_process_and_resume(ray_local, tiny_model_dir
         assert_close(fresh.execute("get_weights"), w2)
     finally:
         fresh.kill()
+
+
+def test_reference_sharded_on_two_ranks_equals_one_process(ray_local, tiny_model_dir):
+    """reference.strategy=fsdp2 (verl's ref on FSDP), with its parameters offloaded to host memory
+    (verl's ``ref.fsdp_config.param_offload``): each of 2 ranks keeps half of the frozen model and the
+    group serves the one-process reference worker's log-probs. A forward of the same full weights on
+    other micro-batches: they agree to float32 rounding (1e-5; a wrong shard, row order or position
+    shifts them by ~1e-1). The bf16 MixedPrecisionPolicy path is the actor's, tested above."""
+    from trajflow.config.schema import FSDPConfig
+    from trajflow.workers.reference import ReferenceWorker
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(10, 2000, size=int(n)).tolist() for n in rng.integers(3, 14, size=7)]
+    resps = [rng.integers(10, 2000, size=int(n)).tolist() for n in rng.integers(1, 10, size=7)]
+    one = ReferenceWorker(str(tiny_model_dir), MODEL, ROLLOUT, num_threads=1)
+    want = one.compute_ref_log_prob(prompts, resps)
+    whole = sum(p.numel() for p in one.model.parameters())
+    group = WorkerGroup.spawn(ReferenceWorker, (str(tiny_model_dir), MODEL, ROLLOUT, "cpu", 1, None, "fsdp2",
+                                                FSDPConfig(offload_params=True)),
+                              [{"num_cpus": 0}] * 2, "reference", lockstep=True)
+    try:
+        group.init_distributed()
+        held = group.execute("held_elements")
+        got = group.execute("compute_ref_log_prob", prompts, resps)  # 7 rows: ranks get 4 and 3 (+1 padding row)
+    finally:
+        group.kill()
+    assert sum(held) == whole and max(held) <= whole // 2 + 4096, (held, whole)  # dim-0 shards: ~half each
+    assert [len(g) for g in got] == [len(r) for r in resps]
+    worst = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(got, want))
+    print(f"\nreference fsdp2 fp32: max |log-prob - one process| = {worst:.3g}")
+    assert worst <= 1e-5, worst

@@ -354,6 +354,10 @@ class ReferenceConfig:
 
     path: Optional[str] = _f(None, "reference model (default: model.path)")
     pool: Optional[str] = _f(None, "resource pool of the reference workers (null = the actor's pool)")
+    strategy: str = _f("none", "how each reference worker holds the model: none (a whole copy per worker) or fsdp2 "
+                       "(torch fully_shard over one rank per slot of the reference's pool; reference.fsdp)",
+                       choices=["none", "fsdp2"])
+    fsdp: FSDPConfig = _section(FSDPConfig)
     mixed_precision: MixedPrecisionConfig = _section(MixedPrecisionConfig)
 
 

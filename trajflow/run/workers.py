@@ -84,7 +84,8 @@ def finish_policy_worker(ctx: RunContext) -> None:
 
 def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
     """Start the frozen reference policy (for KL terms) as a worker group (``ctx.reference``): one
-    rank per slot of its pool (one actor with ``num_cpus=0`` when no pools are declared)."""
+    rank per slot of its pool (one actor with ``num_cpus=0`` when no pools are declared); with
+    ``reference.strategy=fsdp2`` the ranks shard the model (FSDP2) and join their own process group."""
     import ray
 
     from trajflow.workers.group import WorkerGroup
@@ -97,12 +98,18 @@ def create_reference_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
 
         ref_path = str(resolve_model_path(ref_path, cfg.model.cache_dir))
     place = placement(ctx)
+    sharded = cfg.reference.strategy == "fsdp2"
     ctx.reference = WorkerGroup.spawn(
         ReferenceWorker, (ref_path or ctx.model_path, OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.rollout),
                           cfg.trainer.device, int(cfg.trainer.num_threads),
-                          OmegaConf.to_object(cfg.reference.mixed_precision)),
-        [place.actor_options("reference", r) for r in range(place.world_size("reference"))], "reference")
-    if wait_loaded:
+                          OmegaConf.to_object(cfg.reference.mixed_precision), str(cfg.reference.strategy),
+                          OmegaConf.to_object(cfg.reference.fsdp)),
+        [place.actor_options("reference", r) for r in range(place.world_size("reference"))], "reference",
+        # Sharded parameters: every forward is a collective, so ranks get equally many rows.
+        lockstep=sharded)
+    if sharded:  # the process group forms once every rank has loaded
+        ctx.reference.init_distributed()
+    elif wait_loaded:
         ray.get([h.pid.remote() for h in ctx.reference.handles])
 
 
