@@ -30,6 +30,14 @@ step  command (``TRAJFLOW_FAULT``)                             dies
 
 and then compares every stored Parquet file and the final weights with an uninterrupted run of the
 same config and seed (``ref``).
+
+The same holds on FSDP2 (``actor.strategy=fsdp2`` on 2 gloo ranks, its sharded safetensors
+checkpoints, the reference policy sharded too): one run is killed while its ranks write checkpoint 2
+(the richest point: an update's sharded state half-saved, the previous checkpoint to load), resumed,
+and compared with an uninterrupted FSDP2 run. Both run in a fixture of their own (``fsdp_scenarios``,
+~2 CLI runs of wall time), so ``-k fsdp2`` runs them alone; all three CLI runs join the test
+session's Ray (what a killed driver leaves behind is the kill chain's test, above; a local cluster
+started per run is what an overloaded machine fails to start in time).
 """
 
 from __future__ import annotations
@@ -312,6 +320,46 @@ def scenarios(lab, ray_local):
     return results
 
 
+#: FSDP2 on 2 gloo ranks with a KL term (a reference worker group, sharded as well); each rank
+#: reserves half a CPU so that both fit the test session's Ray next to nothing else.
+FSDP2 = {"actor.strategy": "fsdp2", "actor.world_size": 2, "resources.actor_num_cpus": 0.5,
+         "actor.kl_loss_coef": 0.1, "reference.strategy": "fsdp2", "trainer.total_iterations": 2}
+
+
+def scenario_fsdp2_ref(lab: Lab) -> dict:
+    store = lab.store("fsdp2-ref")
+    return {"store": store, "train": lab.cli("f-ref", "train", *lab.overrides(store, **FSDP2), "--run-id", "f")}
+
+
+def scenario_fsdp2_chain(lab: Lab) -> dict:
+    """Killed while writing checkpoint 2 (both ranks' shards of it written, not yet complete), then resumed."""
+    store = lab.store("fsdp2-chain")
+    out: dict = {"store": store}
+    out["killed"] = lab.cli("f-k1", "train", *lab.overrides(store, **FSDP2), "--run-id", "f", fault="checkpoint:2")
+    out["tmp_after_kill"] = sorted(p.name for p in (store / "f" / "checkpoints").iterdir())
+    out["resumed"] = lab.cli("f-k2", "resume", "f", f"store.root={store}", lab.named_reward(),
+                             f"resources.ray_address={lab.ray_address}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_scenarios(lab, ray_local):
+    lab.ray_address = ray_local.get_runtime_context().gcs_address
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        futures = {"ref": pool.submit(scenario_fsdp2_ref, lab), "chain": pool.submit(scenario_fsdp2_chain, lab)}
+        results: dict = {}
+        for name, f in futures.items():
+            try:
+                results[name] = f.result()
+            except Exception as e:  # reported by the test
+                results[name] = e
+    print(f"\nfsdp2 scenarios: {time.perf_counter() - t0:.0f} s wall; steps: "
+          + ", ".join(f"{s.name} {s.seconds:.0f}s" for r in results.values() if isinstance(r, dict)
+                      for s in r.values() if isinstance(s, Step)))
+    return results
+
+
 def get(scenarios, name: str) -> dict:
     r = scenarios[name]
     if isinstance(r, Exception):
@@ -377,6 +425,34 @@ def test_sigkill_at_each_point_then_resume_is_bit_identical(scenarios):
     rows = query_audit(chain["store"], "k", limit=1000)
     assert rows.num_rows == 12 and len(set(rows.column("sample_id").to_pylist())) == 12
     _assert_mlflow_history_is_the_uninterrupted_runs(chain["store"], run, ref["store"], ref_run)
+
+
+def test_fsdp2_sigkill_while_checkpointing_then_resume_is_bit_identical(fsdp_scenarios):
+    ref = get(fsdp_scenarios, "ref")
+    chain = get(fsdp_scenarios, "chain")
+    ok(ref["train"])
+    killed = chain["killed"]
+    assert killed.rc == -signal.SIGKILL, f"{killed.name} exited {killed.rc}:\n{killed.stderr[-3000:]}"
+    assert "SIGKILL at checkpoint:2" in killed.stderr
+    # Both ranks had written their shards of checkpoint 2 into its temp folder when the driver died.
+    assert chain["tmp_after_kill"] == [".tmp-000002", "000001"]
+    resumed = ok(chain["resumed"])
+    assert "resuming run f from checkpoint 000001: iterations 2..2" in resumed.stdout
+    run, ref_run = chain["store"] / "f", ref["store"] / "f"
+    shards = sorted(p.name for p in (run / "checkpoints" / "000002" / "actor").iterdir())
+    assert "fsdp_rank00000.safetensors" in shards and "fsdp_rank00001.safetensors" in shards, shards
+    # The rollouts, rewards, advantages and final weights equal the uninterrupted FSDP2 run's, bit for bit.
+    assert stage_hashes(run, (1, 2)) == stage_hashes(ref_run, (1, 2))
+    assert_same_weights(run / "final" / "model.safetensors", ref_run / "final" / "model.safetensors")
+    # The updates' metrics (KL to the sharded reference included) are the uninterrupted run's too.
+    for it in (1, 2):
+        got = json.loads((run / "iterations" / f"{it:06d}" / "update.json").read_text())
+        want = json.loads((ref_run / "iterations" / f"{it:06d}" / "update.json").read_text())
+        keys = [k for k in want if k.startswith("actor/")]
+        assert "actor/kl_loss" in keys and {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    sessions = json.loads((run / "run.json").read_text())["sessions"]
+    assert [s["resumed_from_checkpoint"] for s in sessions] == [None, 1]
+    assert sessions[-1]["trained_iterations"] == [2] and sessions[-1]["status"] == "FINISHED"
 
 
 def _assert_mlflow_history_is_the_uninterrupted_runs(store: Path, run: Path, ref_store: Path, ref_run: Path) -> None:

@@ -232,6 +232,12 @@ def verify_checkpoint(store: RunStore, iteration: int) -> str | None:
     return _check_contents(d, state, sorted(listed))
 
 
+#: A checkpoint's policy weights: one process (whole model, or the LoRA adapter alone), or rank 0's
+#: shards of an FSDP2 checkpoint (:meth:`trajflow.modeling.fsdp.FSDP2Backend.save`); a DeepSpeed
+#: checkpoint keeps them under ``actor/deepspeed/``.
+POLICY_WEIGHTS = ("actor/model.safetensors", "actor/adapter.safetensors", "actor/fsdp_rank00000.safetensors")
+
+
 def _check_contents(d: Path, state: dict, files: list[str]) -> str | None:
     """Why the files of checkpoint folder ``d`` cannot be what trajflow wrote, or None: the policy's
     weights and state are there, every safetensors header and JSON file parses, the trainer
@@ -240,8 +246,9 @@ def _check_contents(d: Path, state: dict, files: list[str]) -> str | None:
 
     if not isinstance(state.get("policy_version"), int) or isinstance(state.get("policy_version"), bool):
         return f"{d / STATE_FILE}: policy_version={state.get('policy_version')!r} is not an integer"
-    if not any(f in files for f in ("actor/model.safetensors", "actor/adapter.safetensors")):
-        return f"{d / 'actor'} holds no policy weights (model.safetensors or adapter.safetensors)"
+    if not any(f in files for f in POLICY_WEIGHTS) and not any(f.startswith("actor/deepspeed/") for f in files):
+        return (f"{d / 'actor'} holds no policy weights (model.safetensors, adapter.safetensors, FSDP2's "
+                f"fsdp_rank00000.safetensors or DeepSpeed's deepspeed/)")
     for rel in files:
         path = d / rel
         try:
