@@ -212,12 +212,19 @@ def evaluate(run_id: str = typer.Argument(..., help="the run whose checkpoint is
         from trajflow.infra.prefect_server import start_temporary_server
 
         # Bad input (stored code not consented to, a checkpoint that does not verify) before Prefect and Ray.
-        prepare_evaluation(_store_root(store), run_id, checkpoint, overrides=list(overrides or []), quiet=True)
+        found, step, cfg = prepare_evaluation(_store_root(store), run_id, checkpoint, overrides=list(overrides or []),
+                                              quiet=True)
+        typer.echo(f"evaluating run {found.run_id} checkpoint {step} on its held-out prompts (data.val_max_prompts="
+                   f"{cfg.data.val_max_prompts}, rollout.val_n={cfg.rollout.val_n}): starting Prefect, Ray and the "
+                   f"policy worker")
         start_temporary_server()
         return evaluate_flow(run_id=run_id, checkpoint=checkpoint, store_root=_store_root(store),
                              overrides=list(overrides or []))
 
     result = _run(go)
+    from trajflow.run.progress import step_line
+
+    typer.echo(step_line(result["checkpoint"], result["metrics"]))  # train's step:N line, verl's names
     for k, v in sorted(result["metrics"].items()):
         if k.startswith("val-"):
             typer.echo(f"{k}: {v:.4f}")
