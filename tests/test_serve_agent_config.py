@@ -48,3 +48,29 @@ def test_a_stored_agent_is_not_imported_unless_named_again(tmp_path, monkeypatch
     assert not marker.exists()
     kept = resume_config("r1", [f"store.root={root}", "rollout.agent=examples.agents.calculator_agent:agent"])
     assert kept.rollout.agent == "examples.agents.calculator_agent:agent" and not marker.exists()
+
+
+def test_the_example_agent_feeds_the_built_in_environments_prompt(tiny_model_dir):
+    """The example agent's first request renders to exactly the prompt ids of the built-in
+    tool_calculator environment (same instructions, worked episode and tools block), so the two can be
+    compared as rollouts of one task."""
+    from transformers import AutoTokenizer
+
+    from examples.agents import calculator_agent as ex
+    from trajflow.envs.base import EnvContext
+    from trajflow.envs.render import ChatRenderer
+    from trajflow.envs.tool_calculator import ToolCalculatorEnv
+    from trajflow.envs.tools import BUILTIN_TOOLS
+    from trajflow.serve.chat import template_messages
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    row = {"messages": [{"role": "system", "content": "Think briefly."},
+                        {"role": "user", "content": "Calculate 1234 + 5678 - 90 + 12."}]}
+    env = ToolCalculatorEnv(EnvContext([], None))
+    builtin = ChatRenderer(tok, [BUILTIN_TOOLS["calculator"].schema()], [tok.eos_token_id]).prompt_ids(env.reset(row))
+    messages = list(row["messages"])
+    messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + ex.SYSTEM}
+    messages[1:1] = ex.EXAMPLE
+    served = ChatRenderer(tok, ex.TOOLS, [tok.eos_token_id]).prompt_ids(template_messages(messages))
+    assert served == builtin
+    assert ex.calculate("4021 - 387 + 1290 - 56") == "4868" and ex.calculate("__import__('os')").startswith("Error")

@@ -18,7 +18,7 @@ TOOLS = [{"type": "function", "function": {
                                          "parentheses.",
     "parameters": {"type": "object", "properties": {"expression": {
         "type": "string", "description": "the expression, e.g. \"(1234 * 5678) - 90\""}},
-        "required": ["expression"]}}}]
+        "required": ["expression"], "additionalProperties": False}}}]
 SYSTEM = ("You have a calculator tool. To use it, write exactly\n"
           '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}</tool_call>\n'
           "and stop; the result comes back in the next message. When you know the result, end your reply "
