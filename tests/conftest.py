@@ -67,6 +67,7 @@ def tiny_overrides(model_dir: Path, store_root: Path, **extra) -> list[str]:
         "trainer.total_iterations": 2,
         "trainer.test_freq": 1,
         "trainer.save_freq": 1,
+        "trainer.max_checkpoints": 2,  # the tests were written against this rotation (the default keeps 1)
         "trainer.progress": False,
         "trainer.log_samples": 2,
         "gates.enabled": False,

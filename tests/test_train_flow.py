@@ -22,7 +22,8 @@ def run(tiny_model_dir, ray_local, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("store")
     summary = train(None, tiny_overrides(tiny_model_dir, root, **{"gates.enabled": True,
-                                                                  "tracking.system_metrics_interval_s": 0.5}))
+                                                                  "tracking.system_metrics_interval_s": 0.5,
+                                                                  "tracking.model_copy": True}))
     return summary, root
 
 
@@ -131,9 +132,12 @@ def test_mlflow_record_has_model_system_metrics_datasets_links_and_validation_sa
     rows = {[t.value for t in i.tags if t.key == "mlflow.data.context"][0]: json.loads(i.dataset.profile)["num_rows"]
             for i in mlrun.inputs.dataset_inputs}
     assert rows == {"training": len(data.train), "validation": len(data.validation)}
-    # The final model: a transformers-flavour MLflow model with the weights of final/.
-    local = client.download_artifacts(mlrun.info.run_id, "model", str(root / "model-dl"))
-    loaded = mlflow.transformers.load_model(local, return_type="components")
+    # The final model: the run's LoggedModel, READY, copied (tracking.model_copy) as a transformers-flavour
+    # MLflow model with the weights of final/, linked to the run's metrics.
+    model = client.get_logged_model(tags["trajflow.model_id"])
+    assert str(model.status) == "READY" and model.source_run_id == mlrun.info.run_id
+    assert "critic/score/mean" in {m.key for m in model.metrics}
+    loaded = mlflow.transformers.load_model(model.artifact_location, return_type="components")
     final = load_file(str(Path(summary["run_dir"]) / "final" / "model.safetensors"))
     state = loaded["model"].state_dict()
     assert all(torch.equal(state[k], v) for k, v in final.items())
