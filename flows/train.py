@@ -21,6 +21,7 @@ from trajflow.flows.iteration import close_iteration, learn  # noqa: E402
 from trajflow.flows.reporting import quiet_expected_errors, rename_flow_run  # noqa: E402
 from trajflow import run  # noqa: E402
 from trajflow.run.schedule import RolloutSchedule  # noqa: E402
+from trajflow.run.start import prepare_resume, prepare_train  # noqa: E402
 from trajflow.config import DEFAULT_RECIPE, load_config  # noqa: E402
 from trajflow.infra.prefect_server import start_temporary_server  # noqa: E402
 from trajflow.store import RunStore, run_lock  # noqa: E402
@@ -67,23 +68,19 @@ def train(recipe: str | None = None, overrides: Sequence[str] = (), run_id: str 
     Raises:
         ConfigError, DataError, ModelLoadError, RunExistsError: bad input, before anything is written.
     """
-    cfg = load_config(recipe, overrides)
-    run.preflight(cfg)
-    run_id, resume = run.choose_run_id(cfg, run_id)
-    return _train_unless_done(cfg, run_id, resume)
+    return run_training(*prepare_train(recipe, overrides, run_id))
 
 
-def _train_unless_done(cfg, run_id: str, resume: bool) -> dict:
-    """Run :func:`train_flow` holding the run's lock (:func:`trajflow.store.run_lock`), except for a
-    resumed run with nothing left to do (its summary, with ``nothing_to_do=True``, without starting Ray).
+def run_training(cfg, run_id: str, resume: bool) -> dict:
+    """Run :func:`train_flow` for a config :func:`~trajflow.run.start.prepare_train` or
+    :func:`~trajflow.run.start.prepare_resume` checked, holding the run's lock
+    (:func:`trajflow.store.run_lock`), except for a resumed run with nothing left to do (its summary,
+    with ``nothing_to_do=True``, without starting Ray).
 
     Raises:
         StoreError: another driver holds the run (the message names its pid, host and start).
     """
     store = RunStore(cfg.store.root, run_id)
-    if resume:
-        run.check_resumable(store)
-        run.check_custom_function(cfg, store.read_run_meta(), f"run {run_id!r}")
     # Taken before Prefect starts, held until the flow returns: a second driver of the same run
     # would otherwise train the same iteration and clean up the first one's temp files.
     with run_lock(store):
@@ -114,11 +111,9 @@ def train_recipe(recipe: str = DEFAULT_RECIPE, overrides: Optional[list[str]] = 
     Raises:
         ConfigError, DataError, ModelLoadError, RunExistsError: bad input, before anything is written.
     """
-    cfg = load_config(recipe, list(overrides or []))
-    run.preflight(cfg)
-    run_id, resume = run.choose_run_id(cfg, run_id)
+    cfg, run_id, resume = prepare_train(recipe, list(overrides or []), run_id)
     rename_flow_run(f"train-recipe-{run_id}")
-    return _train_unless_done(cfg, run_id, resume)
+    return run_training(cfg, run_id, resume)
 
 
 def resume(run_id: str, overrides: Sequence[str] = ()) -> dict:
@@ -133,6 +128,5 @@ def resume(run_id: str, overrides: Sequence[str] = ()) -> dict:
         trajflow.config.ConfigError: a bad override.
         trajflow.prompts.DataError, trajflow.models.ModelLoadError: the dataset or model is gone or bad.
     """
-    cfg = run.resume_config(run_id, overrides)
-    run.preflight(cfg)
-    return _train_unless_done(cfg, run_id, True)
+    cfg, done = prepare_resume(run_id, overrides)
+    return done if done is not None else run_training(cfg, run_id, True)

@@ -110,6 +110,7 @@ def test_installed_wheel_checks_a_config_and_trains_from_another_folder(venv, tm
     out = _run(venv, tmp_path, "trajflow", "config", "--check", "-c", "smoke", f"model.path={tiny_model_dir}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "recipe: smoke" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].startswith("ok: ")  # the answer comes last
     out = _run(venv, tmp_path, "trajflow", "train", "-c", "smoke", f"model.path={tiny_model_dir}",
                "trainer.total_iterations=1", "trainer.test_freq=0", "rollout.max_new_tokens=4",
                "trainer.progress=false", "--run-id", "wheel-smoke", timeout=600)

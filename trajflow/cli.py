@@ -85,11 +85,12 @@ def _with_store(overrides: Optional[List[str]], store: Optional[str]) -> list[st
     return out
 
 
-def _console(verbose: bool) -> None:
-    """Route library logs to the run's log file (on the console too with ``-v``), before any flow starts."""
+def _console(verbose: bool, prefect: bool = True) -> None:
+    """Route library logs to the run's log file (on the console too with ``-v``), before any flow starts;
+    ``prefect=False`` for the checks before a flow, which must not import Prefect (call again before it)."""
     from trajflow.infra.logs import configure_driver
 
-    configure_driver(verbose or _GLOBAL["verbose"])
+    configure_driver(verbose or _GLOBAL["verbose"], prefect=prefect)
 
 
 def _run(fn, *args, **kwargs):
@@ -119,10 +120,15 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help="config ove
     """
 
     def go():
-        _console(verbose)
-        from trajflow.flows.train import train as train_entry  # checks config, data and model before Prefect/Ray start
+        _console(verbose, prefect=False)
+        # Config, data, model and run id are checked before the flow's module (Prefect, Ray, torch) is imported.
+        from trajflow.run.start import prepare_train
 
-        return train_entry(config, _with_store(overrides, store), run_id)
+        prepared = prepare_train(config, _with_store(overrides, store), run_id)
+        _console(verbose)
+        from trajflow.flows.train import run_training
+
+        return run_training(*prepared)
 
     summary = _run(go)
     if summary.get("nothing_to_do"):
@@ -152,10 +158,16 @@ def resume(run_id: str = typer.Argument(..., help="the run to continue"),
     """
 
     def go():
-        _console(verbose)
-        from trajflow.flows.train import resume as resume_entry
+        _console(verbose, prefect=False)
+        from trajflow.run.start import prepare_resume
 
-        return resume_entry(run_id, _with_store(overrides, store))
+        cfg, done = prepare_resume(run_id, _with_store(overrides, store))
+        if done is not None:  # nothing to train: neither Prefect nor Ray is imported
+            return done
+        _console(verbose)
+        from trajflow.flows.train import run_training
+
+        return run_training(cfg, run_id, True)
 
     summary = _run(go)
     if summary.get("nothing_to_do"):
@@ -448,6 +460,8 @@ def show_config(overrides: Optional[List[str]] = typer.Argument(None, help="conf
 
         _run(preflight, cfg)
     typer.echo(to_yaml(cfg))
+    if check:  # last, after the YAML: the answer to --check
+        typer.echo("ok: the config, its data, model, reward function, gates and store pass the checks train makes")
 
 
 @app.command()

@@ -13,6 +13,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from trajflow import LAYOUT_ROOT
 from trajflow.config.rules import validate
+from trajflow.config.verl_keys import translate_verl_keys
 from trajflow.config.schema import (DEFAULT_RECIPE, PRECISION_SECTIONS, TrajflowConfig, _closest, _expected_type,
                                     _field_for)
 from trajflow.errors import ConfigError
@@ -41,7 +42,7 @@ AUTO_PRECISION_ENV = "TRAJFLOW_AUTO_PRECISION"
 def _auto_choice(device: str) -> tuple[str, str]:
     import os
 
-    from trajflow.modeling.precision import bf16_is_fast
+    from trajflow.infra.devices import bf16_is_fast
 
     forced = os.environ.get(AUTO_PRECISION_ENV)
     if forced:
@@ -56,7 +57,7 @@ def _auto_choice(device: str) -> tuple[str, str]:
 def resolve_auto_precision(cfg: DictConfig) -> str | None:
     """Replace every ``auto`` dtype (``<section>.mixed_precision.param_dtype``, ``rollout.dtype``) by
     ``bfloat16`` where bf16 is fast on ``trainer.device`` and ``float32`` elsewhere
-    (:func:`trajflow.modeling.precision.bf16_is_fast`), decided on this machine, once, at start;
+    (:func:`trajflow.infra.devices.bf16_is_fast`), decided on this machine, once, at start;
     ``$TRAJFLOW_AUTO_PRECISION`` (``float32``/``bfloat16``) overrides the hardware's answer.
 
     The stored config then holds the concrete dtypes, so a resumed run keeps them on any machine.
@@ -149,6 +150,7 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
         if "recipe" not in recipe_cfg:
             recipe_cfg.recipe = path.stem
         layers = [(str(path), recipe_cfg)]
+    overrides = translate_verl_keys(overrides)  # verl's keys as typed (docs/config.md's mapping)
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r}: expected key=value (e.g. actor.lr=2e-5)")
@@ -193,6 +195,9 @@ def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = (),
         shaped = _recipe_for_own_data(cfg)
         if shaped is not None:
             return load_config(shaped, overrides)
+    fn = cfg.reward.custom_function
+    if fn and ":" not in str(fn) and str(fn).endswith(".py"):  # verl's default function name
+        cfg.reward.custom_function = f"{fn}:compute_score"
     if cfg.actor.ppo_mini_batch_size is None:  # verl's default: the whole batch in one optimizer step
         cfg.actor.ppo_mini_batch_size = cfg.data.train_batch_size
     resolve_auto_precision(cfg)

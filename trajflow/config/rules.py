@@ -11,27 +11,32 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import sys
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from trajflow.stages.names import STAGE_NAMES
+from trajflow.stages.names import BUILTIN_REGISTRY_NAMES, STAGE_NAMES
 from trajflow.config.schema import PRECISION_SECTIONS, TrajflowConfig
 from trajflow.errors import ConfigError
 
 
+#: ``choices_from`` kind -> the module and name of its registry.
+REGISTRIES = {"adv_estimator": ("trajflow.stages.advantage", "ADV_ESTIMATORS"),
+              "policy_loss": ("trajflow.stages.policy_losses", "POLICY_LOSSES"),
+              "kl": ("trajflow.stages.kl", "KL_ESTIMATORS"),
+              "scorer": ("trajflow.stages.scorers", "SCORERS")}
+
+
 def _registry_names(kind: str) -> list[str]:
-    if kind == "adv_estimator":
-        from trajflow.stages.advantage import ADV_ESTIMATORS as reg
-    elif kind == "policy_loss":
-        from trajflow.stages.policy_losses import POLICY_LOSSES as reg
-    elif kind == "kl":
-        from trajflow.stages.kl import KL_ESTIMATORS as reg
-    elif kind == "scorer":
-        from trajflow.stages.scorers import SCORERS as reg
-    else:  # pragma: no cover - programming error
-        raise KeyError(kind)
-    return list(reg.names())
+    """The names a registry holds. Its module is not imported for this (it imports torch: a config
+    check must not): until something imported it, it holds exactly its built-ins, and once imported
+    it may hold more (registered by the user's code), so then it is asked."""
+    module, attr = REGISTRIES[kind]
+    loaded = sys.modules.get(module)
+    if loaded is not None and hasattr(loaded, attr):
+        return list(getattr(loaded, attr).names())
+    return list(BUILTIN_REGISTRY_NAMES[kind])
 
 
 def _check_fields(node: DictConfig, cls: type, prefix: str, source: str) -> None:
@@ -159,8 +164,8 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.algorithm.filter_groups.enable and cfg.rollout.n < 2:
         raise ConfigError(f"{source}: algorithm.filter_groups.enable=true needs rollout.n >= 2 (got "
                           f"{cfg.rollout.n}): a group of one response never has reward variance")
-    from trajflow.stages.advantage import needs_groups
-
+    if cfg.rollout.n < 2:
+        from trajflow.stages.advantage import needs_groups  # torch: only where the answer matters
     if cfg.rollout.n < 2 and needs_groups(cfg.algorithm.adv_estimator):
         raise ConfigError(f"{source}: algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares the samples of "
                           f"one prompt, so rollout.n=1 makes every advantage 0: set rollout.n >= 2 (e.g. 4), or "

@@ -187,8 +187,9 @@ class RewardModelConfig:
 class RewardConfig:
     """Scoring responses."""
 
-    custom_function: Optional[str] = _f(None, "user scorer 'path/to/file.py:name' with verl's "
-                                        "signature (data_source, solution_str, ground_truth, extra_info)")
+    custom_function: Optional[str] = _f(None, "user scorer 'path/to/file.py:name' (name defaults to "
+                                        "compute_score, as in verl) with verl's signature (data_source, "
+                                        "solution_str, ground_truth, extra_info)")
     trust_changed_custom_function: bool = _f(False, "resume/replay even when reward.custom_function's file "
                                              "differs from the one the run recorded (command line only: "
                                              "never read from a run folder)")

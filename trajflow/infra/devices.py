@@ -8,6 +8,7 @@ before any CUDA/NPU call can fail with a driver traceback.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 from trajflow.errors import DeviceError
@@ -84,3 +85,40 @@ def preflight_devices(cfg: Any) -> None:
     require_device(cfg.trainer.device)
     if cfg.rollout.engine == "vllm":
         require_vllm()
+
+
+#: /proc/cpuinfo flags of CPUs whose bf16 matmuls are faster than fp32 (AMX tiles, AVX512-BF16 dot products).
+FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The CPU feature flags listed in ``cpuinfo`` (empty where the file does not exist)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def bf16_is_fast(device: str, cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[bool, str]:
+    """Whether bf16 compute is faster than fp32 on ``device``, and why (one line).
+
+    CPU: the flags ``amx_bf16`` or ``avx512_bf16`` (without them torch emulates bf16 matmuls and they
+    run 3-10x slower than fp32). CUDA: ``torch.cuda.is_bf16_supported()`` (compute capability >= 8.0).
+    Other devices: no (not measured).
+    """
+    kind = str(device).split(":")[0]
+    if kind == "cpu":
+        found = sorted(set(FAST_BF16_CPU_FLAGS) & cpu_flags(cpuinfo))
+        if found:
+            return True, f"cpu has {', '.join(found)}"
+        return False, f"cpu lacks {' and '.join(FAST_BF16_CPU_FLAGS)} (bf16 is emulated, slower than fp32)"
+    if kind == "cuda":
+        import torch
+
+        ok = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        return ok, "cuda supports bf16" if ok else "cuda without bf16 support (or no GPU visible)"
+    return False, f"{kind}: bf16 speed not known, fp32 kept"

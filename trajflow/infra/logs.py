@@ -87,12 +87,22 @@ class RunLogHandler(logging.Handler):
     #: ``trajflow.flows.reporting.quiet_expected_errors``): the file keeps the whole story.
     keeps_everything = True
 
-    def __init__(self) -> None:
+    def __init__(self, prefect: bool = True) -> None:
         super().__init__(level=logging.NOTSET)
-        self.setFormatter(_formatter())
+        self.prefect_format = False
+        self.use_formatter(prefect)
         self.buffer: deque[logging.LogRecord] = deque(maxlen=BUFFER_RECORDS)
         self.file: logging.FileHandler | None = None
         self.path: Path | None = None
+
+    def use_formatter(self, prefect: bool) -> None:
+        """Format with Prefect's formatter (it names a record's flow or task run), else a plain one
+        with the same layout (before Prefect is imported)."""
+        fmt = _formatter() if prefect else logging.Formatter(_FORMAT, datefmt=_DATEFMT)
+        self.prefect_format = prefect
+        self.setFormatter(fmt)
+        if getattr(self, "file", None) is not None:
+            self.file.setFormatter(fmt)
 
     def emit(self, record: logging.LogRecord) -> None:
         """Write ``record`` to the file, or keep it until a run folder is attached."""
@@ -180,26 +190,35 @@ def adopt_library_loggers() -> None:
         logger.propagate = True
 
 
-def configure_driver(verbose: bool = False) -> None:
+def configure_driver(verbose: bool = False, prefect: bool = True) -> None:
     """Send library logs and Python warnings to the run's log file; on the console too if ``verbose``.
 
     Call once per process, before the run starts (the CLI does, for the commands that run flows).
     Prefect's logging config is applied here first, since this goes on top of it. Calling it again
     adds nothing; without ``verbose`` it removes console handlers that appeared since.
+
+    Args:
+        verbose: library logs on the console too.
+        prefect: apply Prefect's logging config first. The CLI passes False for the checks before a
+            flow (importing Prefect costs seconds, a bad config key must not) and calls again with
+            True just before the flow's module is imported.
     """
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
-    # Prefect's logging config is applied on first use of its API, not by ``import prefect``; apply it
-    # now, so that it is there to be changed (a later application only adjusts levels).
-    from prefect.logging.configuration import ensure_logging_setup
+    if prefect:
+        # Prefect's logging config is applied on first use of its API, not by ``import prefect``; apply
+        # it now, so that it is there to be changed (a later application only adjusts levels).
+        from prefect.logging.configuration import ensure_logging_setup
 
-    ensure_logging_setup()
+        ensure_logging_setup()
 
     root = logging.getLogger()
     handler = _state["handler"]
     if handler is None:
-        handler = RunLogHandler()
+        handler = RunLogHandler(prefect)
         _state["handler"] = handler
         root.addHandler(handler)
+    elif prefect and not handler.prefect_format:
+        handler.use_formatter(True)
     _state["configured"] = True
     _state["verbose"] = bool(verbose)
     if not verbose:

@@ -17,17 +17,37 @@ that survive dead workers), :mod:`~trajflow.run.validation`, :mod:`~trajflow.run
 :mod:`~trajflow.run.progress`.
 """
 
-from trajflow.run.iteration import (begin_iteration, checkpoint_due, iterations, log_iteration,
-                                    log_validation, record, rollout_checkpoint_id, save, validation_before_training_due,
-                                    validation_due, was_gated)
-from trajflow.run.preflight import (check_batch_size, check_custom_function, check_model_weights,
-                                    check_prompt_lengths, check_reward_and_gates, check_scorers, check_store_root,
-                                    custom_function_record, preflight)
-from trajflow.run.resume import (check_resumable, config_changes, finished_summary, restore_checkpoint,
-                                 resume_config, store_root_from)
-from trajflow.run.roles import snapshot_rollout_weights, sync_rollout_weights
-from trajflow.run.session import (build_context, choose_run_id, close_run, create_run_folder, finish_run,
-                                  new_run_id, open_evaluation, open_run, preload_audit, start_workers)
+import importlib
+
+#: Each verb and the module of its phase. Imported on first use (PEP 562): a config or data error is
+#: reported by the light modules (preflight, resume) before torch, Ray or Prefect are imported.
+_VERBS = {
+    "iteration": ("begin_iteration", "checkpoint_due", "iterations", "log_iteration", "log_validation", "record",
+                  "rollout_checkpoint_id", "save", "validation_before_training_due", "validation_due", "was_gated"),
+    "preflight": ("check_batch_size", "check_custom_function", "check_model_weights", "check_prompt_lengths",
+                  "check_reward_and_gates", "check_scorers", "check_store_root", "custom_function_record",
+                  "preflight"),
+    "resume": ("check_resumable", "config_changes", "finished_summary", "restore_checkpoint", "resume_config",
+               "store_root_from"),
+    "roles": ("snapshot_rollout_weights", "sync_rollout_weights"),
+    "session": ("build_context", "choose_run_id", "close_run", "create_run_folder", "finish_run", "new_run_id",
+                "open_evaluation", "open_run", "preload_audit", "start_workers"),
+}
+_MODULE_OF = {verb: module for module, verbs in _VERBS.items() for verb in verbs}
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
+
 
 __all__ = [
     "begin_iteration", "build_context", "check_batch_size", "check_custom_function",

@@ -71,9 +71,17 @@ def check_batch_size(cfg: DictConfig, datasets: PromptDatasets) -> None:
 
     n = len(datasets.train)
     if cfg.data.train_batch_size > n:
+        # Name the data the prompts came from: verl's data.train_files when given (data.dataset then
+        # still holds its unused default), else the spec or file of data.dataset.
+        files = cfg.data.get("train_files")
+        if files:
+            source = f"data.train_files={list(files) if not isinstance(files, str) else files}"
+        else:
+            spec = datasets.spec.get("spec_path")
+            source = f"data.dataset={cfg.data.dataset!r}" + (f" ({spec})" if spec else "")
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the {n} training "
-                          f"prompts of data.dataset={cfg.data.dataset!r} ({datasets.spec.get('spec_path') or 'data.train_files'}); lower "
-                          f"data.train_batch_size to at most {n} or give the dataset more prompts")
+                          f"prompts of {source}; lower data.train_batch_size to at most {n} or give the dataset "
+                          f"more prompts")
 
 
 def _model_context(model_dir: Path) -> tuple[int | None, str]:

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import ray
 from omegaconf import DictConfig
 
 from trajflow import checkpoint as ckpt
@@ -117,6 +116,8 @@ def restore_checkpoint(ctx: RunContext, iteration: int, source: RunStore | None 
     Raises:
         StoreError: a checkpoint file is missing or does not match the checkpoint's manifest (named).
     """
+    import ray  # here, not at the top: the resume checks before Ray starts must not import it
+
     store = source or ctx.store
     why = ckpt.verify_checkpoint(store, iteration)
     if why is not None:

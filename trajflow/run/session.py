@@ -15,7 +15,6 @@ import sys
 import time
 import uuid
 
-import ray
 from omegaconf import DictConfig
 
 from trajflow import checkpoint as ckpt
@@ -238,6 +237,8 @@ def open_evaluation(cfg: DictConfig, store: RunStore, step: int) -> RunContext:
 
 def finish_run(ctx: RunContext) -> dict:
     """Export the final policy to ``<run>/final`` and return the run summary."""
+    import ray  # here, not at the top: choosing a run id must not import it
+
     store = ctx.store
     if not ctx.state.nothing_to_do or not store.final_dir.exists():
         if not ray.get(ctx.actor.weights_finite.remote()):
