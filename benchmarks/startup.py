@@ -10,7 +10,7 @@ wall time, not the CPU time):
   headers, the reward function, the gates' suite and the store).
 
 The finished run is a one-iteration smoke run of a tiny random model (SmolLM2's tokenizer), trained
-first (1-3 minutes). ``--checkout DIR`` times another source tree (``PYTHONPATH=DIR python -m
+first by the tree under test (1-3 minutes). ``--checkout DIR`` times another source tree (``PYTHONPATH=DIR python -m
 trajflow.cli``), e.g. a checkout of an older commit, for a before/after comparison on one machine.
 
 Usage: ``.venv/bin/python benchmarks/startup.py [--checkout DIR] [--repeats 3]``
@@ -72,21 +72,26 @@ def timed(checkout: Path, args: list[str], cwd: Path, expect: int, needle: str) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkout", type=Path, default=REPO, help="source tree to time (default: this one)")
+    ap.add_argument("--checkout", type=Path, action="append",
+                    help="source tree to time (repeatable; default: this one)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    checkout = args.checkout.resolve()
     work = scratch_dir("trajflow-startup-")
     model = _tiny_model(work / "tiny-model")
-    root = work / "runs"
-    # The finished run, made by this tree's trajflow (the run folder's format is the same for both).
-    cmd, env = _command(REPO, ["train", "-c", "smoke", f"model.path={model}", f"store.root={root}",
-                               "trainer.total_iterations=1", "trainer.test_freq=0", "rollout.max_new_tokens=4",
-                               "trainer.progress=false", "--run-id", "finished"])
-    out = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200)
-    if out.returncode != 0:
-        raise SystemExit(f"could not train the finished run:\n{(out.stdout + out.stderr)[-3000:]}")
+    for i, checkout in enumerate([c.resolve() for c in args.checkout or [REPO]]):
+        # The finished run, trained by the tree under test (an older tree may not read a newer config).
+        root = work / f"runs-{i}"
+        cmd, env = _command(checkout, ["train", "-c", "smoke", f"model.path={model}", f"store.root={root}",
+                                       "trainer.total_iterations=1", "trainer.test_freq=0",
+                                       "rollout.max_new_tokens=4", "trainer.progress=false", "--run-id", "finished"])
+        out = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200)
+        if out.returncode != 0:
+            raise SystemExit(f"could not train the finished run:\n{(out.stdout + out.stderr)[-3000:]}")
+        measure(checkout, work, root, args.repeats)
 
+
+def measure(checkout: Path, work: Path, root: Path, repeats: int) -> None:
+    """Time the three answers of ``checkout``'s CLI and print them with the bad key's verdict."""
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     header(f"CLI start-up, {checkout} (load average {load}, {os.cpu_count()} CPUs)")
@@ -97,10 +102,10 @@ def main() -> None:
     ]
     results = {}
     for name, cli_args, expect, needle in cases:
-        runs = [timed(checkout, cli_args, work, expect, needle) for _ in range(args.repeats)]
+        runs = [timed(checkout, cli_args, work, expect, needle) for _ in range(repeats)]
         wall, cpu = median([w for w, _ in runs]), median([c for _, c in runs])
         results[name] = wall
-        print(f"{name}: {wall:.2f} s wall, {cpu:.2f} s CPU (median of {args.repeats})", flush=True)
+        print(f"{name}: {wall:.2f} s wall, {cpu:.2f} s CPU (median of {repeats})", flush=True)
     verdict("misspelled key rejected (s, wall)", results["reject a misspelled key"], TARGET_BAD_KEY_S,
             higher_is_better=False, fmt="{:.2f}")
 
