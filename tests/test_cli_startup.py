@@ -72,3 +72,11 @@ def test_the_builtin_registry_names_are_the_registries():
     for kind, (module, attr) in REGISTRIES.items():
         registry = getattr(importlib.import_module(module), attr)
         assert tuple(sorted(registry.names())) == BUILTIN_REGISTRY_NAMES[kind], kind
+
+
+def test_config_help_keys_lists_each_key_with_its_help():
+    code, loaded, text = probe("config", "--help-keys")
+    assert code == 0 and loaded == [], text
+    lines = text.splitlines()
+    assert "actor.lr (float, default 1e-05): AdamW learning rate [> 0.0]" in lines
+    assert "rollout.n (int, default 4): samples per prompt (the GRPO group size) [>= 1]" in lines

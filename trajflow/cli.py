@@ -448,12 +448,19 @@ def show_config(overrides: Optional[List[str]] = typer.Argument(None, help="conf
                                                      help="recipe name or YAML path (default: grpo_default)"),
                 store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP + "; same as store.root=DIR"),
                 check: bool = typer.Option(False, "--check", help="also check what train checks before it starts: "
-                                           "the dataset, the model, the reward function, the gates and the store")
+                                           "the dataset, the model, the reward function, the gates and the store"),
+                help_keys: bool = typer.Option(False, "--help-keys", help="list every config key with its type, "
+                                               "default, range and help, and exit")
                 ) -> None:
     """Print the resolved config of a recipe plus overrides (its keys, types and values are validated;
     with --check also its data, model, reward and store, as train checks them; starts nothing)."""
     from trajflow.config import load_config, to_yaml
 
+    if help_keys:
+        from trajflow.config.schema import key_help
+
+        typer.echo("\n".join(key_help()))
+        return
     cfg = _run(load_config, config, _with_store(overrides, store))
     if check:
         from trajflow.run.preflight import preflight

@@ -556,3 +556,26 @@ def _expected_type(key: str) -> str:
             return {"str": "string"}.get(name, name)
     return t
 
+
+
+def key_help(cls: Any = TrajflowConfig, prefix: str = "") -> list[str]:
+    """One line per config key, in schema order: ``key (type, default value): help`` plus its range or
+    choices (``trajflow config --help-keys``)."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            lines += key_help(sub, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (sub() if sub else None)
+        meta = f.metadata
+        limits = [f"{sym} {meta[k]}" for k, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+                  if meta.get(k) is not None]
+        if meta.get("choices"):
+            limits.append("one of " + ", ".join(map(str, meta["choices"])))
+        if meta.get("choices_from"):
+            limits.append(f"a registered {meta['choices_from']}")
+        extra = f" [{'; '.join(limits)}]" if limits else ""
+        lines.append(f"{prefix}{f.name} ({_expected_type(prefix + f.name)}, default {default!r}): "
+                     f"{meta.get('help', '')}{extra}")
+    return lines
