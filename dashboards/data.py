@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -424,8 +425,6 @@ def find_groups(store_root: str | Path, run_id: str, flt: TrajectoryFilter = Tra
     Raises:
         DashboardError: as :func:`find_trajectories`.
     """
-    import math
-
     if limit < 1:
         raise DashboardError(f"limit must be >= 1, got {limit}")
     matched = find_trajectories(store_root, run_id, flt, limit=2**31 - 1)
@@ -437,17 +436,33 @@ def find_groups(store_root: str | Path, run_id: str, flt: TrajectoryFilter = Tra
     for it, gid in keys:
         if it not in by_iteration:
             by_iteration[it] = _iteration_rows(store, it)
-        t = by_iteration[it]
-        rows = sorted((r for r in t.filter(pc.equal(t.column("group_id"), gid)).to_pylist()),
-                      key=lambda r: r["sample_id"])
-        scores = [r["score"] for r in rows if r["score"] is not None and math.isfinite(r["score"])]
-        mean = sum(scores) / len(scores) if scores else None
-        std = math.sqrt(sum((x - mean) ** 2 for x in scores) / len(scores)) if scores else None
-        first = rows[0]
-        groups.append({"iteration": it, "group_id": gid, "prompt_text": first["prompt_text"],
-                       "data_source": first["data_source"], "ground_truth": first["ground_truth"],
-                       "score_mean": mean, "score_std": std, "rows": rows})
+        groups.append(group_card(by_iteration[it], it, gid))
     return groups
+
+
+def group_card(table: pa.Table, iteration: int, group_id: str) -> dict:
+    """One GRPO group of an iteration's rows as the dashboard shows it.
+
+    Args:
+        table: the iteration's joined rows (:func:`_iteration_rows`).
+        iteration: the iteration the rows belong to.
+        group_id: the group (a prompt's n samples).
+
+    Returns:
+        ``{"iteration", "group_id", "prompt_text", "data_source", "ground_truth", "score_mean",
+        "score_std", "rows"}``: rows sorted by ``sample_id``; mean and population standard deviation
+        (the GRPO normaliser, Shao et al. 2024 eq. 3 without the epsilon) of the finite scores,
+        None when there are none.
+    """
+    rows = sorted(table.filter(pc.equal(table.column("group_id"), group_id)).to_pylist(),
+                  key=lambda r: r["sample_id"])
+    scores = [r["score"] for r in rows if r["score"] is not None and math.isfinite(r["score"])]
+    mean = sum(scores) / len(scores) if scores else None
+    std = math.sqrt(sum((x - mean) ** 2 for x in scores) / len(scores)) if scores else None
+    first = rows[0]
+    return {"iteration": iteration, "group_id": group_id, "prompt_text": first["prompt_text"],
+            "data_source": first["data_source"], "ground_truth": first["ground_truth"],
+            "score_mean": mean, "score_std": std, "rows": rows}
 
 
 def trajectory_facets(store_root: str | Path, run_id: str) -> dict:

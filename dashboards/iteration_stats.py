@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trajflow.dashboards.data import _iteration_rows, _read_parquet, _stage_file, _store
+from trajflow.dashboards.data import _iteration_rows, _read_parquet, _stage_file, _store, group_card
 
 #: The dashboard's name for the share of all-equal groups (computed from the stored trajectories).
 ALL_EQUAL_METRIC = "groups/all_equal_share"
@@ -118,14 +118,6 @@ def prompt_history(store_root: str | Path, run_id: str, prompt_id: str) -> list[
         if t is None:
             continue
         t = t.filter(pc.equal(t.column("prompt_id"), str(prompt_id)))
-        for gid in dict.fromkeys(t.column("group_id").to_pylist()):
-            rows = sorted(t.filter(pc.equal(t.column("group_id"), gid)).to_pylist(), key=lambda r: r["sample_id"])
-            scores = [r["score"] for r in rows if r["score"] is not None and math.isfinite(r["score"])]
-            mean = sum(scores) / len(scores) if scores else None
-            std = math.sqrt(sum((x - mean) ** 2 for x in scores) / len(scores)) if scores else None
-            first = rows[0]
-            out.append({"iteration": it, "group_id": gid, "prompt_text": first["prompt_text"],
-                        "data_source": first["data_source"], "ground_truth": first["ground_truth"],
-                        "score_mean": mean, "score_std": std, "rows": rows})
+        out.extend(group_card(t, it, gid) for gid in dict.fromkeys(t.column("group_id").to_pylist()))
     return out
 

@@ -175,6 +175,18 @@ class AgentServer:
         with self.tokenizer_lock:
             return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
+    def _cut(self, row, stop: list[str]) -> tuple[list[int], Any, str, str]:
+        """A sampled row cut at its first stop string: (ids, log-probs, finish reason, text).
+
+        The ids and log-probs kept are those up to the token that completes the stop string (what
+        the session records and the row trains on); the text ends before the stop string, as
+        OpenAI's API returns it.
+        """
+        ids, before = cut_at_stop(row.ids, stop, self.decode)
+        lps = row.logprobs[:len(ids)] if row.logprobs is not None else None
+        finish = "stop" if before is not None else row.finish_reason
+        return ids, lps, finish, (before if before is not None else self.decode(ids))
+
     def _token_entries(self, ids, lps, as_ids: bool) -> list[dict]:
         out = []
         for t, lp in zip(ids, lps):
@@ -207,10 +219,7 @@ class AgentServer:
                     prepared.drift, raw=[dict(m) for m in raw])
         choices = []
         for i, row in enumerate(rows):
-            ids, before = cut_at_stop(row.ids, stop, self.decode)
-            lps = row.logprobs[:len(ids)] if row.logprobs is not None else None
-            finish = "stop" if before is not None else row.finish_reason
-            text = before if before is not None else self.decode(ids)
+            ids, lps, finish, text = self._cut(row, stop)
             message, has_calls = assistant_message(text, self.fmt)
             turn.samples.append(Sample(ids, lps, finish, text, message))
             choice = {"index": i, "message": message,
@@ -252,10 +261,7 @@ class AgentServer:
                     obs_ids=prepared.obs_ids, drift=prepared.drift)
         choices = []
         for i, row in enumerate(rows):
-            ids, before = cut_at_stop(row.ids, stop, self.decode)
-            lps = row.logprobs[:len(ids)] if row.logprobs is not None else None
-            finish = "stop" if before is not None else row.finish_reason
-            out_text = before if before is not None else self.decode(ids)
+            ids, lps, finish, out_text = self._cut(row, stop)
             turn.samples.append(Sample(ids, lps, finish, out_text))
             logprobs = None
             if body.get("logprobs") is not None and lps is not None:
