@@ -55,7 +55,7 @@ INFO_LOGGERS = ("prefect", "mlflow")
 _FORMAT = "%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s"
 _DATEFMT = "%Y-%m-%d %H:%M:%S"
 
-_state: dict = {"configured": False, "verbose": False, "handler": None}
+_state: dict = {"configured": False, "verbose": False, "handler": None, "console": None}
 
 
 class _RunLogFile(logging.FileHandler):
@@ -224,6 +224,14 @@ def configure_driver(verbose: bool = False, prefect: bool = True) -> None:
     if not verbose:
         for h in [h for h in root.handlers if _is_console(h)]:
             root.removeHandler(h)
+    elif not any(_is_console(h) for h in root.handlers) or _state["console"] in root.handlers:
+        # Prefect adds its console handler to the root only when the root has no handler with a
+        # formatter, and ours (the file's) is there first: the console that -v asks for is ours to add.
+        console = _state["console"]
+        if console is None:
+            console = _state["console"] = logging.StreamHandler(sys.stderr)
+            root.addHandler(console)
+        console.setFormatter(handler.formatter)
     for name in OWN_LOGGERS + INFO_LOGGERS:
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET or logger.level > logging.INFO:
