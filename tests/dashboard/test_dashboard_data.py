@@ -226,8 +226,14 @@ def test_gate_reports_carry_each_expectations_threshold_and_status(two_runs):
 def test_browser_tests_skip_with_the_install_command_when_chromium_is_missing(tmp_path):
     """On a machine without Chromium (and no root to install it) the README's test command still passes."""
     env = dict(__import__("os").environ, TRAJFLOW_TEST_CHROMIUM=str(tmp_path / "no-chromium"))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                          str(Path(__file__).with_name("test_dashboard_browser.py"))],
+    browser_tests = str(Path(__file__).with_name("test_dashboard_browser.py"))
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                             browser_tests], capture_output=True, text=True, env=env,
+                            cwd=Path(__file__).parents[2], timeout=300)
+    n = sum("::" in line for line in listed.stdout.splitlines())
+    assert n >= 4, listed.stdout[-2000:]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", browser_tests],
                          capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2], timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert re.search(r"\b4 skipped\b", out.stdout) and "apt-get install -y chromium" in out.stdout
+    # Every browser test skips (none runs without the browser, none fails), each naming the install command.
+    assert re.search(rf"\b{n} skipped\b", out.stdout) and "apt-get install -y chromium" in out.stdout, out.stdout
