@@ -230,12 +230,7 @@ class AgentServer:
                 choice["token_ids"] = ids
             choices.append(choice)
         session.record(turn)
-        out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-               "model": body.get("model") or MODEL_NAME, "choices": choices,
-               "usage": _usage(prepared.prompt_ids, turn.samples)}
-        if body.get("return_token_ids"):
-            out["prompt_token_ids"] = prepared.prompt_ids
-        return out
+        return _response("chatcmpl", "chat.completion", body, choices, prepared.prompt_ids, turn.samples)
 
     def completion(self, sid: str | None, body: dict) -> dict:
         """``POST /v1/completions`` (non-streaming): a text prompt or token ids."""
@@ -278,12 +273,7 @@ class AgentServer:
                 choice["token_ids"] = ids
             choices.append(choice)
         session.record(turn)
-        out = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-               "model": body.get("model") or MODEL_NAME, "choices": choices,
-               "usage": _usage(prepared.prompt_ids, turn.samples)}
-        if body.get("return_token_ids"):
-            out["prompt_token_ids"] = prepared.prompt_ids
-        return out
+        return _response("cmpl", "text_completion", body, choices, prepared.prompt_ids, turn.samples)
 
 
 class _Unavailable(RuntimeError):
@@ -321,6 +311,17 @@ def _stops(stop: Any) -> list[str]:
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
         return [s for s in stop if s]
     raise RequestError("stop: expected a string or a list of up to 4 strings")
+
+
+def _response(id_prefix: str, kind: str, body: dict, choices: list[dict], prompt_ids, samples) -> dict:
+    """The OpenAI response object around ``choices`` (``kind``: ``chat.completion`` or
+    ``text_completion``), with the prompt's token ids when the request asked for them (vLLM's
+    ``return_token_ids``)."""
+    out = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+           "model": body.get("model") or MODEL_NAME, "choices": choices, "usage": _usage(prompt_ids, samples)}
+    if body.get("return_token_ids"):
+        out["prompt_token_ids"] = prompt_ids
+    return out
 
 
 def _usage(prompt_ids, samples) -> dict:
