@@ -332,10 +332,14 @@ def test_single_iteration_run_plots_whole_points_on_a_readable_axis(two_runs, da
 
 
 def test_default_run_selection_skips_a_run_still_at_step_0(two_runs, dashboard, page):
+    from playwright.sync_api import expect
+
     page.goto(dashboard + "/")
     page.get_by_text("Final and best values").wait_for()
     chips = page.locator('[data-testid="stMultiSelect"]').first.locator("[data-tag]")
-    # newest first: at-step-0 (no finished iteration: skipped), one-it, lr-low
+    # newest first: at-step-0 (no finished iteration: skipped), one-it, lr-low. The chips render after the
+    # table below them on a loaded machine, so wait for them before reading their labels.
+    expect(chips).to_have_count(2, timeout=TIMEOUT_MS)
     assert [chips.nth(i).get_attribute("aria-label") for i in range(chips.count())] == [ONE_IT, "lr-low"]
     page.goto(dashboard + "/trajectories")
     page.get_by_text(re.compile(r"^\d+ rows? ·")).wait_for()
