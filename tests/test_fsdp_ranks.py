@@ -118,6 +118,36 @@ def test_hybrid_mesh_token_budget_offload_checkpointing(ray_local, tiny_model_di
         group.kill()
 
 
+def test_token_budget_log_probs_with_uneven_micro_batch_counts(ray_local, tiny_model_dir, reference):
+    """Old log-probs with token-budget micro-batches (``use_dynamic_bsz``) on 2 sharded ranks whose
+    shares cut into different numbers of micro-batches: every forward is a collective, so the rank
+    with fewer runs padding forwards (without them it waits on the other rank forever); the
+    log-probs equal the one-process worker's, computed in fixed micro-batches before any update."""
+    import ray
+
+    from trajflow.modeling.packing import token_budget_slices
+    from trajflow.workers.group import plan_split
+
+    rows = reference["fp32"]["b1"].rows
+    prompts, resps = rows.prompt_ids, rows.response_ids
+
+    def counts(budget: int) -> list[int]:
+        parts, _ = plan_split({"p": prompts, "r": resps}, ("p", "r"), 2, pad=True)
+        return [len(token_budget_slices([prompts[i] for i in p], [resps[i] for i in p], budget)) for p in parts]
+
+    budget = next((b for b in range(8, 64) if len(set(counts(b))) > 1), None)
+    assert budget is not None, "no budget gives the ranks different micro-batch counts"
+    group = spawn_fsdp(tiny_model_dir, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget)
+    try:
+        got = ray.get(group.compute_log_prob.remote(prompts, resps, 1.0), timeout=180)
+    finally:
+        group.kill()
+    assert len(got) == len(resps)
+    for i, (g, want) in enumerate(zip(got, rows.rollout_logprobs)):
+        assert g.shape == (len(resps[i]),)
+        np.testing.assert_allclose(g, want, rtol=0, atol=1e-5, err_msg=f"row {i}")
+
+
 def test_checkpoint_resume_export_never_unpickles(ray_local, tiny_model_dir, reference, tmp_path):
     """Sharded save -> load on fresh ranks gives the same weights bit for bit and the same next
     step; the checkpoint is safetensors + JSON only, and pickles planted where

@@ -339,6 +339,13 @@ class DataParallel:
 
         return contextlib.nullcontext()
 
+    def max_over_ranks(self, n: int) -> int:
+        """The largest ``n`` any rank passes (an all-reduce every rank must join): the ranks agree on a
+        count of forwards, each one a collective when the model is sharded."""
+        t = torch.tensor([int(n)], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
     def micro_batches(self, mini: Sequence[int], split: Callable[[list[int]], list[list[int]]],
                       weights: Sequence[float]) -> list[tuple[list[int], bool]]:
         """This rank's ``(rows, live)`` micro-batches of a mini-batch; equally many on every rank.

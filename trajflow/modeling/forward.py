@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -396,23 +396,34 @@ def plain_response_logits(model: torch.nn.Module, packed: PackedBatch) -> torch.
 def compute_log_probs(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
                       response_ids: Sequence[Sequence[int]], *, temperature: float, micro_batch_size: int,
                       pad_id: int, device: str = "cpu", compute_entropy: bool = False,
-                      max_tokens: int | None = None,
-                      param_dtype: str = "float32") -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+                      max_tokens: int | None = None, param_dtype: str = "float32",
+                      forwards: Callable[[int], int] | None = None) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """Per-token log-probs of every response, as ragged float32 arrays (one per row).
 
     Micro-batches follow :func:`micro_batch_plan` (``micro_batch_size`` rows, or a token budget of
     ``max_tokens``), the same packing the PPO update uses. ``param_dtype`` is the compute dtype of
     the forward (:func:`trajflow.modeling.precision.autocast`); log-probs are float32 either way.
+    ``forwards`` maps this process's number of micro-batches to the number of forwards to run
+    (sharded ranks: the largest over the ranks, :meth:`DataParallel.max_over_ranks`); the extra
+    forwards repeat the first row and are discarded.
     """
     was_training = model.training
     model.eval()
     out: list[np.ndarray] = []
     ent_out: list[np.ndarray] | None = [] if compute_entropy else None
+    plan = micro_batch_plan(prompt_ids, response_ids, micro_batch_size, max_tokens)
+    total = forwards(len(plan)) if forwards is not None else len(plan)
     try:
-        for sl in micro_batch_plan(prompt_ids, response_ids, micro_batch_size, max_tokens):
+        for i in range(total):
+            live = i < len(plan)
+            sl = plan[i] if live else slice(0, 1)
+            if not live and not len(prompt_ids):
+                raise ValueError("compute_log_probs: a rank without rows cannot join the other ranks' forwards")
             packed = pack(prompt_ids[sl], response_ids[sl], pad_id, device)
             with autocast(param_dtype, device):
                 logp, ent = forward_micro_batch(model, packed, temperature, compute_entropy)
+            if not live:
+                continue
             for j, r in enumerate(response_ids[sl]):
                 out.append(logp[j, :len(r)].float().cpu().numpy())
                 if ent_out is not None:

@@ -374,11 +374,15 @@ class PolicyWorker(Worker):
     def compute_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
                          temperature: float) -> list[np.ndarray]:
         """Per-token log-probs under the current policy, packed exactly as :meth:`update_actor` packs."""
+        budget = max_tokens(self.actor)
+        # Token-budget micro-batches come out in different numbers on different ranks' rows; the
+        # forwards of a sharded model are collectives, so every rank runs the largest count.
+        sharded = budget and self.backend is not None and self.backend.distributed
         with self._inference():
             logp, _ = compute_log_probs(self.model, prompt_ids, response_ids, temperature=temperature,
                                         micro_batch_size=self.actor.ppo_micro_batch_size, pad_id=self.pad_id,
-                                        device=self.device, max_tokens=max_tokens(self.actor),
-                                        param_dtype=self.param_dtype)
+                                        device=self.device, max_tokens=budget, param_dtype=self.param_dtype,
+                                        forwards=self.backend.max_over_ranks if sharded else None)
         return logp
 
     def _inference(self):
