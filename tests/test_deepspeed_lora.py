@@ -111,6 +111,12 @@ def test_lora_two_ranks_equal_one_rank_and_resume(ray_local, tiny_model_dir, one
     saved = load_file(tmp_path / "final" / "adapter" / "adapter_model.safetensors")
     assert saved.keys() == {k.replace(".default", "") for k in adapters(w1)}
     assert all(np.array_equal(v, w1[k.replace(".weight", ".default.weight")]) for k, v in saved.items())
+    from tests.test_export import assert_offline_export_equals
+
+    lora_cfg = {"path": str(tiny_model_dir), **{k: getattr(LORA, k) for k in (
+        "lora_rank", "lora_alpha", "lora_dropout", "lora_use_rslora", "target_modules")}}
+    assert_offline_export_equals(tmp_path / "ck", lora_cfg, tmp_path / "final", tmp_path / "offline", "deepspeed",
+                                 exact=False)
     import torch
 
     # Adapters and their optimizer state, not the frozen base (DeepSpeed keeps the tied

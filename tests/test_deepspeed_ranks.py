@@ -136,6 +136,11 @@ def test_zero3_checkpoint_save_load_export(ray_local, tiny_model_dir, one_rank, 
         assert_close(fresh.execute("get_weights"), w2)
     finally:
         fresh.kill()
+    from tests.test_export import assert_offline_export_equals
+
+    # `trajflow export` of the ZeRO-3 checkpoint, offline (DeepSpeed's zero_to_fp32 over weights-only loads).
+    assert_offline_export_equals(tmp_path / "ck", {"path": str(tiny_model_dir)}, tmp_path / "hf", tmp_path / "offline",
+                                 "deepspeed")
 
 
 def nan_batch(batch: UpdateBatch) -> UpdateBatch:

@@ -190,6 +190,11 @@ def test_checkpoint_resume_export_never_unpickles(ray_local, tiny_model_dir, ref
     exported = {k: v.detach().numpy() for k, v in AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
                 .state_dict().items()}
     assert all(np.array_equal(exported[k], w1[k]) for k in w1)
+    # `trajflow export` of the sharded checkpoint, offline: the same model, and the planted pickles stay unread.
+    from tests.test_export import assert_offline_export_equals
+
+    assert_offline_export_equals(ck, {"path": str(tiny_model_dir)}, tmp_path / "hf", tmp_path / "offline", "fsdp2")
+    assert not marker.exists(), "a planted pickle ran"
 
 
 def test_lora_two_ranks_equal_one_process_resume_and_merged_final(ray_local, tiny_model_dir, one_rank_lora,
@@ -221,6 +226,12 @@ def test_lora_two_ranks_equal_one_process_resume_and_merged_final(ray_local, tin
     assert_close(exported, merged_by_hand(w1))
     saved = load_file(tmp_path / "final" / "adapter" / "adapter_model.safetensors")
     assert saved.keys() == {k.replace(".default", "") for k in adapters(w1)}
+    from tests.test_export import assert_offline_export_equals
+
+    lora_cfg = {"path": str(tiny_model_dir), **{k: getattr(LORA, k) for k in (
+        "lora_rank", "lora_alpha", "lora_dropout", "lora_use_rslora", "target_modules")}}
+    assert_offline_export_equals(tmp_path / "ck", lora_cfg, tmp_path / "final", tmp_path / "offline", "fsdp2",
+                                 exact=False)
     # The checkpoint's shards are the adapters' alone: together exactly their elements, no base weight.
     shards = [load_file(tmp_path / "ck" / f"fsdp_rank{r:05d}.safetensors") for r in range(2)]
     held = [(k, v) for s in shards for k, v in s.items() if k.startswith("state.model.")]

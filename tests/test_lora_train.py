@@ -105,3 +105,29 @@ def test_final_loads_with_transformers_and_the_adapter_with_peft(runs, tiny_mode
         want = adapted(input_ids=ids).logits
         assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-5, rtol=0)
         assert (base(input_ids=ids).logits - want).abs().max() > 1e-4  # it trained
+
+
+def test_export_of_a_lora_checkpoint_is_the_merged_model_and_the_peft_adapter(runs, tiny_model_dir, tmp_path):
+    """`trajflow export` of checkpoint 2 (the adapter alone on disk): OUT is W + s B A (merged), OUT/adapter
+    is peft's folder; both give the logits of final/, which the policy worker wrote from its live module."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trajflow.export import export_run
+
+    root = Path(runs["full"]["run_dir"]).parent
+    r = export_run(root, "full", 2, tmp_path / "both")
+    assert r["format"] == "lora" and r["lora"] == "both"
+    assert "adapter/adapter_model.safetensors" in r["files"] and "model.safetensors" in r["files"]
+    files = export_run(root, "full", 2, tmp_path / "adapter", lora="adapter")["files"]
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(files)
+    assert "model.safetensors" not in files
+    ids = torch.tensor([[1, 28, 50, 71, 300, 12, 9, 5]])
+    final = Path(runs["full"]["run_dir"]) / "final"
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(final).eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "both").eval()(input_ids=ids).logits
+        assert torch.equal(merged, want)
+        for adapter in (tmp_path / "both" / "adapter", tmp_path / "adapter"):
+            peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter).eval()
+            assert torch.allclose(peft(input_ids=ids).logits, want, atol=1e-5, rtol=0)

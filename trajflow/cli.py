@@ -360,6 +360,25 @@ def gc(run_ids: Optional[List[str]] = typer.Argument(None, help="only these runs
     typer.echo(f"freed {format_bytes(freed)} in {root}")
 
 
+@app.command()
+def export(run_id: str = typer.Argument(..., help="the run"),
+           out: Path = typer.Argument(..., help="the folder to write (new or empty)"),
+           checkpoint: Optional[int] = typer.Option(None, "--checkpoint", help="checkpoint iteration (default: newest)"),
+           lora: str = typer.Option("both", "--lora", help="LoRA runs: both (merged weights, adapter in OUT/adapter), "
+                                    "merged, or adapter (OUT is peft's adapter folder)"),
+           base: Optional[str] = typer.Option(None, "--base", help="base model, if the run's model.path moved"),
+           store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP)) -> None:
+    """Write a checkpoint as a Hugging Face model folder (safetensors, config, generation config,
+    tokenizer) that AutoModelForCausalLM.from_pretrained loads; any strategy (one process, LoRA,
+    FSDP2, DeepSpeed), on the CPU."""
+    from trajflow.export import export_run
+
+    r = _run(export_run, _store_root(store), run_id, checkpoint, out, lora=lora, base=base)
+    what = {None: "weights", "both": "merged weights + LoRA adapter (adapter/)", "merged": "merged LoRA weights",
+            "adapter": "LoRA adapter (peft format)"}[r["lora"]]
+    typer.echo(f"exported checkpoint {r['iteration']} of run {run_id} ({r['format']} checkpoint, {what}) to {r['path']}")
+
+
 def _print_audit_table(table, output: Optional[Path]) -> None:
     from rich.console import Console
     from rich.table import Table
