@@ -18,6 +18,17 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ["TRAJFLOW_AUTO_PRECISION"] = "float32"
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop Prefect's temporary API server while pytest's output streams are still open: left to its
+    own exit hook, it logs "Stopping temporary server" into the closed capture stream (a logging
+    traceback after the test summary)."""
+    import sys
+
+    server = sys.modules.get("prefect.server.api.server")
+    for instance in list(getattr(getattr(server, "SubprocessASGIServer", None), "_instances", {}).values()):
+        instance.stop()
+
+
 def make_tiny_model(out: Path, seed: int = 0) -> Path:
     """A 2-layer Llama with SmolLM2's tokenizer and random weights (~1.7M parameters)."""
     import torch
