@@ -14,6 +14,8 @@ import re
 from typing import Mapping
 from uuid import UUID
 
+from trajflow.metric_names import metric_name
+
 log = logging.getLogger(__name__)
 
 #: Metrics shown in an iteration's table: exact names, or prefixes ending in ``/``.
@@ -80,7 +82,7 @@ def metrics_markdown(title: str, metrics: Mapping[str, float], *, mlflow_url: st
     lines += ["", "| metric | value |", "|---|---|"]
     for name in sorted(metrics):
         if all_metrics or _shown(name):
-            lines.append(f"| `{name}` | {_fmt(metrics[name])} |")
+            lines.append(f"| `{metric_name(name)}` | {_fmt(metrics[name])} |")  # MLflow's spelling, as everywhere
     return "\n".join(lines) + "\n"
 
 

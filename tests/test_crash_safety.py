@@ -223,6 +223,8 @@ def test_keep_best_keeps_the_best_validated_checkpoint_besides_the_newest(tmp_pa
         assert ckpt.list_checkpoints(store) == sorted(set(newest) | {best}), it
     assert ckpt.list_checkpoints(store) == [2, 5, 6]
     assert ckpt.checkpoint_scores(store, metric) == {2: 0.6, 5: 0.6, 6: 0.1}
+    # verl's '@' (as this run.json has it) and trajflow's one spelling '_at_' name the same metric
+    assert ckpt.checkpoint_scores(store, "val-core/src/acc/mean_at_1") == {2: 0.6, 5: 0.6, 6: 0.1}
     # min: the lowest value wins (iteration 6's 0.1, also the newest); an unknown metric scores nothing
     assert ckpt.best_checkpoint(store, metric, "min") == 6
     assert ckpt.best_checkpoint(store, "val-core/other", "max") is None

@@ -230,7 +230,7 @@ def test_metrics_markdown_table_and_mlflow_link():
     assert "- **MLflow**: [run abc123](http://mlflow:5000/#/experiments/3/runs/abc123)" in lines
     assert "| `critic/score/mean` | 0.5312 |" in lines
     assert "| `actor/pg_loss` | -0.01235 |" in lines
-    assert "| `val-core/basic_arithmetic/acc/mean@1` | 0.25 |" in lines
+    assert "| `val-core/basic_arithmetic/acc/mean_at_1` | 0.25 |" in lines  # one spelling, as in MLflow
     assert not any("cpu_memory" in line for line in lines)  # not a headline metric
     md = metrics_markdown("t", {"x/y": 1.0}, mlflow_run_id="abc", tracking_uri="sqlite:///m.db", all_metrics=True)
     assert "run `abc` at `sqlite:///m.db` (set `tracking.ui_url` for a link)" in md and "| `x/y` | 1 |" in md

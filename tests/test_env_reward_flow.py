@@ -54,7 +54,7 @@ def test_env_reward_is_the_score_and_replay_recomputes_it(eos_model, tmp_path):
     m = summary["metrics"]
     assert m["critic/score/mean"] == pytest.approx(sum(expected.values()) / 4, rel=1e-5)
     # Validation scored its episodes by their rewards too: every episode earns at least 0.5.
-    val = [v for k, v in m.items() if k.startswith("val-core/") and k.endswith("/acc/mean@1")]
+    val = [v for k, v in m.items() if k.startswith("val-core/") and k.endswith("/acc/mean_at_1")]
     assert val and all(v >= 0.5 for v in val)
 
     again = replay(summary["run_id"], "reward", iteration=1,  # the stored environment, named again

@@ -24,37 +24,37 @@ def test_majority_best_and_mean_of_four_samples_per_prompt():
     acc = np.array([e["acc"] for e in extras])
     scores = acc + 0.1
     m = validation_metrics([SRC] * 16, scores, extras, [[1, 2]] * 16, n=4)
-    assert m[f"val-core/{SRC}/acc/mean@4"] == pytest.approx(4 / 16)
-    assert m[f"val-core/{SRC}/acc/maj@4/mean"] == pytest.approx(1 / 4)
-    assert m[f"val-core/{SRC}/acc/best@4/mean"] == pytest.approx(3 / 4)
-    assert m[f"val-aux/{SRC}/reward/mean@4"] == pytest.approx(4 / 16 + 0.1)
+    assert m[f"val-core/{SRC}/acc/mean_at_4"] == pytest.approx(4 / 16)
+    assert m[f"val-core/{SRC}/acc/maj_at_4/mean"] == pytest.approx(1 / 4)
+    assert m[f"val-core/{SRC}/acc/best_at_4/mean"] == pytest.approx(3 / 4)
+    assert m[f"val-aux/{SRC}/reward/mean_at_4"] == pytest.approx(4 / 16 + 0.1)
     assert m["val-aux/response_length/mean"] == 2.0
     # Unbiased pass@k (Chen et al. 2021, Eq. 1), correct counts c = 2, 1, 1, 0 of n = 4:
     # k=2: 1 - C(4-c,2)/6 = 5/6, 1/2, 1/2, 0; k=3: 1, 3/4, 3/4, 0; k=4: 1, 1, 1, 0
-    assert m[f"val-core/{SRC}/acc/pass@1/mean"] == pytest.approx(1 / 4)
-    assert m[f"val-core/{SRC}/acc/pass@2/mean"] == pytest.approx((5 / 6 + 1 / 2 + 1 / 2) / 4)
-    assert m[f"val-core/{SRC}/acc/pass@3/mean"] == pytest.approx((1 + 3 / 4 + 3 / 4) / 4)
-    assert m[f"val-core/{SRC}/acc/pass@4/mean"] == pytest.approx(3 / 4)
-    assert m[f"val-core/{SRC}/acc/best@2/mean"] == pytest.approx(11 / 24)  # 0/1 accuracies: pass@2
+    assert m[f"val-core/{SRC}/acc/pass_at_1/mean"] == pytest.approx(1 / 4)
+    assert m[f"val-core/{SRC}/acc/pass_at_2/mean"] == pytest.approx((5 / 6 + 1 / 2 + 1 / 2) / 4)
+    assert m[f"val-core/{SRC}/acc/pass_at_3/mean"] == pytest.approx((1 + 3 / 4 + 3 / 4) / 4)
+    assert m[f"val-core/{SRC}/acc/pass_at_4/mean"] == pytest.approx(3 / 4)
+    assert m[f"val-core/{SRC}/acc/best_at_2/mean"] == pytest.approx(11 / 24)  # 0/1 accuracies: pass@2
     # maj@2 over the 6 pairs of each prompt (ties to the first stated): 4/6, 3/6, 2/6, 0
-    assert m[f"val-core/{SRC}/acc/maj@2/mean"] == pytest.approx((4 + 3 + 2) / 6 / 4)
-    assert f"val-core/{SRC}/acc/best@3/mean" not in m  # verl's k: 2, 4
+    assert m[f"val-core/{SRC}/acc/maj_at_2/mean"] == pytest.approx((4 + 3 + 2) / 6 / 4)
+    assert f"val-core/{SRC}/acc/best_at_3/mean" not in m  # verl's k: 2, 4
 
 
 def test_one_sample_has_no_vote_and_sources_are_kept_apart():
     extras = [_row("1", 1.0), _row("2", 0.0)]
     m = validation_metrics(["a", "b"], np.array([1.0, 0.0]), extras, [[1], [1, 2, 3]], n=1)
-    assert m == {"val-core/a/acc/mean@1": 1.0, "val-aux/a/reward/mean@1": 1.0,
-                 "val-core/b/acc/mean@1": 0.0, "val-aux/b/reward/mean@1": 0.0,
+    assert m == {"val-core/a/acc/mean_at_1": 1.0, "val-aux/a/reward/mean_at_1": 1.0,
+                 "val-core/b/acc/mean_at_1": 0.0, "val-aux/b/reward/mean_at_1": 0.0,
                  "val-aux/response_length/mean": 2.0}
 
 
 def test_two_sources_vote_per_prompt():
     extras = [_row("3", 1.0), _row("3", 1.0), _row("x", 0.0), _row("y", 1.0)]
     m = validation_metrics(["a", "a", "b", "b"], np.ones(4), extras, [[1]] * 4, n=2)
-    assert m["val-core/a/acc/maj@2/mean"] == 1.0
-    assert m["val-core/b/acc/maj@2/mean"] == 0.0  # tie "x"/"y": "x" was stated first
-    assert m["val-core/b/acc/best@2/mean"] == 1.0
+    assert m["val-core/a/acc/maj_at_2/mean"] == 1.0
+    assert m["val-core/b/acc/maj_at_2/mean"] == 0.0  # tie "x"/"y": "x" was stated first
+    assert m["val-core/b/acc/best_at_2/mean"] == 1.0
 
 
 def test_rows_not_a_multiple_of_n_name_the_key():
@@ -66,8 +66,8 @@ def test_no_vote_for_a_scorer_that_states_no_answer():
     """An environment's reward (the env scorer) extracts no answer: maj@n is left out, best@n stays."""
     extras = [{"acc": 1.0}, {"acc": 0.0}, {"acc": 0.0}, {"acc": 0.0}]
     m = validation_metrics(["env"] * 4, np.array([1.0, 0.0, 0.0, 0.0]), extras, [[1]] * 4, n=2)
-    assert "val-core/env/acc/maj@2/mean" not in m
-    assert m["val-core/env/acc/best@2/mean"] == 0.5 and m["val-core/env/acc/mean@2"] == 0.25
+    assert "val-core/env/acc/maj_at_2/mean" not in m
+    assert m["val-core/env/acc/best_at_2/mean"] == 0.5 and m["val-core/env/acc/mean_at_2"] == 0.25
 
 
 def _batch(prompts, responses, finish):

@@ -105,10 +105,12 @@ def checkpoint_scores(store: RunStore, metric: str) -> dict[int, float]:
     (``run.json``'s ``validation_<iteration>``), by iteration."""
     import math
 
+    from trajflow.metric_names import metric_name, metric_names
+
     meta = store.read_run_meta()
-    out = {}
+    out, metric = {}, metric_name(metric)  # verl's 'mean@1' and 'mean_at_1' are the same metric
     for it in list_checkpoints(store):
-        value = (meta.get(f"validation_{it:06d}") or {}).get(metric)
+        value = metric_names(meta.get(f"validation_{it:06d}") or {}).get(metric)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             out[it] = float(value)
     return out

@@ -139,7 +139,9 @@ def train(overrides: Optional[List[str]] = typer.Argument(None, help="config ove
 
 def _done_line(summary: dict) -> str:
     m = summary.get("metrics", {})
-    shown = {k: round(v, 4) for k, v in m.items() if k.startswith(("val-core", "critic/score/mean"))}
+    from trajflow.metric_names import metric_names
+
+    shown = {k: round(v, 4) for k, v in metric_names(m).items() if k.startswith(("val-core", "critic/score/mean"))}
     trained = summary.get("trained_iterations")
     span = f" (trained iterations {trained[0]}..{trained[-1]})" if trained else ""
     return f"run {summary['run_id']} done: {summary['run_dir']} {shown}{span}"
@@ -237,7 +239,9 @@ def evaluate(run_id: str = typer.Argument(..., help="the run whose checkpoint is
     from trajflow.run.progress import step_line
 
     typer.echo(step_line(result["checkpoint"], result["metrics"]))  # train's step:N line, verl's names
-    for k, v in sorted(result["metrics"].items()):
+    from trajflow.metric_names import metric_names
+
+    for k, v in sorted(metric_names(result["metrics"]).items()):
         if k.startswith("val-"):
             typer.echo(f"{k}: {v:.4f}")
     typer.echo(f"evaluation of {result['run_id']} checkpoint {result['checkpoint']}: {result['path']}")

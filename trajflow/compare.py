@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Sequence
 
 from trajflow.errors import CompareError
+from trajflow.metric_names import GLOB_CHARS, metric_name
 from trajflow.plots import metric_series, plot_curves, run_color
-from trajflow.tracking import (TAG_FROM_STAGE, TAG_PARENT_ITERATION, TAG_PARENT_RUN, TAG_SUPERSEDED_BY, mlflow_metric_name,
+from trajflow.tracking import (TAG_FROM_STAGE, TAG_PARENT_ITERATION, TAG_PARENT_RUN, TAG_SUPERSEDED_BY,
                                store_tracking_uri)
 
 DEFAULT_METRICS = ("critic/score/mean", "response_length/mean")
@@ -272,7 +273,7 @@ def choose_metrics(requested: Sequence[str] | None, available: Sequence[str]) ->
         return out
     out: list[str] = []
     for raw in requested:
-        name = mlflow_metric_name(raw.strip())
+        name = metric_name(raw.strip(), keep=GLOB_CHARS)
         hits = [m for m in avail if fnmatch.fnmatchcase(m, name)] if any(c in name for c in "*?[") else (
             [name] if name in avail else [])
         if not hits:

@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from trajflow.stages.multi_turn import multi_turn_metrics
+from trajflow.metric_names import metric_name
 from trajflow.stages.pass_at_k import best_at_k, maj_at_k, pass_at_k, verl_ks
 from trajflow.batch import lengths, trainable_lengths, trainable_mask
 
@@ -107,6 +108,9 @@ def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list
         n: responses per prompt (the ``@n`` of the names).
 
     Returns:
+        Names in verl's layout, spelled by :func:`trajflow.metric_names.metric_name` (``@`` as ``_at_``,
+        verl's MLflow spelling, and ``<source>`` with characters MLflow rejects as ``_``): the same name on
+        the console, in ``run.json`` and in MLflow. Below, ``@`` stands for that ``_at_``.
         ``val-core/<source>/acc/mean@<n>`` (accuracy averaged over all rows),
         ``val-aux/<source>/reward/mean@<n>`` and ``val-aux/response_length/mean`` (tokens); with ``n > 1``
         also, averaged over prompts (:mod:`trajflow.stages.pass_at_k`, each the exact expectation over the
@@ -130,8 +134,8 @@ def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list
     acc = np.array([float(e.get("acc", s)) if isinstance(e, dict) else float(s) for e, s in zip(extras, scores)])
     for src in sorted(set(sources)):
         sel = sources == src
-        metrics[f"val-core/{src}/acc/mean@{n}"] = float(np.nanmean(acc[sel]))
-        metrics[f"val-aux/{src}/reward/mean@{n}"] = float(np.nanmean(scores[sel]))
+        metrics[metric_name(f"val-core/{src}/acc/mean@{n}")] = float(np.nanmean(acc[sel]))
+        metrics[metric_name(f"val-aux/{src}/reward/mean@{n}")] = float(np.nanmean(scores[sel]))
     if n > 1:
         groups = [range(k, k + n) for k in range(0, len(scores), n)]
         for src in sorted(set(sources)):
@@ -139,12 +143,14 @@ def validation_metrics(data_sources: list[str], scores: np.ndarray, extras: list
             votes = any(isinstance(extras[i], dict) and "extracted" in extras[i] for g in mine for i in g)
             correct = [int(np.sum(acc[list(g)] >= 1.0)) for g in mine]
             for k in range(1, n + 1):
-                metrics[f"val-core/{src}/acc/pass@{k}/mean"] = float(np.mean([pass_at_k(n, c, k) for c in correct]))
+                pass_k = float(np.mean([pass_at_k(n, c, k) for c in correct]))
+                metrics[metric_name(f"val-core/{src}/acc/pass@{k}/mean")] = pass_k
             for k in verl_ks(n):
                 if votes:
                     maj = [maj_at_k([extras[i] for i in g], acc[list(g)], k) for g in mine]
-                    metrics[f"val-core/{src}/acc/maj@{k}/mean"] = float(np.mean(maj))
-                metrics[f"val-core/{src}/acc/best@{k}/mean"] = float(np.mean([best_at_k(acc[list(g)], k) for g in mine]))
+                    metrics[metric_name(f"val-core/{src}/acc/maj@{k}/mean")] = float(np.mean(maj))
+                best = float(np.mean([best_at_k(acc[list(g)], k) for g in mine]))
+                metrics[metric_name(f"val-core/{src}/acc/best@{k}/mean")] = best
     metrics["val-aux/response_length/mean"] = float(np.mean([len(r) for r in response_ids]))
     return metrics
 

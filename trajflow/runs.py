@@ -16,6 +16,7 @@ from typing import Any
 
 from trajflow.checkpoint import list_checkpoints
 from trajflow.errors import StoreError
+from trajflow.metric_names import metric_names
 from trajflow.store import RunStore, run_folders
 
 __all__ = ["folder_bytes", "format_bytes", "list_runs", "format_runs"]
@@ -54,6 +55,7 @@ def _last_validation(meta: dict) -> tuple[int | None, str | None, float | None]:
     keys = sorted(k for k in meta if k.startswith("validation_") and k[11:].isdigit())
     for key in reversed(keys):
         entry = meta[key] if isinstance(meta[key], dict) else {}
+        entry = metric_names(entry)  # a run written before the one spelling: '@' -> '_at_'
         core = sorted(k for k in entry if k.startswith("val-core/"))
         if core:
             return int(key[11:]), core[0], float(entry[core[0]])

@@ -16,7 +16,8 @@ What a run records (see docs/compare.md):
 - params: the flattened resolved config (``actor.lr``, ...); artifact ``config.yaml``: the same config;
 - inputs: the training and validation prompt sets as MLflow datasets (:meth:`Tracker.log_datasets`);
 - metrics: verl's names per iteration (step = iteration, 0 = before training), made valid for MLflow
-  by :func:`mlflow_metric_name` (``@`` as ``_at_``, any other character MLflow rejects as ``_``);
+  :func:`trajflow.metric_names.metric_name`'s (``@`` as ``_at_``, any other character MLflow rejects as
+  ``_``), the names the console and every other surface show too;
   two names that would become the same are kept apart by :meth:`Tracker.metric_name`; each is
   logged with the run's LoggedModel id, so the model lists them; MLflow's ``system/*`` metrics
   (``tracking.system_metrics``);
@@ -35,11 +36,8 @@ earlier session logged stay, and are not logged again when their iteration is re
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import posixpath
-import re
 import subprocess
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -47,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 from omegaconf import DictConfig
 
 from trajflow.config import flatten, to_yaml
+from trajflow.metric_names import MLFLOW_MAX_NAME, metric_name, name_hash
 
 # Replay lineage (set by the run that replays a stored stage output of another run).
 TAG_PARENT_RUN = "trajflow.parent_run_id"          # the parent's trajflow run id (= its MLflow run name)
@@ -183,44 +182,6 @@ def prefect_tags() -> dict[str, str]:
     return tags
 
 
-#: MLflow's metric-name length limit (``MAX_ENTITY_KEY_LENGTH``).
-MLFLOW_MAX_NAME = 250
-# What MLflow accepts in a metric name (mlflow.utils.validation, POSIX): word characters, '/', '.',
-# '-', ' ' and ':'.
-_BAD_CHARS = re.compile(r"[^/\w.\- :]")
-_GLOB_CHARS = "*?[]"
-
-
-def _hash8(name: str) -> str:
-    return hashlib.sha256(name.encode("utf-8")).hexdigest()[:8]
-
-
-def mlflow_metric_name(name: str, *, keep: str = _GLOB_CHARS) -> str:
-    """verl metric name -> the readable name MLflow accepts (``val-core/x/acc/mean@1`` -> ``.../mean_at_1``).
-
-    ``@`` becomes ``_at_`` (as verl's MLflow adapter writes it), every other character MLflow rejects
-    becomes ``_`` (``timing(s)/gen`` -> ``timing_s_/gen``, ``val-core/a+b/acc`` -> ``val-core/a_b/acc``),
-    path segments MLflow would normalise away (empty, ``.``, ``..``) become ``_``/``__``, and a name
-    over :data:`MLFLOW_MAX_NAME` characters is cut and ends in 8 hex digits of its sha256. Not
-    injective on its own: :meth:`Tracker.metric_name` keeps names that collide apart.
-
-    Args:
-        name: the metric name as the code reports it.
-        keep: characters left as they are (by default the glob characters, so that
-            ``trajflow compare --metric 'val/*@1'`` patterns survive); the tracker passes ``""``.
-
-    Returns:
-        The rewritten name (``name`` itself when MLflow accepts it).
-    """
-    out = _BAD_CHARS.sub(lambda m: m.group(0) if m.group(0) in keep else ("_at_" if m.group(0) == "@" else "_"),
-                         str(name))
-    if out == "" or posixpath.normpath(out) != out or out.startswith("/"):
-        out = "/".join({"": "_", ".": "_", "..": "__"}.get(part, part) for part in out.split("/"))
-    if len(out) > MLFLOW_MAX_NAME:
-        out = f"{out[:MLFLOW_MAX_NAME - 9]}.{_hash8(str(name))}"
-    return out
-
-
 class Tracker:
     """Thin wrapper over an MLflow run (client API, so several runs can coexist in one process).
 
@@ -353,7 +314,7 @@ class Tracker:
     def metric_name(self, name: str) -> str:
         """The MLflow name of a reported metric name, fixed for the rest of the run.
 
-        :func:`mlflow_metric_name` of ``name``, unless another reported name already owns that
+        :func:`trajflow.metric_names.metric_name` of ``name``, unless another reported name already owns that
         MLflow name (``val/acc@1`` and ``val/acc_at_1``): then ``<that>.<8 hex digits of sha256(name)>``,
         so no two series are merged. A name MLflow accepts as it is claims itself first within a
         :meth:`log_metrics` call, the others follow in sorted order, so the outcome does not depend
@@ -361,11 +322,11 @@ class Tracker:
         """
         if name in self._metric_names:
             return self._metric_names[name]
-        base = mlflow_metric_name(name, keep="")
+        base = metric_name(name)
         candidate, n = base, 0
         while self._metric_owners.get(candidate, name) != name:
             n += 1
-            tag = _hash8(name if n == 1 else f"{name}#{n}")
+            tag = name_hash(name if n == 1 else f"{name}#{n}")
             candidate = f"{base[:MLFLOW_MAX_NAME - 9]}.{tag}"
         if candidate != name:
             log.debug("metric %r is logged to MLflow as %r", name, candidate)
@@ -391,7 +352,7 @@ class Tracker:
         finite = {str(k): float(v) for k, v in metrics.items()
                   if isinstance(v, (int, float)) and math.isfinite(float(v))}
         # Names MLflow takes verbatim claim themselves before any rewritten name can land on them.
-        for k in sorted(finite, key=lambda k: (mlflow_metric_name(k, keep="") != k, k)):
+        for k in sorted(finite, key=lambda k: (metric_name(k) != k, k)):
             self.metric_name(k)
         items = [Metric(self.metric_name(k), v, ts, step, model_id=self.model_id) for k, v in finite.items()
                  if (self.metric_name(k), int(step)) not in self._logged]

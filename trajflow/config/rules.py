@@ -124,7 +124,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if cfg.trainer.keep_best is not None:
         if not str(cfg.trainer.keep_best).startswith(("val-core/", "val-aux/")):
             raise ConfigError(f"{source}: trainer.keep_best={cfg.trainer.keep_best!r} must name a validation metric "
-                              "(val-core/... or val-aux/..., e.g. val-core/<data_source>/acc/mean@1)")
+                              "(val-core/... or val-aux/..., e.g. val-core/<data_source>/acc/mean_at_1)")
         if cfg.trainer.test_freq <= 0:
             raise ConfigError(f"{source}: trainer.keep_best needs validation: trainer.test_freq > 0 (got "
                               f"{cfg.trainer.test_freq})")

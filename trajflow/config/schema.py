@@ -387,7 +387,8 @@ class TrainerConfig:
                               "needs); a replay of iteration N needs checkpoint N-1, so keep more for runs you "
                               "mean to replay", ge=0)
     keep_best: Optional[str] = _f(None, "also keep the best checkpoint by this validation metric (e.g. "
-                                  "val-core/reasoning_gym/basic_arithmetic/acc/mean@1), scored by the validation of "
+                                  "val-core/reasoning_gym/basic_arithmetic/acc/mean_at_1; verl's @ is read as _at_), scored by the "
+                                  "validation of "
                                   "its own iteration (save_freq a multiple of test_freq); its iteration is "
                                   "run.json's best_checkpoint")
     keep_best_mode: str = _f("max", "whether a higher (max) or lower (min) keep_best metric is better",

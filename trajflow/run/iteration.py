@@ -15,6 +15,7 @@ from pathlib import Path
 import ray
 
 from trajflow import checkpoint as ckpt
+from trajflow.metric_names import metric_name
 from trajflow.run.context import IterationState, RunContext
 from trajflow.run.progress import Progress, print_step
 
@@ -185,7 +186,7 @@ def save(ctx: RunContext, iteration: int, sampler_state: dict | None = None) -> 
     if keep_best:  # where to find it: run.json's best_checkpoint
         best = ckpt.best_checkpoint(ctx.store, *keep_best)
         if best is not None:
-            ctx.store.update_run_meta(best_checkpoint={"iteration": best, "metric": keep_best[0],
+            ctx.store.update_run_meta(best_checkpoint={"iteration": best, "metric": metric_name(keep_best[0]),
                                                        "value": ckpt.checkpoint_scores(ctx.store, keep_best[0])[best]})
     ctx.state.policy_source = ckpt.checkpoint_id(iteration)
     return path

@@ -35,9 +35,13 @@ def step_metrics(metrics: dict) -> dict[str, float]:
 
 
 def step_line(step: int, metrics: dict) -> str:
-    """``step:N - key:value - ...`` as verl prints it (numbers with 3 decimals)."""
+    """``step:N - key:value - ...`` as verl prints it (numbers with 3 decimals), each key as MLflow and
+    every other surface spell it (:func:`trajflow.metric_names.metric_name`: ``mean_at_1``, not ``mean@1``)."""
+    from trajflow.metric_names import metric_name
+
     parts = [f"step:{step}"]
     for key, value in step_metrics(metrics).items():
+        key = metric_name(key)
         try:
             parts.append(f"{key}:{float(value):.3f}")
         except (TypeError, ValueError):  # a non-numeric value is shown as it is, never dropped
