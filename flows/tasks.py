@@ -31,6 +31,7 @@ from trajflow.stages.policy_update import update_batch, update_batch_options, wi
 from trajflow.stages.reward import final_scores, overlong_floor_warning, reward_table, shaping_penalties
 from trajflow.stages.rollout import rollout_table, rollout_temperature, sampling_params, with_sampling_columns
 from trajflow.stages.staleness import check_staleness, row_staleness, staleness_metrics
+from trajflow.stages.partial_rollout import TOKEN_VERSIONS, provenance_metrics
 from trajflow.stages.seeds import Salt, iteration_seed
 from trajflow.batch import join_stages, lengths, trainable_lengths
 from trajflow.errors import NonFiniteError
@@ -41,6 +42,7 @@ from trajflow.run.gate import run_iteration_gate
 from trajflow.run.cache_keys import (AdvantageSettings, RewardSettings, RolloutSettings, advantage_inputs,
                                      reward_inputs, rollout_inputs)
 from trajflow.run.context import RunContext, get_context
+from trajflow.run.partial import run_segment
 from trajflow.run.validation import run_validation
 from trajflow.run.recovery import ensure_workers, retry_on_transient, stage_guard, stage_timeout, wait
 from trajflow.store import StageRef
@@ -148,6 +150,8 @@ def rollout_stage(ctx: RunContext, iteration: int, *, inputs: dict) -> StageRef:
                                  agent=bool(cfg.rollout.agent))
         state.timing["timing_s/gen"] = gen.timing["timing_s/gen"]
         policy_version = gen.policy_version
+    elif cfg.trainer.partial_rollout:  # a segment of the pool in flight across updates (trajflow/run/partial.py)
+        table, policy_version = run_segment(ctx, iteration, params)
     elif state.behaviour_version is not None:  # overlapped (trainer.max_staleness > 0): beside the update
         if state.behaviour_weights is not None:  # the rollouts ahead of this one are done: its weights now
             state.timing["timing_s/weight_load"] = roles.load_rollout_weights(ctx, state.behaviour_weights,
@@ -358,6 +362,10 @@ def update_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: Sta
     metrics.update(batch_metrics(stored))  # data metrics over every row, quarantined ones too
     if "staleness" in stored.column_names:  # trainer.max_staleness > 0
         metrics.update(staleness_metrics(stored.column("staleness").to_numpy()))
+    if TOKEN_VERSIONS in stored.column_names:  # trainer.partial_rollout: staleness per token and per row
+        # the trainer's version at this update, as the advantage stage counted it (staleness + policy_version)
+        trainer_version = int(stored.column("staleness")[0].as_py()) + int(stored.column("policy_version")[0].as_py())
+        metrics.update(provenance_metrics(stored.column(TOKEN_VERSIONS).to_pylist(), trainer_version))
     if cfg.algorithm.mask_truncated_samples:
         metrics["batch/masked_truncated"] = float(sum(f == "length" for f in joined.column("finish_reason").to_pylist()))
     metrics.update(state.rollout_metrics)

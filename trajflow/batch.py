@@ -38,7 +38,9 @@ PROMPT_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()
 # decoding); `temperature`/`top_p`/`top_k` the sampling settings. Optional columns: rollout `baseline_response_ids`
 # and `baseline_response_text` (ReMax), and the multi-turn columns of MULTI_TURN_COLUMNS; reward
 # `rule_score`/`rm_score` (reward model), `reward_baseline` (ReMax); advantage `staleness` int64 (the
-# trainer's policy version at the update minus the row's `policy_version`; trainer.max_staleness > 0).
+# trainer's policy version at the update minus the row's `policy_version`; trainer.max_staleness > 0);
+# rollout `token_policy_versions` list<int64> (the version that sampled each response token;
+# trainer.partial_rollout, stages/partial_rollout.py).
 #: Rollout columns of multi-turn episodes: `loss_mask` list<int8> (1 where the model generated the
 #: response token, 0 on tool/environment and template tokens; absent = all ones), `turn_spans`
 #: list<int32> (flat [start, end) offsets of each assistant turn in `response_ids`), `num_turns` int32,
@@ -50,7 +52,7 @@ MULTI_TURN_COLUMNS = ("loss_mask", "turn_spans", "num_turns", "messages", "tool_
 ROLLOUT_COLUMNS = ("sample_id", "prompt_id", "group_id", "iteration", "policy_version", "prompt",
                    "prompt_ids", "response_ids", "response_text", "rollout_logprobs", "finish_reason",
                    "ground_truth", "data_source", "extra_info", "temperature", "top_p", "top_k", "baseline_response_ids",
-                   "baseline_response_text", *MULTI_TURN_COLUMNS)
+                   "baseline_response_text", "token_policy_versions", *MULTI_TURN_COLUMNS)
 REWARD_COLUMNS = ("sample_id", "score", "reward_extra", "reward_error", "token_rewards", "ref_logprobs",
                   "rule_score", "rm_score", "reward_baseline")
 ADVANTAGE_COLUMNS = ("sample_id", "values", "advantages", "returns", "staleness")

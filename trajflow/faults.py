@@ -11,6 +11,8 @@ Points (``<iteration>`` is the training iteration, or ``*`` for any):
 ========================  ===============================================================
 ``rollout``               generation submitted to the policy worker, not yet returned
 ``after_reward``          reward output stored, advantage not started
+``weight_sync``           a weight snapshot sent to the rollout workers, not yet loaded there
+                          (an overlapped or partial rollout about to generate)
 ``update``                policy update running on the worker, its result not yet received
 ``checkpoint``            worker state written into the checkpoint's temp folder, checkpoint
                           not yet complete (no ``trainer_state.json``, not renamed)
@@ -28,7 +30,7 @@ import signal
 import sys
 
 ENV = "TRAJFLOW_FAULT"
-POINTS = ("rollout", "after_reward", "update", "checkpoint", "store_write")
+POINTS = ("rollout", "after_reward", "update", "checkpoint", "store_write", "weight_sync")
 
 
 def parse(spec: str | None) -> frozenset[tuple[str, int | None]] | None:

@@ -261,6 +261,7 @@ def _check_staleness(cfg: DictConfig, source: str) -> None:
     k = cfg.trainer.max_staleness
     if isinstance(k, bool) or not isinstance(k, int):
         raise ConfigError(f"{source}: trainer.max_staleness={k!r} must be a non-negative integer")
+    _check_partial_rollout(cfg, source)
     if k == 0:
         return
     if cfg.rollout.pool is None:
@@ -276,6 +277,36 @@ def _check_staleness(cfg: DictConfig, source: str) -> None:
         if on:
             raise ConfigError(f"{source}: trainer.max_staleness={k} does not support {what} yet (its rollout calls "
                               f"the policy workers while they train); set trainer.max_staleness=0")
+
+
+def _check_partial_rollout(cfg: DictConfig, source: str) -> None:
+    """``trainer.partial_rollout`` keeps rows in flight across weight updates: the staleness bound
+    must allow a row to outlive one update, and the rollout must be one the pool can pause.
+
+    Raises:
+        ConfigError: names the key, why it is refused and the fix.
+    """
+    if not cfg.trainer.partial_rollout:
+        return
+    k = cfg.trainer.max_staleness
+    if k < 1:
+        raise ConfigError(f"{source}: trainer.partial_rollout=true needs trainer.max_staleness >= 1 (a row paused at "
+                          f"a weight update is finished by the next policy version, so it is at least one version "
+                          f"old when trained on); set trainer.max_staleness=1 or more")
+    why = {"rollout.multi_turn.enable=true": "a paused episode would resume a turn whose environment and tool state "
+                                             "live in the rollout call that paused it, which the pool does not store",
+           "rollout.agent": "an agent's episode runs in your own code, which trajflow cannot pause and resume",
+           "algorithm.filter_groups.enable=true": "dynamic sampling scores and refills whole batches in one rollout "
+                                                  "call on the policy workers, not groups as they complete in the pool",
+           "algorithm.adv_estimator='remax'": "ReMax's greedy baseline is generated on the policy workers, which "
+                                              "are training while the pool generates"}
+    on = {"rollout.multi_turn.enable=true": bool(cfg.rollout.multi_turn.enable), "rollout.agent": bool(cfg.rollout.agent),
+          "algorithm.filter_groups.enable=true": bool(cfg.algorithm.filter_groups.enable),
+          "algorithm.adv_estimator='remax'": cfg.algorithm.adv_estimator == "remax"}
+    for what, enabled in on.items():
+        if enabled:
+            raise ConfigError(f"{source}: trainer.partial_rollout=true does not support {what}: {why[what]}; set "
+                              f"trainer.partial_rollout=false")
 
 
 def _section_node(cfg: DictConfig, key: str) -> DictConfig:

@@ -136,6 +136,9 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0.0, le=1.0)
     top_k: int = _f(0, "top-k sampling (0 = off)", ge=0)
     max_new_tokens: int = _f(32, "response length cap in tokens", ge=1)
+    partial_chunk_tokens: int = _f(0, "trainer.partial_rollout: decode steps per chunk, the granularity at which a "
+                                   "segment checks whether it has the groups its iteration needs (0 = "
+                                   "max_new_tokens // 4)", ge=0)
     micro_batch_size: int = _f(32, "decode slots: most sequences per generation step (HF engine)", ge=1)
     continuous_batching: bool = _f(True, "HF engine: start the next prompts in the slots of rows that ended "
                                    "(off: each group of micro_batch_size rows decodes until its longest ends)")
@@ -414,6 +417,10 @@ class TrainerConfig:
                             "then update); N >= 1 = the rollouts of iterations k+1..k+N are queued on the rollout "
                             "workers (rollout.pool) while iteration k updates, each generated N policy versions "
                             "behind the update that uses it (docs/overlap.md)", ge=0)
+    partial_rollout: bool = _f(False, "partial rollouts (needs max_staleness >= 1): the rollout workers keep a pool "
+                               "of groups in flight across weight updates; each iteration takes the oldest "
+                               "completed groups it needs and unfinished rows continue under the next weights "
+                               "(max_staleness bounds each row's oldest token; docs/partial_rollout.md)")
     device_peak_tflops: Optional[float] = _f(None, "peak dense TFLOP/s of one training device, the denominator of "
                                              "perf/mfu/actor; null = a known GPU's bf16 peak (H100 989, A100 "
                                              "312, ...), none on CPU (then no perf/mfu/actor)", gt=0.0)

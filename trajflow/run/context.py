@@ -40,6 +40,8 @@ class IterationState:
         behaviour_weights: the ``ObjectRef`` of that version's weights (a snapshot taken when the
             rollout was submitted), which the rollout loads into the rollout workers before it
             generates; None when they will hold that version already.
+        use_version: ``trainer.partial_rollout``: the trainer's version at the update that will use the
+            iteration's rows (fixed by the schedule when the rollout is submitted); None otherwise.
     """
 
     iteration: int
@@ -54,6 +56,7 @@ class IterationState:
     critic_update: dict[str, float] | None = None
     behaviour_version: int | None = None
     behaviour_weights: Any = None
+    use_version: int | None = None
 
 
 @dataclass(slots=True)

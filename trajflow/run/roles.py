@@ -86,15 +86,18 @@ def snapshot_rollout_weights(ctx: RunContext, iteration: int) -> tuple[int, Any]
 
 
 
-def load_rollout_weights(ctx: RunContext, weights, version: int) -> float:
+def load_rollout_weights(ctx: RunContext, weights, version: int, iteration: int | None = None) -> float:
     """Load a weight snapshot (:func:`snapshot_rollout_weights`) into every
     rollout worker, tagged with its policy ``version``; no other rollout may be in flight on them.
+    ``iteration``: the rollout's, for the ``weight_sync`` fault point (crash tests).
 
     Returns:
         The seconds it took.
     """
     t0 = time.perf_counter()
-    wait(ctx, ctx.rollout.update_weights.remote(weights, int(version)))
+    pending = ctx.rollout.update_weights.remote(weights, int(version))
+    fault_point("weight_sync", iteration)
+    wait(ctx, pending)
     return time.perf_counter() - t0
 
 

@@ -87,6 +87,11 @@ class RolloutWorker(Worker):
 
         return build_prompt_ids(self.tokenizer, messages_list, max_prompt_length, self.prompt_format)
 
+    @dispatch("rank0")
+    def detokenize(self, response_ids: list[list[int]]) -> list[str]:
+        """Responses as text without special tokens (a partial rollout's rows, decoded once they end)."""
+        return self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+
     @dispatch("broadcast")
     def update_weights(self, state: dict, version: int | None = None) -> int:
         """Load the policy's new weights ``{name: tensor}``; returns this engine's weight version.
