@@ -139,7 +139,7 @@ def probe_mlflow(root: Path, cfg, metrics: dict, sample_table: dict, gate_json: 
     from trajflow.config import load_config
     from trajflow.tracking import Tracker
 
-    probe_cfg = load_config(base=OmegaConf.create(OmegaConf.to_yaml(cfg)), overrides=["trainer.experiment_name=overhead-probe"])
+    probe_cfg = load_config(base=OmegaConf.create(OmegaConf.to_yaml(cfg)), overrides=["trainer.project_name=overhead-probe"])
     tr = Tracker(probe_cfg, "overhead-probe")
     step = [100]
 

@@ -78,7 +78,8 @@ def list_runs(client) -> list[dict]:
             continue
         end = info.end_time or None
         rows.append({
-            "run": info.run_name or info.run_id, "mlflow_run_id": info.run_id,
+            # the trajflow run id names the run folder; the MLflow run name may be trainer.experiment_name
+            "run": data.tags.get("trajflow.run_id") or info.run_name or info.run_id, "mlflow_run_id": info.run_id,
             "experiment": exps.get(info.experiment_id, info.experiment_id),
             "kind": data.tags.get("trajflow.kind", "train"), "status": info.status,
             "started": info.start_time, "wall_s": ((end - info.start_time) / 1000.0) if end and info.start_time else None,

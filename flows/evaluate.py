@@ -194,7 +194,8 @@ def evaluate_flow(run_id: Optional[str] = None, checkpoint: Optional[int] = None
                 "trajflow.checkpoint": str(step), "trajflow.policy_version": str(ctx.policy_version)}
         if meta.get("mlflow_run_id") and meta.get("tracking_uri") == tracking_uri(cfg):
             tags["mlflow.parentRunId"] = str(meta["mlflow_run_id"])  # the training run is in this store
-        tracker = Tracker(cfg, f"eval-{store.run_id}-ckpt{step:06d}", tags=tags, logged_model=False)
+        name = f"eval-{store.run_id}-ckpt{step:06d}"
+        tracker = Tracker(cfg, name, tags=tags, logged_model=False, run_name=name)  # not the trained run's name
         tracker.log_metrics(metrics, step=step)
         result = {"run_id": store.run_id, "checkpoint": step, "policy_version": ctx.policy_version,
                   "metrics": metrics, "mlflow_run_id": tracker.run_id, "evaluated_at": time.time()}

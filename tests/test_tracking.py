@@ -1,6 +1,7 @@
 """Tracker.log_table on a real MLflow SQLite store: many iterations, content that reads back."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -11,7 +12,7 @@ from trajflow.tracking import Tracker
 
 @pytest.fixture()
 def tracker(tmp_path):
-    cfg = load_config(None, [f"store.root={tmp_path}", "trainer.experiment_name=tracking-test"])
+    cfg = load_config(None, [f"store.root={tmp_path}", "trainer.project_name=tracking-test"])
     tr = Tracker(cfg, "run-under-test")
     yield tr
     tr.finish("FINISHED")
@@ -68,7 +69,7 @@ def test_metric_names_mlflow_rejects_are_rewritten_and_kept_apart(tracker):
 
 def test_colliding_names_get_the_same_mlflow_names_whatever_the_key_order(tmp_path):
     def names(order):
-        cfg = load_config(None, [f"store.root={tmp_path}", "trainer.experiment_name=tracking-order"])
+        cfg = load_config(None, [f"store.root={tmp_path}", "trainer.project_name=tracking-order"])
         tr = Tracker(cfg, "order")
         tr.log_metrics({k: 1.0 for k in order}, step=0)
         out = {k: tr.metric_name(k) for k in order}
@@ -88,3 +89,44 @@ def test_overlong_names_and_empty_path_segments_are_made_valid(tracker):
     assert logged["actor/lr"] == [(4, 1e-5)]
     assert logged[tracker.metric_name(long_name)] == [(4, 2.0)] and len(tracker.metric_name(long_name)) == 250
     assert logged["a/_/b"] == [(4, 3.0)]
+
+
+def test_verl_project_and_experiment_names_are_the_mlflow_experiment_and_run_name(tmp_path):
+    """verl's trainer.project_name / trainer.experiment_name (the same keys in trajflow): the MLflow experiment
+    and the MLflow run's name, as verl's MLflow logger uses them; the run stays findable by its trajflow id."""
+    from trajflow.compare import resolve_run
+    from trajflow.dashboards.data import list_runs
+
+    cfg = load_config(None, [f"store.root={tmp_path}", "trainer.project_name=gsm8k-grpo",
+                             "trainer.experiment_name=qwen-lr1e-6", "tracking.system_metrics=false"])
+    tr = Tracker(cfg, "trajflow-run-1", logged_model=False)
+    tr.finish("FINISHED")
+    run = tr.client.get_run(tr.run_id)
+    assert tr.client.get_experiment(run.info.experiment_id).name == "gsm8k-grpo"
+    assert run.info.run_name == "qwen-lr1e-6" and run.data.tags["trajflow.run_id"] == "trajflow-run-1"
+    assert resolve_run(tr.client, "trajflow-run-1").info.run_id == tr.run_id
+    assert [r["run"] for r in list_runs(tr.client)] == ["trajflow-run-1"]  # the dashboard's key: the run folder
+    # defaults: experiment trajflow/<recipe>, run name = the trajflow run id
+    plain = Tracker(load_config(None, [f"store.root={tmp_path}", "tracking.system_metrics=false"]), "run-2",
+                    logged_model=False)
+    plain.finish("FINISHED")
+    r2 = plain.client.get_run(plain.run_id)
+    assert r2.info.run_name == "run-2"
+    assert plain.client.get_experiment(r2.info.experiment_id).name == "trajflow/grpo_default"
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("[console,wandb]", "'wandb' is one of verl's loggers that trajflow does not write"),
+    ("[console,tensorboard]", "'tensorboard' is one of verl's loggers"),
+    ("[console]", "'mlflow' cannot be left out"),
+    ("[console,mlfow]", "unknown logger 'mlfow'"),
+])
+def test_verl_logger_key_is_checked(value, needle):
+    from trajflow.errors import ConfigError
+    from trajflow.run.progress import console_logger
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, [f"trainer.logger={value}"])
+    assert console_logger(load_config(None, ["trainer.logger=[console,mlflow]"]))
+    assert not console_logger(load_config(None, ["trainer.logger=[mlflow]"]))  # no step:N lines
+    assert not console_logger(load_config(None, ["trainer.logger=mlflow"]))

@@ -15,7 +15,7 @@ from trajflow.tracking import TAG_KEPT_RERUN_STEPS, TAG_SESSIONS, Tracker, promp
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(None, [f"store.root={tmp_path}", "trainer.experiment_name=record-test",
+    return load_config(None, [f"store.root={tmp_path}", "trainer.project_name=record-test",
                               "tracking.system_metrics=false", *extra])
 
 

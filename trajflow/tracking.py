@@ -6,9 +6,9 @@ artifacts beside it in ``<root>/mlartifacts``, so a run directory tree is self-c
 
 What a run records (see docs/compare.md):
 
-- experiment ``trajflow/<recipe>`` (or ``trainer.experiment_name``), tagged as a model-training
-  experiment (``mlflow.experimentKind=custom_model_development``, MLflow 3's "Machine learning");
-  run name = the trajflow run id;
+- experiment ``trajflow/<recipe>`` (or ``trainer.project_name``, verl's name for it), tagged as a
+  model-training experiment (``mlflow.experimentKind=custom_model_development``, MLflow 3's "Machine
+  learning"); run name = ``trainer.experiment_name`` (verl's name for it), else the trajflow run id;
 - tags ``trajflow.run_id``, ``trajflow.recipe``, ``trajflow.sessions``, MLflow's source tags
   (``mlflow.user``, ``mlflow.source.name``, ``mlflow.source.type``, ``mlflow.source.git.commit``),
   the Prefect flow run's (:func:`prefect_tags`) and, for a replay, the lineage tags of
@@ -194,20 +194,22 @@ class Tracker:
         keep_step: on resume, whether the earlier session's values at a step are the ones kept
             (the iterations up to the checkpoint resumed from); used only to record, in the tag
             :data:`TAG_KEPT_RERUN_STEPS`, which re-run steps keep the earlier session's values.
+        run_name: the MLflow run's name (default: ``trainer.experiment_name``, else ``run_id``).
         logged_model: create the run's LoggedModel (:mod:`trajflow.mlflow_model`) and log every
             metric with its id (train and replay; an evaluation has no model of its own).
     """
 
     def __init__(self, cfg: DictConfig, run_id: str, tags: Mapping[str, str] | None = None,
                  continue_from: str | None = None, keep_step: Callable[[int], bool] | None = None,
-                 logged_model: bool = True) -> None:
+                 logged_model: bool = True, run_name: str | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
         from trajflow.mlflow_model import TAG_MODEL_ID, create_policy_model
 
         self.uri = tracking_uri(cfg)
         self.client = MlflowClient(tracking_uri=self.uri)
-        name = cfg.trainer.experiment_name or f"trajflow/{cfg.recipe}"
+        # verl's names: trainer.project_name is the experiment, trainer.experiment_name the run's name.
+        name = cfg.trainer.get("project_name") or f"trajflow/{cfg.recipe}"
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
             artifact_location = None
@@ -231,7 +233,8 @@ class Tracker:
         all_tags.update(tags or {})
         if previous is None:
             all_tags[TAG_SESSIONS] = "1"
-            run = self.client.create_run(exp_id, run_name=run_id, tags=all_tags)
+            run = self.client.create_run(exp_id, run_name=run_name or cfg.trainer.get("experiment_name") or run_id,
+                                         tags=all_tags)
             self.run_id = run.info.run_id
             self.log_params(flatten(cfg))
         else:

@@ -121,6 +121,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
         raise ConfigError(f"{source}: algorithm.opd_task_coef={cfg.algorithm.opd_task_coef} adds the task reward's GRPO "
                           f"advantage, which compares the samples of one prompt: it needs rollout.n >= 2 (got "
                           f"{cfg.rollout.n})")
+    _check_logger(cfg, source)
     if cfg.trainer.keep_best is not None:
         if not str(cfg.trainer.keep_best).startswith(("val-core/", "val-aux/")):
             raise ConfigError(f"{source}: trainer.keep_best={cfg.trainer.keep_best!r} must name a validation metric "
@@ -249,6 +250,32 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
 
     validate_resources(cfg, source)
     _check_staleness(cfg, source)
+
+
+#: ``trainer.logger`` backends trajflow writes; verl also has these others, which it does not.
+LOGGERS = ("console", "mlflow")
+VERL_ONLY_LOGGERS = ("wandb", "tensorboard", "swanlab", "vemlp_wandb", "clearml", "trackio", "file")
+
+
+def _check_logger(cfg: DictConfig, source: str) -> None:
+    """``trainer.logger``: a list (or one name) of :data:`LOGGERS`, ``mlflow`` among them."""
+    value = cfg.trainer.logger
+    names = [value] if isinstance(value, str) else list(value) if OmegaConf.is_list(value) or \
+        isinstance(value, (list, tuple)) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{source}: trainer.logger={_plain(value)!r}: expected a list of names, e.g. "
+                          f"['console','mlflow']")
+    for n in names:
+        if n in VERL_ONLY_LOGGERS:
+            raise ConfigError(f"{source}: trainer.logger: {n!r} is one of verl's loggers that trajflow does not "
+                              f"write; use {list(LOGGERS)} (MLflow holds every metric: its UI, trajflow compare, "
+                              f"trajflow dashboard)")
+        if n not in LOGGERS:
+            raise ConfigError(f"{source}: trainer.logger: unknown logger {n!r}; choose from {list(LOGGERS)}")
+    if "mlflow" not in names:
+        raise ConfigError(f"{source}: trainer.logger={names}: 'mlflow' cannot be left out: it is the run's record, "
+                          f"which resume, evaluate, compare and the dashboard read (drop 'console' for a quiet "
+                          f"console)")
 
 
 def _check_staleness(cfg: DictConfig, source: str) -> None:

@@ -402,7 +402,13 @@ class TrainerConfig:
     run_id: Optional[str] = _f(None, "run id (default: generated from time and recipe)")
     device: str = _f("cpu", "torch device for workers", choices=["cpu", "cuda", "npu"])
     num_threads: int = _f(0, "torch threads per worker (0 = the worker's CPUs)", ge=0)
-    experiment_name: Optional[str] = _f(None, "MLflow experiment (default: the recipe name)")
+    project_name: Optional[str] = _f(None, "MLflow experiment the run is filed under, as verl's trainer.project_name "
+                                     "(default: trajflow/<recipe>)")
+    experiment_name: Optional[str] = _f(None, "MLflow run name, as verl's trainer.experiment_name (default: the "
+                                        "trajflow run id; the run is also tagged trajflow.run_id)")
+    logger: Any = _f(["console", "mlflow"], "where metrics go, as verl's trainer.logger: console (the step:N line "
+                     "per step) and mlflow (the run's record, which resume, compare, evaluate and the dashboard "
+                     "read: required); a single name is read as a list of one")
     log_samples: int = _f(4, "sample generations logged per iteration", ge=0)
     log_val_generations: int = _f(8, "validation generations (prompt, response, ground truth, score) logged "
                                   "to MLflow each time validation runs (verl's name)", ge=0)

@@ -17,7 +17,7 @@ import ray
 from trajflow import checkpoint as ckpt
 from trajflow.metric_names import metric_name
 from trajflow.run.context import IterationState, RunContext
-from trajflow.run.progress import Progress, print_step
+from trajflow.run.progress import Progress, console_logger, print_step
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ def log_iteration(ctx: RunContext, iteration: int, metrics: dict) -> None:
     """Publish a recorded iteration: metrics and sample responses to MLflow, its trajectories to the
     audit table, the progress bar and the console's ``step:N`` line; its live state is dropped."""
     ctx.tracker.log_metrics(metrics, step=iteration)
-    print_step(iteration, metrics)
+    if console_logger(ctx.cfg):
+        print_step(iteration, metrics)
     _log_samples(ctx, iteration)
     _append_audit(ctx, iteration, optimize=checkpoint_due(ctx, iteration))
     ctx.state.last_metrics = metrics
@@ -127,7 +128,8 @@ def log_validation(ctx: RunContext, step: int, metrics: dict) -> None:
     """Publish a validation outside an iteration (step 0, before training): MLflow and the console's
     ``step:N`` line."""
     ctx.tracker.log_metrics(metrics, step=step)
-    print_step(step, metrics)
+    if console_logger(ctx.cfg):
+        print_step(step, metrics)
 
 
 def rollout_checkpoint_id(ctx: RunContext, iteration: int) -> str:

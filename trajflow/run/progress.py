@@ -49,6 +49,12 @@ def step_line(step: int, metrics: dict) -> str:
     return " - ".join(parts)
 
 
+def console_logger(cfg) -> bool:
+    """Whether ``trainer.logger`` (verl's key: a list, or one name) asks for the console's ``step:N`` lines."""
+    value = cfg.trainer.get("logger", ["console"])
+    return "console" in ([value] if isinstance(value, str) else list(value))
+
+
 def print_step(step: int, metrics: dict) -> None:
     """Print :func:`step_line` on stdout above the live bar (tqdm clears and redraws it)."""
     from tqdm.auto import tqdm
