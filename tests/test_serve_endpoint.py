@@ -190,9 +190,9 @@ def test_refusals_are_openai_errors(policy, server, serving):
     with pytest.raises(openai.BadRequestError, match="unknown session"):
         openai.OpenAI(base_url=server.session_url("nope"), api_key=server.token,
                       max_retries=0).chat.completions.create(model="m", messages=msgs)
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        good.chat.completions.create(model="m", messages=msgs, stream=True)
-    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+    with pytest.raises(openai.BadRequestError, match="top_logprobs: expected an integer from 0 to 20, with logprobs"):
+        good.chat.completions.create(model="m", messages=msgs, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs: not available with this rollout engine"):
         good.chat.completions.create(model="m", messages=msgs, logprobs=True, top_logprobs=2)
     r = good.chat.completions.create(model="m", messages=msgs, max_tokens=50)
     assert r.usage.completion_tokens <= 3  # capped by the episode's budget

@@ -117,7 +117,8 @@ def _outcome(result: Any) -> tuple[float | None, str | None]:
 
 
 def run_agent_episodes(agent: Callable, server: "AgentServer", generate: Callable, rows: Sequence[dict],
-                       sampling: tuple[float, float, int] | None, limits: AgentLimits, seed: int = 0) -> list[AgentEpisode]:
+                       sampling: tuple[float, float, int] | None, limits: AgentLimits, seed: int = 0,
+                       top_logprobs: Callable | None = None) -> list[AgentEpisode]:
     """Run one episode of ``agent`` per row against ``server``, feeding ``generate`` from this thread.
 
     Args:
@@ -128,6 +129,8 @@ def run_agent_episodes(agent: Callable, server: "AgentServer", generate: Callabl
         sampling: ``(temperature, top_p, top_k)`` every call is sampled with (None: each request's).
         limits: the budgets and limits.
         seed: the base seed of the engine calls.
+        top_logprobs: what answers ``top_logprobs`` requests (:class:`~trajflow.serve.batching.GenerationQueue`);
+            None: they are refused.
 
     Returns:
         One :class:`AgentEpisode` per row, in order.
@@ -137,7 +140,7 @@ def run_agent_episodes(agent: Callable, server: "AgentServer", generate: Callabl
     """
     from trajflow.serve.batching import GenerationQueue
 
-    queue = GenerationQueue(generate, seed=seed)
+    queue = GenerationQueue(generate, seed=seed, top_logprobs=top_logprobs)
     server.attach(queue, sampling)
     sessions = [server.open_session(limits.budget, limits.max_prompt_length, limits.turn_tokens) for _ in rows]
     results: list[Any] = [None] * len(rows)

@@ -9,9 +9,14 @@ is every call while no rollout is running (503).
 Sampling during a training rollout is the run's (``rollout.temperature/top_p/top_k``): the stored
 rows are trained at that temperature, so a request asking for another is served with the run's and
 counted (``rollout/agent_sampling_overrides``). ``max_tokens`` is honoured up to what is left of the
-episode's budget. Not supported (HTTP 400): streaming, ``echo``, ``top_logprobs`` > 0, non-text
-content parts. vLLM-style extensions: ``return_token_ids`` (the prompt's and each choice's ids in
+episode's budget. ``stream: true`` answers with OpenAI's server-sent events (:mod:`trajflow.serve.stream`),
+``top_logprobs`` (chat, up to 20) and an integer ``logprobs`` (completions) with the most likely tokens
+computed teacher-forced (:mod:`trajflow.serve.top_logprobs`). Not supported (HTTP 400): ``echo``,
+non-text content parts. vLLM-style extensions: ``return_token_ids`` (the prompt's and each choice's ids in
 the response) and ``return_tokens_as_token_ids`` (log-prob entries name ids, ``token_id:<id>``).
+
+A standalone server (``open_budget`` > 0, :mod:`trajflow.serve.standalone`, e.g. an LLM judge) also
+serves calls without a session, each in a session of its own that is not kept.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from trajflow.serve.batching import GenerationQueue
 from trajflow.serve.chat import RequestError, assistant_message, cut_at_stop, message_key, template_messages
 from trajflow.serve.sessions import BudgetExhausted, Sample, Session, SessionClosed, Turn
+from trajflow.serve.stream import chat_chunks, completion_chunks, include_usage, sse, token_pieces
 
 #: The model name the endpoint answers to (any name is accepted in requests).
 MODEL_NAME = "trajflow-policy"
@@ -43,14 +49,17 @@ class AgentServer:
         tokenizer: the policy's tokenizer (with a chat template for chat completions).
         eos_ids: ids that end a turn.
         fmt: the tool-call format (``rollout.multi_turn.format``).
+        open_budget: > 0: a call without a session is served (most ``open_budget`` new tokens) in a
+            session of its own, not kept (a standalone server); 0: such a call is refused.
 
     Attributes:
         token: the bearer token (``api_key``) every request must carry; new per server.
         base_url: ``http://127.0.0.1:<port>``.
     """
 
-    def __init__(self, tokenizer: Any, eos_ids, fmt: str = "hermes") -> None:
+    def __init__(self, tokenizer: Any, eos_ids, fmt: str = "hermes", open_budget: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.open_budget = int(open_budget)
         self.eos_ids = [int(e) for e in eos_ids]
         self.fmt = fmt
         self.token = secrets.token_urlsafe(32)
@@ -68,13 +77,13 @@ class AgentServer:
         self.port = 0
 
     # ------------------------------------------------------------------ life cycle
-    def start(self) -> "AgentServer":
-        """Serve on 127.0.0.1 (a free port) from a daemon thread; returns once it accepts connections."""
+    def start(self, port: int = 0) -> "AgentServer":
+        """Serve on 127.0.0.1 (``port``, 0 = a free one) from a daemon thread; returns once it accepts connections."""
         import uvicorn
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", int(port)))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(build_app(self), log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
@@ -126,6 +135,8 @@ class AgentServer:
         return s
 
     def session(self, sid: str | None) -> Session:
+        if not sid and self.open_budget > 0:  # a standalone server: a session for this call alone
+            return Session(uuid.uuid4().hex, self.open_budget, 0, 0, self.eos_ids)
         if not sid:
             raise RequestError("no session: call the episode's base URL (…/s/<session>/v1) or send X-Session-Id")
         with self._lock:
@@ -149,10 +160,12 @@ class AgentServer:
         return r, key
 
     # ------------------------------------------------------------------ sampling
-    def _sample(self, prepared, body: dict, n: int, default_max: int) -> list:
+    def _sample(self, prepared, body: dict, n: int, default_max: int, top: int = 0) -> list:
         queue = self.queue
         if queue is None:
             raise _Unavailable("no rollout is running")
+        if top and queue.top_logprobs is None:
+            raise RequestError("top_logprobs: not available with this rollout engine (it needs the model in this process)")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         cap = prepared.budget if max_tokens is None else min(_int(max_tokens, "max_tokens", 1), prepared.budget)
         cap = min(cap, default_max) if max_tokens is None and default_max else cap
@@ -165,7 +178,7 @@ class AgentServer:
                     self.sampling_overrides += 1
         else:
             temperature, top_p, top_k = asked[0], asked[1], 0
-        return queue.submit(prepared.prompt_ids, n, cap, temperature, top_p, top_k).result()
+        return queue.submit(prepared.prompt_ids, n, cap, temperature, top_p, top_k, top).result()
 
     def decode(self, ids) -> str:
         with self.tokenizer_lock:
@@ -187,16 +200,30 @@ class AgentServer:
         finish = "stop" if before is not None else row.finish_reason
         return ids, lps, finish, (before if before is not None else self.decode(ids))
 
-    def _token_entries(self, ids, lps, as_ids: bool) -> list[dict]:
+    def _token_name(self, t: int, as_ids: bool) -> str:
+        """A log-prob entry's ``token``: its text, special tokens written out (``<|im_end|>``), as vLLM does."""
+        if as_ids:
+            return f"token_id:{t}"
+        with self.tokenizer_lock:
+            return self.tokenizer.decode([int(t)], skip_special_tokens=False)
+
+    def _token_entries(self, ids, lps, as_ids: bool, top=None) -> list[dict]:
         out = []
-        for t, lp in zip(ids, lps):
-            tok = f"token_id:{t}" if as_ids else self.decode([t])
-            out.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
+        for k, (t, lp) in enumerate(zip(ids, lps)):
+            tok = self._token_name(t, as_ids)
+            alts = []
+            for a, alp in (top[k] if top is not None and k < len(top) else []):
+                name = self._token_name(a, as_ids)
+                alts.append({"token": name, "logprob": float(alp), "bytes": list(name.encode("utf-8"))})
+            out.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode("utf-8")), "top_logprobs": alts})
         return out
 
     # ------------------------------------------------------------------ endpoints
     def chat(self, sid: str | None, body: dict) -> dict:
-        """``POST /v1/chat/completions`` (non-streaming)."""
+        """``POST /v1/chat/completions`` (the whole response; :meth:`stream_chat` for ``stream: true``)."""
+        return self._chat(sid, body)[0]
+
+    def _chat(self, sid: str | None, body: dict) -> tuple[dict, list[Sample]]:
         session = self.session(sid)
         _refuse_unsupported(body)
         raw = body.get("messages")
@@ -213,7 +240,10 @@ class AgentServer:
             prepared = session.prepare_chat(renderer, history, keys, tools_key)
         n = _int(body.get("n", 1), "n", 1)
         stop = _stops(body.get("stop"))
-        rows = self._sample(prepared, body, n, 0)
+        top = _int(body.get("top_logprobs") or 0, "top_logprobs", 0)
+        if top > 20 or (top and not body.get("logprobs")):
+            raise RequestError("top_logprobs: expected an integer from 0 to 20, with logprobs: true")
+        rows = self._sample(prepared, body, n, 0, top)
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         turn = Turn("chat", prepared.prompt_ids, history, keys, tools_key, prepared.parent, prepared.obs_ids,
                     prepared.drift, raw=[dict(m) for m in raw])
@@ -224,16 +254,20 @@ class AgentServer:
             turn.samples.append(Sample(ids, lps, finish, text, message))
             choice = {"index": i, "message": message,
                       "finish_reason": "tool_calls" if has_calls and finish == "stop" else finish,
-                      "logprobs": {"content": self._token_entries(ids, lps, as_ids)}
+                      "logprobs": {"content": self._token_entries(ids, lps, as_ids, row.top), "refusal": None}
                       if body.get("logprobs") and lps is not None else None}
             if body.get("return_token_ids"):
                 choice["token_ids"] = ids
             choices.append(choice)
         session.record(turn)
-        return _response("chatcmpl", "chat.completion", body, choices, prepared.prompt_ids, turn.samples)
+        return _response("chatcmpl", "chat.completion", body, choices, prepared.prompt_ids, turn.samples), turn.samples
 
     def completion(self, sid: str | None, body: dict) -> dict:
-        """``POST /v1/completions`` (non-streaming): a text prompt or token ids."""
+        """``POST /v1/completions``: a text prompt or token ids (the whole response; :meth:`stream_completion`
+        for ``stream: true``)."""
+        return self._completion(sid, body)[0]
+
+    def _completion(self, sid: str | None, body: dict) -> tuple[dict, list[Sample]]:
         session = self.session(sid)
         _refuse_unsupported(body)
         if body.get("echo"):
@@ -251,7 +285,11 @@ class AgentServer:
             prepared = session.prepare_completion(self.encode, text, ids)
         n = _int(body.get("n", 1), "n", 1)
         stop = _stops(body.get("stop"))
-        rows = self._sample(prepared, body, n, 16)  # OpenAI's default max_tokens for completions
+        want = body.get("logprobs")  # an integer here: the number of most likely tokens (0 = the sampled one's only)
+        top = 0 if want is None else _int(want, "logprobs", 0)
+        if top > 5:
+            raise RequestError("logprobs: expected an integer from 0 to 5")
+        rows = self._sample(prepared, body, n, 16, top)  # OpenAI's default max_tokens for completions
         turn = Turn("completion", prepared.prompt_ids, [text] if text is not None else [], parent=prepared.parent,
                     obs_ids=prepared.obs_ids, drift=prepared.drift)
         choices = []
@@ -259,21 +297,36 @@ class AgentServer:
             ids, lps, finish, out_text = self._cut(row, stop)
             turn.samples.append(Sample(ids, lps, finish, out_text))
             logprobs = None
-            if body.get("logprobs") is not None and lps is not None:
-                toks = [f"token_id:{t}" if body.get("return_tokens_as_token_ids") else self.decode([t])
-                        for t in ids]
+            if want is not None and lps is not None:
+                as_ids = bool(body.get("return_tokens_as_token_ids"))
+                toks = [self._token_name(t, as_ids) for t in ids]
                 offsets, pos = [], 0
                 for tok in toks:
                     offsets.append(pos)
                     pos += len(tok)
-                logprobs = {"tokens": toks, "token_logprobs": [float(x) for x in lps], "top_logprobs": None,
+                tops = None if not top or row.top is None else \
+                    [{self._token_name(a, as_ids): float(alp) for a, alp in alts} for alts in row.top[:len(ids)]]
+                logprobs = {"tokens": toks, "token_logprobs": [float(x) for x in lps], "top_logprobs": tops,
                             "text_offset": offsets}
             choice = {"index": i, "text": out_text, "finish_reason": finish, "logprobs": logprobs}
             if body.get("return_token_ids"):
                 choice["token_ids"] = ids
             choices.append(choice)
         session.record(turn)
-        return _response("cmpl", "text_completion", body, choices, prepared.prompt_ids, turn.samples)
+        return _response("cmpl", "text_completion", body, choices, prepared.prompt_ids, turn.samples), turn.samples
+
+    def stream_chat(self, sid: str | None, body: dict) -> list[dict]:
+        """``POST /v1/chat/completions`` with ``stream: true``: the response's chunks (:func:`trajflow.serve.stream.chat_chunks`)."""
+        response, samples = self._chat(sid, body)
+        pieces = [token_pieces(s.ids, c["message"].get("content") or "", self.decode)
+                  for s, c in zip(samples, response["choices"])]
+        return list(chat_chunks(response, pieces, include_usage(body)))
+
+    def stream_completion(self, sid: str | None, body: dict) -> list[dict]:
+        """``POST /v1/completions`` with ``stream: true``: the response's chunks."""
+        response, samples = self._completion(sid, body)
+        pieces = [token_pieces(s.ids, c["text"], self.decode) for s, c in zip(samples, response["choices"])]
+        return list(completion_chunks(response, pieces, include_usage(body)))
 
 
 class _Unavailable(RuntimeError):
@@ -283,10 +336,8 @@ class _Unavailable(RuntimeError):
 def _refuse_unsupported(body: dict) -> None:
     if not isinstance(body, dict):
         raise RequestError("expected a JSON object")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported: send stream=false")
-    if body.get("top_logprobs"):
-        raise RequestError("top_logprobs > 0 is not supported (the engine reports the sampled token's log-prob)")
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise RequestError(f"stream: expected true or false, got {body.get('stream')!r}")
 
 
 def _int(v: Any, name: str, lo: int) -> int:
@@ -345,7 +396,12 @@ def build_app(server: AgentServer):
             return error(401, "missing or wrong bearer token (the api_key the agent was given)",
                          "authentication_error", "invalid_api_key")
         try:
-            return JSONResponse(fn(sid or request.headers.get("x-session-id"), body))
+            sid = sid or request.headers.get("x-session-id")
+            if isinstance(body, dict) and body.get("stream"):
+                # Generated before the first event, so a refusal is still an HTTP error, as OpenAI's.
+                chunks = (server.stream_chat if fn == server.chat else server.stream_completion)(sid, body)
+                return StreamingResponse(sse(iter(chunks)), media_type="text/event-stream")
+            return JSONResponse(fn(sid, body))
         except BudgetExhausted as e:
             return error(400, str(e), "invalid_request_error", "context_length_exceeded")
         except SessionClosed as e:

@@ -28,11 +28,13 @@ class Sampled:
         ids: the sampled ids (EOS included when the model stopped), at most the request's ``max_new_tokens``.
         logprobs: the engine's log-prob per id, or None (greedy).
         finish_reason: ``stop`` (EOS) or ``length``.
+        top: with ``top_logprobs`` asked: per id, the ``k`` most likely ``(id, log-prob)`` at its position.
     """
 
     ids: list[int]
     logprobs: list[float] | None
     finish_reason: str
+    top: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -43,6 +45,7 @@ class _Request:
     temperature: float
     top_p: float
     top_k: int
+    top_logprobs: int = 0
     future: Future = field(default_factory=Future)
 
 
@@ -53,10 +56,15 @@ class GenerationQueue:
         generate: the engine's ``generate`` (:meth:`trajflow.engines.base.RolloutEngine.generate`).
         seed: the base seed; call k is sampled with a seed derived from it and k.
         window_s: how long the first pending request waits for others before the batch runs.
+        top_logprobs: ``(prompt_ids, response_ids per row, k, temperature) -> per row, per token, the
+            k most likely (id, log-prob)`` (:func:`trajflow.serve.top_logprobs.teacher_forced_top_logprobs`),
+            called from the engine's thread after sampling; None: requests for them are refused.
     """
 
-    def __init__(self, generate: Callable, seed: int = 0, window_s: float = 0.05) -> None:
+    def __init__(self, generate: Callable, seed: int = 0, window_s: float = 0.05,
+                 top_logprobs: Callable | None = None) -> None:
         self.generate = generate
+        self.top_logprobs = top_logprobs
         self.seed = int(seed)
         self.window_s = float(window_s)
         self._pending: list[_Request] = []
@@ -66,10 +74,11 @@ class GenerationQueue:
         self.rows = 0
 
     def submit(self, prompt_ids: Sequence[int], n: int, max_new_tokens: int, temperature: float,
-               top_p: float = 1.0, top_k: int = 0) -> Future:
-        """Queue one prompt for ``n`` samples; the future's result is a list of ``n`` :class:`Sampled`."""
+               top_p: float = 1.0, top_k: int = 0, top_logprobs: int = 0) -> Future:
+        """Queue one prompt for ``n`` samples (with the ``top_logprobs`` most likely tokens at each
+        position when > 0); the future's result is a list of ``n`` :class:`Sampled`."""
         req = _Request([int(t) for t in prompt_ids], int(n), int(max_new_tokens), float(temperature), float(top_p),
-                       int(top_k))
+                       int(top_k), int(top_logprobs))
         with self._cond:
             self._pending.append(req)
             self._cond.notify_all()
@@ -130,4 +139,11 @@ class GenerationQueue:
                         lps = lps[:r.max_new_tokens] if lps is not None else None
                     got.append(Sampled(ids, lps, finish))
                     row += 1
+                if r.top_logprobs > 0 and self.top_logprobs is not None:
+                    try:
+                        tops = self.top_logprobs(r.prompt_ids, [g.ids for g in got], r.top_logprobs, r.temperature)
+                    except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                        r.future.set_exception(e)
+                        continue
+                    got = [Sampled(g.ids, g.logprobs, g.finish_reason, t) for g, t in zip(got, tops)]
                 r.future.set_result(got)

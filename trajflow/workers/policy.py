@@ -361,7 +361,7 @@ class PolicyWorker(Worker):
         with self._inference():
             done = run_agent_episodes(agent, self._agent_server, self.engine.generate, rows,
                                       (float(params.temperature), float(params.top_p), int(params.top_k)), limits,
-                                      seed=int(params.seed))
+                                      seed=int(params.seed), top_logprobs=self._top_logprobs())
         self.engine.sleep()
         episodes = [d.episode for d in done]
         ids = [e.response_ids for e in episodes]
@@ -369,6 +369,18 @@ class PolicyWorker(Worker):
         return EpisodeGeneration(episodes=episodes, response_ids=ids,
                                  response_text=self.tokenizer.batch_decode(ids, skip_special_tokens=True),
                                  policy_version=self.policy_version, timing={"timing_s/gen": time.perf_counter() - t0})
+
+    def _top_logprobs(self):
+        """The endpoint's ``top_logprobs``, teacher-forced through the module the engine samples from
+        (the HF engine's); None for an engine that holds its model elsewhere (vLLM, rollout workers)."""
+        model = getattr(self.engine, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            return None
+        from functools import partial
+
+        from trajflow.serve.top_logprobs import teacher_forced_top_logprobs
+
+        return partial(teacher_forced_top_logprobs, model)
 
     @dispatch("split", split_args=("prompt_ids", "response_ids"))
     def compute_log_prob(self, prompt_ids: list[list[int]], response_ids: list[list[int]],
