@@ -28,6 +28,7 @@ from trajflow.stages.multi_turn import multi_turn_table
 from trajflow.stages.names import Stage
 from trajflow.stages.critic_update import critic_batch
 from trajflow.stages.policy_update import update_batch, update_batch_options, with_loss_mask
+from trajflow.stages.judge import judge_metrics
 from trajflow.stages.reward import final_scores, overlong_floor_warning, reward_table, shaping_penalties
 from trajflow.stages.rollout import rollout_table, rollout_temperature, sampling_params, with_sampling_columns
 from trajflow.stages.staleness import check_staleness, row_staleness, staleness_metrics
@@ -267,6 +268,7 @@ def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: 
                                 algorithm_cfg=s.algorithm(), max_new_tokens=s.max_new_tokens,
                                 kl_coef=s.kl_coef or 0.0, rm_scores=rm, reward_baselines=baselines,
                                 teacher_logprobs=teacher_lp)
+    metrics.update(judge_metrics(extras))  # reward/judge_error_frac, reward/judge_score/mean (reward.judge)
     state.reward_metrics = metrics
     state.prescored = {}
     floor = overlong_floor_warning(out.column("score").to_numpy(),

@@ -105,3 +105,49 @@ def make_eos_model(out: Path, eos_logit_scale: float = 1.7) -> Path:
         model.lm_head = head
     model.save_pretrained(out)
     return out
+
+
+def make_digit_judge(out: Path, high: str = "7", low: str = "2") -> Path:
+    """A tiny judge whose greedy reply is digits that depend on the conversation: roughly, ``high``
+    where the context holds more odd digits than even ones, else ``low``.
+
+    Embedding dimension 1 is +1 on the tokens of odd digits, -1 on even ones, 0 elsewhere; layer 0's
+    attention is uniform over the context (query and key weights zero) and carries that dimension
+    (after the layer's norm) into the residual's dimension 0 (whose own embedding is zero);
+    everything else in the blocks is zeroed. The final norm keeps only dimension 0 and the untied head maps it
+    to +50 on ``high``'s logit and -50 on ``low``'s, 0 elsewhere.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import make_tiny_model
+
+    make_tiny_model(out, seed=3)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    model.config.tie_word_embeddings = False
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        hidden = emb.shape[1]
+        emb[:, 0] = 0.0
+        emb[:, 1] = 0.0
+        for d in range(10):
+            emb[tok.convert_tokens_to_ids(str(d)), 1] = 1.0 if d % 2 else -1.0
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.down_proj.weight.zero_()
+            layer.self_attn.o_proj.weight.zero_()
+            if i == 0:
+                layer.self_attn.q_proj.weight.zero_()
+                layer.self_attn.k_proj.weight.zero_()
+                layer.self_attn.v_proj.weight.zero_()
+                layer.self_attn.v_proj.weight[0, 1] = 1.0
+                layer.self_attn.o_proj.weight[0, 0] = 10.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        head = torch.nn.Linear(hidden, model.config.vocab_size, bias=False)
+        head.weight.zero_()
+        head.weight[tok.convert_tokens_to_ids(high), 0] = 50.0
+        head.weight[tok.convert_tokens_to_ids(low), 0] = -50.0
+        model.lm_head = head
+    model.save_pretrained(out)
+    return out

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trajflow.stages.names import BUILTIN_REGISTRY_NAMES, STAGE_NAMES
+from trajflow.config.judge import check_judge
 from trajflow.config.schema import PRECISION_SECTIONS, TrajflowConfig
 from trajflow.errors import ConfigError
 
@@ -151,6 +152,7 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
     if rm.enable and not rm.path:
         raise ConfigError(f"{source}: reward.reward_model.enable=true needs reward.reward_model.path "
                           "(a sequence-classification model directory)")
+    check_judge(cfg.reward.judge, source)
     if cfg.tracking.register_model and not (cfg.tracking.log_model and cfg.tracking.model_copy):
         raise ConfigError(f"{source}: tracking.register_model={cfg.tracking.register_model!r} needs "
                           "tracking.log_model=true and tracking.model_copy=true (the registry serves a copy of the "

@@ -11,32 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
 
+from trajflow.config.fields import _f, _section
+from trajflow.config.judge import JudgeConfig
 from trajflow.stages.names import STAGE_NAMES
 
 DEFAULT_RECIPE = "grpo_default"
-
-
-def _f(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-       le: float | None = None, lt: float | None = None, choices: Sequence[Any] | None = None,
-       choices_from: str | None = None) -> Any:
-    """A dataclass field with a one-line doc and constraints checked by :func:`validate`.
-
-    ``choices_from`` names a registry (``"adv_estimator"``, ``"policy_loss"``, ``"kl"``) whose
-    registered names are the allowed values; it is resolved lazily so config stays importable
-    without torch.
-    """
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices,
-            "choices_from": choices_from}
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _section(cls: type) -> Any:
-    return field(default_factory=cls, metadata={"help": cls.__doc__ or ""})
 
 
 #: dtype names a mixed_precision.* or rollout.dtype key takes; ``auto`` is resolved by :func:`load_config`.
@@ -209,6 +191,7 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig)
     num_workers: int = _f(1, "Ray tasks that score a batch in parallel", ge=1)
     reward_model: RewardModelConfig = _section(RewardModelConfig)
+    judge: JudgeConfig = _section(JudgeConfig)
 
 
 @dataclass

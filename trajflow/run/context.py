@@ -169,6 +169,8 @@ class RunContext:
         out.pop("trust_changed_custom_function", None)  # says whether to run, not how to score
         if out.get("scorer") is None:  # unset: the digests of runs stored before the key existed still match
             out.pop("scorer", None)
+        if not (out.get("judge") or {}).get("enable"):  # likewise for runs stored before reward.judge existed
+            out.pop("judge", None)
         if not out.get("default_scorer") and self.datasets is not None:
             out["default_scorer"] = self.datasets.spec.get("scorer")
         return out

@@ -218,6 +218,13 @@ def check_reward_and_gates(cfg: DictConfig) -> None:
             raise ConfigError(str(e) if isinstance(e, ValueError) else
                               f"reward.custom_function={cfg.reward.custom_function!r}: importing it raised "
                               f"{type(e).__name__}: {e}") from None
+    if cfg.reward.judge.enable:  # the key's variable named but not set: now, not in the first reward stage
+        from trajflow.stages.judge import judge_api_key
+
+        try:
+            judge_api_key(cfg.reward.judge)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.gates.enabled:
         from trajflow.gates.suite import check_suite
 

@@ -119,7 +119,8 @@ def generate_episodes(ctx: RunContext, prompts: list, params: SamplingParams, it
 def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
           ) -> tuple[np.ndarray, list, int, np.ndarray | None]:
     """Score a rollout table's responses: rule scorers on ``reward.num_workers`` Ray tasks and, in
-    parallel, the reward model when enabled.
+    parallel, the reward model and the LLM judge (``reward.judge``, :mod:`trajflow.stages.judge`) when
+    enabled; the judge's score is combined with the rules' (``rule_weight * rule + weight * judge``).
 
     Args:
         ctx: the run.
@@ -127,7 +128,8 @@ def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
         text_column: the column holding the responses (``baseline_response_text`` for ReMax's baseline).
 
     Returns:
-        ``(rule_scores (rows,) float32, extras, num_errors, rm_scores (rows,) float32 or None)``.
+        ``(rule_scores (rows,) float32, extras, num_errors, rm_scores (rows,) float32 or None)``; with
+        the judge, ``rule_scores`` are the combined scores and the extras carry ``judge_score``/``judge_error``.
 
     Raises:
         DataError: a row scored by the ``env`` scorer has no ``env_reward`` (checked here, before any
@@ -143,20 +145,34 @@ def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
     env = rollout_env_rewards(table) if text_column == "response_text" else None
     pids = [str(p) for p in table.column("prompt_id").to_pylist()]
     check_env_rewards(cols[0], env, pids, reward_cfg)
+    judge = dict(reward_cfg.get("judge") or {})
+    rules = not (judge.get("enable") and float(judge.get("rule_weight", 0.0)) == 0.0)  # the judge alone: no rules
     k = max(1, min(ctx.cfg.reward.num_workers, rows))
     bounds = np.linspace(0, rows, k + 1).astype(int)
     remote_score = ray.remote(num_cpus=0)(score_rows)
     futures = [remote_score.remote(*[c[a:b] for c in cols], reward_cfg, None if env is None else env[a:b], pids[a:b])
-               for a, b in zip(bounds[:-1], bounds[1:])]
+               for a, b in zip(bounds[:-1], bounds[1:])] if rules else []
     rm_future = None
+    messages = [decode_nested(p) for p in table.column("prompt").to_pylist()] \
+        if ctx.reward_model is not None or judge.get("enable") else None
     if ctx.reward_model is not None:
-        messages = [decode_nested(p) for p in table.column("prompt").to_pylist()]
         rm_future = ctx.reward_model.compute_rm_score.remote(messages, cols[1])
+    verdicts = None
+    if judge.get("enable"):  # HTTP calls from the driver, while the Ray tasks score the rules
+        from trajflow.stages.judge import judge_scores
+
+        verdicts = judge_scores(judge, messages, cols[1], cols[2])
     results = wait(ctx, futures)
-    rule = np.concatenate([r.scores for r in results]).astype(np.float32) if results else np.zeros(0, np.float32)
-    extras = [e for r in results for e in r.extras]
+    rule = np.concatenate([r.scores for r in results]).astype(np.float32) if results else np.zeros(rows, np.float32)
+    extras = [e for r in results for e in r.extras] if results else [{} for _ in range(rows)]
+    errors = int(sum(r.num_errors for r in results))
+    if verdicts is not None:
+        from trajflow.stages.judge import combine
+
+        rule, extras = combine(rule, extras, verdicts, judge)
+        errors += sum(e is not None for e in verdicts.errors)
     rm = np.asarray(wait(ctx, rm_future), dtype=np.float32) if rm_future is not None else None
-    return rule, extras, int(sum(r.num_errors for r in results)), rm
+    return rule, extras, errors, rm
 
 
 def greedy_baseline(ctx: RunContext, table: pa.Table, params: SamplingParams) -> pa.Table:
