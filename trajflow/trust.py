@@ -14,6 +14,9 @@ environment factory and the tools of a tool config; start-up checks import the r
   code stops with one line saying how to consent; one that does not (``gate``) drops it.
 - **Consent flags** (:data:`CONSENT_KEYS`) stored in the file are reset to their defaults: only the
   caller's command line grants consent.
+- **Judge endpoint**: a stored ``reward.judge.base_url`` (where responses are sent for judging) and
+  ``reward.judge.api_key_env`` (the environment variable whose secret is sent with them) are used only
+  when the caller names them again; with the judge on, a command that scores stops with one line.
 - **Tracking URI**: a stored ``tracking.uri`` different from the caller's (their override, else
   the SQLite store under ``store.root``) is reported in one line and not used, unless the caller
   names it again.
@@ -39,6 +42,8 @@ CODE_KEYS = ("reward.custom_function", "rollout.multi_turn.environment", "rollou
 CONSENT_KEYS = ("reward.trust_changed_custom_function", "reward.custom_function_sha256")
 #: Where a stored config sends the run's data.
 URI_KEYS = ("tracking.uri",)
+#: The LLM judge's endpoint and the environment variable whose secret is sent to it.
+JUDGE_KEYS = ("reward.judge.base_url", "reward.judge.api_key_env")
 
 
 def override_keys(overrides: Sequence[str]) -> set[str]:
@@ -170,6 +175,7 @@ def screen_stored_config(stored: DictConfig, overrides: Sequence[str], source: s
                               f"(anyone who can write the folder could have put it there): "
                               f"{_consent_hint(key, value)} to use it")
         _set(cfg, key, _default(key))
+    _screen_judge(cfg, overrides, source, needs_code)
     uri = _get(cfg, "tracking.uri")
     if uri and "tracking.uri" not in named:
         _set(cfg, "tracking.uri", None)  # the caller's default: the SQLite store under store.root
@@ -181,6 +187,26 @@ def screen_stored_config(stored: DictConfig, overrides: Sequence[str], source: s
                   f"data is sent): logging to {store_tracking_uri(root)}; pass tracking.uri={uri} to log there",
                   file=report or sys.stderr, flush=True)
     return cfg
+
+
+def _screen_judge(cfg: DictConfig, overrides: Sequence[str], source, needs_code: bool) -> None:
+    """A stored ``reward.judge.base_url`` (where responses are sent) or ``api_key_env`` (whose secret
+    goes with them) is used only when the caller names it again: refused while the judge is on for a
+    command that scores (naming the key and how to consent), else dropped (the judge then off)."""
+    named = override_keys(overrides)
+    enable = override_value(overrides, "reward.judge.enable")
+    on = enable.lower() in ("true", "1", "yes", "on") if enable is not None else bool(_get(cfg, "reward.judge.enable"))
+    for key in JUDGE_KEYS:
+        value = _get(cfg, key)
+        if value in (None, "") or key in named:
+            continue
+        if needs_code and on:
+            raise ConfigError(f"{source}: names {key}={value!r}; a run folder does not choose where responses are "
+                              f"sent or which secret goes with them: pass {key}={value} again to use it (or "
+                              f"reward.judge.enable=false)")
+        _set(cfg, key, None)
+        if key == "reward.judge.base_url":
+            _set(cfg, "reward.judge.enable", False)
 
 
 def check_custom_function_hash(cfg: DictConfig, source: str = "config") -> None:
