@@ -175,3 +175,41 @@ def test_an_unparseable_judge_is_asked_again_only_when_sampling(tmp_path, monkey
         assert len(calls) == 6 and all(e is not None for e in r.errors)
     finally:
         s.stop()
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_the_judge_scores_a_training_iteration(judge_server, tiny_model_dir, tmp_path, monkeypatch):
+    """Through the real flow (Prefect, Ray, MLflow on SQLite): the stored scores are the judge's verdicts
+    on the stored prompts and responses, recomputed here by a plain forward of the judge model."""
+    import pyarrow.parquet as pq
+
+    from tests.conftest import tiny_overrides
+    from trajflow.batch import decode_nested
+    from trajflow.flows.train import train
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    server, judge_dir = judge_server
+    monkeypatch.setenv("TRAJFLOW_TEST_JUDGE_KEY", "judge-token")
+    over = tiny_overrides(tiny_model_dir, tmp_path / "runs", **{
+        "trainer.total_iterations": 1, "trainer.test_freq": 0, "trainer.save_freq": 0, "trainer.log_samples": 0,
+        "reward.judge.enable": True, "reward.judge.base_url": server.base_url, "reward.judge.max_tokens": 1,
+        "reward.judge.api_key_env": "TRAJFLOW_TEST_JUDGE_KEY", "gates.enabled": True})
+    summary = train(None, over)
+    m = summary["metrics"]
+    assert m["reward/judge_error_frac"] == 0.0
+    it = Path(summary["run_dir"]) / "iterations" / "000001"
+    rollout = pq.read_table(it / "rollout.parquet").to_pylist()
+    reward = {r["sample_id"]: r for r in pq.read_table(it / "reward.parquet").to_pylist()}
+    tok = AutoTokenizer.from_pretrained(judge_dir)
+    model = AutoModelForCausalLM.from_pretrained(judge_dir, dtype=torch.float32).eval()
+    want = []
+    for row in rollout:
+        text = judge_prompt(DEFAULT_JUDGE_TEMPLATE, decode_nested(row["prompt"]), row["response_text"],
+                            row["ground_truth"])
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      return_dict=True)["input_ids"]
+        with torch.no_grad():
+            want.append(int(tok.decode([int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())])) / 10)
+        assert reward[row["sample_id"]]["reward_error"] is None
+    assert [reward[r["sample_id"]]["score"] for r in rollout] == pytest.approx(want)
+    assert m["reward/judge_score/mean"] == pytest.approx(np.mean(want))
