@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import set_all_threads, verdict  # noqa: E402
@@ -79,6 +80,9 @@ def main() -> None:
                 line += (f"; agent calls {sum(e.agent_calls for e in eps)}, drift tokens "
                          f"{sum(e.tito_drift_tokens for e in eps)} (in {sum(e.tito_drift_tokens > 0 for e in eps)} "
                          f"episodes), agent errors {sum(e.agent_error is not None for e in eps)}")
+                kinds = Counter(str(e.agent_error).split(":")[0] for e in eps if e.agent_error is not None)
+                if kinds:
+                    line += " (" + ", ".join(f"{k} x{v}" for k, v in kinds.most_common()) + ")"
             print(line, flush=True)
     served, builtin = sum(rates["served"]) / len(rates["served"]), sum(rates["built-in"]) / len(rates["built-in"])
     verdict("served / built-in generated tokens per second", served / builtin, 0.8, fmt="{:.2f}")
