@@ -43,7 +43,7 @@ from trajflow.run.gate import run_iteration_gate
 from trajflow.run.cache_keys import (AdvantageSettings, RewardSettings, RolloutSettings, advantage_inputs,
                                      reward_inputs, rollout_inputs)
 from trajflow.run.context import RunContext, get_context
-from trajflow.run.partial import run_segment
+from trajflow.run.partial import restore_segment_metrics, run_segment
 from trajflow.run.validation import run_validation
 from trajflow.run.recovery import ensure_workers, retry_on_transient, stage_guard, stage_timeout, wait
 from trajflow.store import StageRef
@@ -123,6 +123,8 @@ def _reuse_rollout(ctx: RunContext, iteration: int) -> None:
         roles.load_rollout_weights(ctx, state.behaviour_weights, state.behaviour_version)
         state.behaviour_weights = None
     _rewind_data_cursor(ctx, iteration)
+    if ctx.cfg.trainer.partial_rollout:
+        restore_segment_metrics(ctx, iteration)
     record = ctx.store.read_iteration_json(iteration, "dynamic_sampling.json")
     if record:
         for _ in range(int(record["extra_draws"])):

@@ -45,6 +45,8 @@ def _ov(**extra) -> list[str]:
      r"does not support algorithm.filter_groups.enable=true: dynamic sampling scores and refills whole batches"),
     ({"trainer.max_staleness": 2, "algorithm.adv_estimator": "remax"},
      r"does not support algorithm.adv_estimator='remax': ReMax's greedy baseline"),
+    ({"trainer.max_staleness": 1, "rollout.engine": "vllm", "rollout.top_p": 0.9},
+     r"rollout.engine=vllm needs rollout.top_p=1 and rollout.top_k=0: under a top-k/top-p filter"),
 ])
 def test_unsupported_partial_rollouts_are_config_errors_naming_why(extra, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -292,8 +294,12 @@ def test_kill_mid_sync_and_mid_segment_resumes_to_the_uninterrupted_run(partial_
             assert sha(store / "k" / "iterations" / f"{it:06d}" / f) == \
                 sha(store / "ref" / "iterations" / f"{it:06d}" / f), f"iteration {it} {f} differs"
     assert_same_weights(store / "k" / "final" / "model.safetensors", store / "ref" / "final" / "model.safetensors")
-    # The pools stored before the crash were read back, not regenerated.
+    # The pools stored before the crash were read back, not regenerated, with their segments' metrics.
     assert {it: _written_at(store / "k", it, "inflight") for it in (3, 4)} == partial_runs["k1_written"]
+    for it in (3, 4, 5):
+        ref_m, k_m = (json.loads((store / r / "iterations" / f"{it:06d}" / "update.json").read_text()) for r in ("ref", "k"))
+        keys = [key for key in ref_m if key.startswith(("rollout/", "rollout_corr/", "actor/"))]
+        assert "rollout/partial/chunks" in keys and {key: k_m[key] for key in keys} == {key: ref_m[key] for key in keys}
     for name in ("k2", "k3"):
         assert "resuming run k from checkpoint 000002" in partial_runs[name].stdout
 
@@ -309,14 +315,14 @@ def test_lora_partial_rollouts_at_staleness_one_by_hand(tiny_model_dir, ray_loca
       tokens of v2) and taken; staleness 1; segment 4 (v3): it3's rows, 6 tokens of v2 and 2 of v3.
 
     Iteration 1 is on-policy (the segment's weights are the trainer's): the engine's log-probs equal
-    the trainer's."""
+    the trainer's. Validation after iterations 2 and 4 scores the policy between segments."""
     from tests.conftest import tiny_overrides
     from trajflow.flows.train import train
 
     lora = {"model.lora_rank": 4, "model.lora_alpha": 8, "actor.lr": 1e-3}
     ov = tiny_overrides(tiny_model_dir, tmp_path, **SPLIT, **lora, **{
         "trainer.max_staleness": 1, "trainer.partial_rollout": True, "trainer.total_iterations": 4,
-        "trainer.test_freq": 0, "trainer.save_freq": 0, "rollout.partial_chunk_tokens": 2})
+        "trainer.test_freq": 2, "trainer.save_freq": 0, "rollout.partial_chunk_tokens": 2})
     run = Path(train(None, ov, run_id="lora-partial")["run_dir"])
     expected = {1: ("it000001", [0] * 8), 2: ("it000001", [0] * 8), 3: ("it000002", [1] * 2 + [2] * 6),
                 4: ("it000003", [2] * 6 + [3] * 2)}
@@ -327,5 +333,7 @@ def test_lora_partial_rollouts_at_staleness_one_by_hand(tiny_model_dir, ray_loca
         assert a.column("staleness").to_pylist() == [it - 1 - min(versions)] * 4 == [0 if it == 1 else 1] * 4
     first = json.loads((run / "iterations" / "000001" / "update.json").read_text())
     assert first["actor/rollout_logprob_diff"] < 1e-4 and first["rollout/staleness/token_max"] == 0
+    meta = json.loads((run / "run.json").read_text())
+    assert "validation_000002" in meta and "validation_000004" in meta
     last = json.loads((run / "iterations" / "000004" / "update.json").read_text())
     assert last["rollout/staleness/token_mean"] == pytest.approx(0.75) and last["rollout/partial/resumed_frac"] == 1.0

@@ -336,6 +336,11 @@ def _check_partial_rollout(cfg: DictConfig, source: str) -> None:
         if enabled:
             raise ConfigError(f"{source}: trainer.partial_rollout=true does not support {what}: {why[what]}; set "
                               f"trainer.partial_rollout=false")
+    if cfg.rollout.engine == "vllm" and (float(cfg.rollout.top_p) < 1.0 or int(cfg.rollout.top_k or 0)):
+        raise ConfigError(f"{source}: trainer.partial_rollout=true with rollout.engine=vllm needs rollout.top_p=1 and "
+                          f"rollout.top_k=0: under a top-k/top-p filter vLLM reports no log-probs the trainer can use, "
+                          f"and a row paused across versions keeps the behaviour log-prob of every token only from "
+                          f"the engine (top_p={cfg.rollout.top_p}, top_k={cfg.rollout.top_k})")
 
 
 def _section_node(cfg: DictConfig, key: str) -> DictConfig:

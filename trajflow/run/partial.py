@@ -118,13 +118,21 @@ def run_segment(ctx: RunContext, iteration: int, params: SamplingParams) -> tupl
         chunks += 1
     texts = wait(ctx, ctx.rollout.detokenize.remote(pool.column("response_ids").to_pylist()))
     batch, rest = pr.take_batch(pool, groups, iteration, use, n_max, texts)
-    ctx.store.write_stage(iteration, INFLIGHT, rest, version)
     state.timing["timing_s/gen"] = time.perf_counter() - t0
-    state.rollout_metrics.update({
+    metrics = {
         "rollout/partial/chunks": float(chunks),
         "rollout/partial/prefill_tokens": float(prefill),  # prompt + response tokens prefilled for the chunks
         "rollout/partial/carried_rows": float(0 if carried is None else carried.num_rows),
         "rollout/partial/inflight_rows": float(rest.num_rows),
         "rollout/partial/inflight_started_rows": float(sum(1 for v in rest.column(pr.TOKEN_VERSIONS).to_pylist() if v)),
-    })
+    }
+    state.rollout_metrics.update(metrics)
+    # Before the rollout file: a stored rollout is reused only with its pool stored (the next segment reads it).
+    ctx.store.write_stage(iteration, INFLIGHT, rest, version, meta={"metrics": metrics})
     return batch, version
+
+
+def restore_segment_metrics(ctx: RunContext, iteration: int) -> None:
+    """A stored segment is reused (resume): put its ``rollout/partial/*`` metrics back in the iteration."""
+    entry = ctx.store.stage_entry(iteration, INFLIGHT) or {}
+    ctx.iteration(iteration).rollout_metrics.update(entry.get("meta", {}).get("metrics", {}))
