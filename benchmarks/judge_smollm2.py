@@ -2,7 +2,7 @@
 called through the real ``openai`` client, on a small set of arithmetic answers whose correctness is
 known (half right, half wrong).
 
-    python benchmarks/judge_smollm2.py [--items 12] [--model smollm2-135m-instruct]
+    python benchmarks/judge_smollm2.py [--items 12] [--model smollm2-135m-instruct] [--few-shot] [--max-tokens 32]
 
 Prints each verdict (the judge's reply, the parsed score, whether the answer was right), then:
 the judgements that failed (``reward/judge_error_frac``), whether a second pass gave the same
@@ -37,10 +37,19 @@ def items(k: int) -> list[tuple[str, str, str, bool]]:
     return out
 
 
+#: Two graded examples, then the answer: what a small model copies the format from.
+FEW_SHOT = ("Grade the answer: Score: 10 if it equals the reference, Score: 0 if not.\n\n"
+            "Question: What is 12 + 30?\nReference: 42\nAnswer: 12 + 30 = 42\nScore: 10\n\n"
+            "Question: What is 25 + 17?\nReference: 42\nAnswer: 25 + 17 = 52\nScore: 0\n\n"
+            "Question: {question}\nReference: {ground_truth}\nAnswer: {response}\nScore:")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=12)
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--few-shot", action="store_true", help="a template with two graded examples before the answer")
+    ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
 
     import numpy as np
@@ -56,13 +65,16 @@ def main() -> None:
     server = ModelServer(str(path), max_new_tokens=64).start()
     os.environ["TRAJFLOW_BENCH_JUDGE_KEY"] = server.token
     cfg = dict(load_config(None, ["reward.judge.enable=true", f"reward.judge.base_url={server.base_url}",
-                                  "reward.judge.api_key_env=TRAJFLOW_BENCH_JUDGE_KEY", "reward.judge.max_tokens=32",
-                                  "reward.judge.timeout_s=300"]).reward.judge)
+                                  "reward.judge.api_key_env=TRAJFLOW_BENCH_JUDGE_KEY",
+                                  f"reward.judge.max_tokens={args.max_tokens}", "reward.judge.timeout_s=300"]).reward.judge)
+    if args.few_shot:
+        cfg["prompt_template"] = FEW_SHOT
     rows = items(args.items)
     prompts = [[{"role": "user", "content": q}] for q, _, _, _ in rows]
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; torch "
           f"{torch.__version__}, {threads} threads; judge {args.model}, {len(rows)} answers, temperature "
-          f"{cfg['temperature']}, seed {cfg['seed']}, the default prompt template", flush=True)
+          f"{cfg['temperature']}, seed {cfg['seed']}, {'the few-shot' if args.few_shot else 'the default'} prompt "
+          f"template, up to {args.max_tokens} tokens", flush=True)
     try:
         t = time.perf_counter()
         first = judge_scores(cfg, prompts, [a for _, a, _, _ in rows], [g for _, _, g, _ in rows])
