@@ -14,12 +14,14 @@ of a batch's matmuls, which also differs between batch sizes without any joining
 
 from __future__ import annotations
 
+import copy
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from trajflow.stages.rollout import SamplingParams, sample_tokens
+from trajflow.engines.kv_cache import use_slack_layers
 from trajflow.modeling.compat import cache_kwargs, output_cache
 from trajflow.modeling.forward import layout_prompts, encode_prompts
 from trajflow.modeling.support import final_logits
@@ -31,8 +33,10 @@ def mergeable(cache) -> bool:
     quantized, static or recurrent layers keep something else and cannot be joined by padding."""
     from transformers.cache_utils import DynamicLayer
 
+    from trajflow.engines.kv_cache import SlackLayer
+
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None
+    return bool(layers) and all(type(layer) in (DynamicLayer, SlackLayer) and getattr(layer, "keys", None) is not None
                                 and layer.keys.dim() == 4 for layer in layers)
 
 
@@ -72,13 +76,16 @@ def _left_pad_mask(m: torch.Tensor, width: int) -> torch.Tensor:
 def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
                       seeds: Sequence[int], params: SamplingParams, slots: int, pad_id: int,
                       eos_ids: Sequence[int], device, share_prefix: bool, join: bool = True,
-                      on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      on_step: Callable[[int], None] | None = None,
+                      in_place_cache: bool = True, split_groups: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample ``params.n`` responses for every prompt with at most ``slots`` rows per decode step.
 
-    Prompts are admitted in the order of ``groups`` (lists of prompt indices, concatenated): as many
-    as fit the free slots (``n`` rows each; a prompt is admitted into an empty batch even if ``n >
-    slots``) are laid out together around their common prefix (:func:`layout_prompts`), encoded once
-    and their cache repeated ``n`` times (:func:`encode_prompts`), then joined to the running batch
+    Rows are admitted in the order of ``groups`` (lists of prompt indices, concatenated; a prompt's
+    ``n`` rows one after the other), as many as there are free slots (``split_groups``; else whole
+    prompts, one into an empty batch even if ``n > slots``). A prompt is prefilled once, when its first
+    row is admitted, together with the next pending prompts (up to ``slots // n`` in all), laid out around
+    their common prefix (:func:`layout_prompts`, :func:`encode_prompts`); its cache is kept until its
+    last row is admitted, and each admitted row's copy is joined to the running batch
     (:func:`join_caches`). Each step feeds one token per live row at position = its count of real
     tokens; a row leaves at EOS or at ``params.max_new_tokens`` tokens, and columns that became padding
     for every remaining row are dropped. With ``join=False`` (or a cache that is not
@@ -96,6 +103,11 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
         seeds: one seed per group.
         slots: most rows per decode step (``rollout.micro_batch_size``).
         on_step: called with the number of rows of every decode forward (statistics).
+        in_place_cache: append each step's keys and values in place
+            (:class:`trajflow.engines.kv_cache.SlackLayer`) instead of ``torch.cat`` per step.
+        split_groups: with continuous batching, fill every free slot at once with the next pending
+            row, even if the rest of its prompt's ``n`` rows must wait for later slots (the prompt's
+            prefilled KV cache is kept for them); off, a prompt starts only when ``n`` slots are free.
 
     Returns:
         ``tokens`` ``(len(prompts) * n, T)`` int64, row ``i * n + s`` the ``s``-th sample of prompt
@@ -109,9 +121,10 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
     logprobs = None if params.greedy else torch.zeros(total, T, dtype=torch.float32)
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     column = {i: c for members in groups for c, i in enumerate(members)}  # a prompt's place in its group
-    draws: dict[int, torch.Tensor] = {}     # group -> (T, rows) uniforms, until its last prompt is admitted
-    unadmitted = {g: len(members) for g, members in enumerate(groups)}
-    pending = deque(i for members in groups for i in members)
+    draws: dict[int, torch.Tensor] = {}     # group -> (T, rows) uniforms, until its last row is admitted
+    unadmitted = {g: len(members) * n for g, members in enumerate(groups)}
+    pending = deque((i, s) for members in groups for i in members for s in range(n))  # rows, prompt-major
+    prefills = _Prefills(decoder, head, model.config, prompts, n, pad_id, device, share_prefix, max(1, slots // n))
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
 
     rows = torch.zeros(0, dtype=torch.long)                 # output row of each batch row
@@ -121,31 +134,32 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
     can_join = join
     while pending or rows.numel():
         live = rows.numel()
-        admit: list[int] = []
-        while pending:
-            first_into_empty = live == 0 and not admit
-            if not first_into_empty and not ((can_join or live == 0) and live + (len(admit) + 1) * n <= slots):
-                break
-            admit.append(pending.popleft())
-        if admit:
-            layout = layout_prompts([prompts[i] for i in admit], pad_id, device, share_prefix)
-            hidden, new_cache = encode_prompts(decoder, layout)
-            new_logits = final_logits(model.config, head(hidden[:, -1])).repeat_interleave(n, dim=0)
-            if n > 1:
-                new_cache.batch_repeat_interleave(n)
-            new_rows = torch.tensor([i * n + s for i in admit for s in range(n)], dtype=torch.long)
-            new_attn = layout.attention_mask.repeat_interleave(n, dim=0)
-            new_pos = layout.position_ids[:, -1:].repeat_interleave(n, dim=0)
+        take: list[tuple[int, int]] = []
+        if live == 0 or can_join:
+            if can_join and split_groups:
+                while pending and live + len(take) < slots:
+                    take.append(pending.popleft())
+            else:  # whole prompts (what is left of each), at least one into an empty batch
+                while pending:
+                    k = _leading_rows_of_one_prompt(pending)
+                    if (live or take) and live + len(take) + k > slots:
+                        break
+                    take.extend(pending.popleft() for _ in range(k))
+        for piece in prefills.admit(take, pending):
+            new_cache, new_logits, new_attn, new_pos = piece.cache, piece.logits, piece.attn, piece.pos
+            if in_place_cache:
+                use_slack_layers(new_cache, T)
+            new_rows = torch.tensor([i * n + s for i, s in piece.rows], dtype=torch.long)
             new_u = None
             if not params.greedy:
-                new_u = torch.cat([_group_draws(draws, group_of[i], groups, seeds, n, T)
-                                   [:, column[i] * n:(column[i] + 1) * n].T for i in admit])
-            for i in admit:
+                new_u = torch.stack([_group_draws(draws, group_of[i], groups, seeds, n, T)[:, column[i] * n + s]
+                                     for i, s in piece.rows])
+            for i, _ in piece.rows:
                 g = group_of[i]
                 unadmitted[g] -= 1
                 if unadmitted[g] == 0:
                     draws.pop(g, None)
-            if live == 0:
+            if rows.numel() == 0:
                 cache, logits, attn, pos, rows, u_rows = new_cache, new_logits, new_attn, new_pos, new_rows, new_u
                 step = torch.zeros(len(new_rows), dtype=torch.long)
                 can_join = join and mergeable(cache)
@@ -193,6 +207,88 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
         cache = output_cache(out)
         logits = final_logits(model.config, head(out.last_hidden_state[:, -1]))
     return tokens, logprobs
+
+
+def _leading_rows_of_one_prompt(pending: deque) -> int:
+    """How many rows at the head of ``pending`` (``(prompt, sample)`` pairs) belong to its first prompt."""
+    first, k = pending[0][0], 0
+    for i, _ in pending:
+        if i != first:
+            break
+        k += 1
+    return k
+
+
+class _Piece(NamedTuple):
+    rows: list[tuple[int, int]]   # (prompt, sample) of each row
+    cache: object                 # the rows' own KV cache (prompt positions)
+    logits: torch.Tensor          # (rows, V) next-token logits after the prompt
+    attn: torch.Tensor            # (rows, W) attention mask of the prompt columns
+    pos: torch.Tensor             # (rows, 1) position id of the last prompt token
+
+
+class _Prefills:
+    """Prompts prefilled and kept until their last row is admitted (a prompt's rows may start at
+    different decode steps when groups are split across slots)."""
+
+    def __init__(self, decoder, head, config, prompts, n: int, pad_id, device, share_prefix: bool,
+                 chunk: int) -> None:
+        self.decoder, self.head, self.config, self.prompts, self.n = decoder, head, config, prompts, n
+        self.pad_id, self.device, self.share_prefix, self.chunk = pad_id, device, share_prefix, chunk
+        self.held: dict[int, tuple[dict, int]] = {}   # prompt -> (prefill batch, its row there)
+        self.left: dict[int, int] = {}                 # prompt -> rows not yet admitted
+
+    def admit(self, take: list[tuple[int, int]], pending: deque) -> list[_Piece]:
+        """The rows ``take`` as pieces, one per prefill batch they come from (in order)."""
+        if not take:
+            return []
+        missing = [i for i in dict.fromkeys(i for i, _ in take) if i not in self.held]
+        if missing:
+            ahead = [i for i in dict.fromkeys(i for i, _ in pending) if i not in self.held and i not in missing]
+            self._prefill(missing + ahead[:max(0, self.chunk - len(missing))])
+        pieces: list[_Piece] = []
+        by_batch: dict[int, tuple[dict, list[int], list[tuple[int, int]]]] = {}
+        for i, s in take:
+            batch, j = self.held[i]
+            by_batch.setdefault(id(batch), (batch, [], []))
+            by_batch[id(batch)][1].append(j)
+            by_batch[id(batch)][2].append((i, s))
+            self.left[i] -= 1
+            if self.left[i] == 0:
+                del self.held[i], self.left[i]
+        for batch, js, rows in by_batch.values():
+            idx = torch.tensor(js, dtype=torch.long, device=batch["logits"].device)
+            pieces.append(_Piece(rows, select_rows(batch["cache"], idx), batch["logits"][idx],
+                                 batch["attn"][idx], batch["pos"][idx]))
+        return pieces
+
+    def _prefill(self, members: list[int]) -> None:
+        layout = layout_prompts([self.prompts[i] for i in members], self.pad_id, self.device, self.share_prefix)
+        hidden, cache = encode_prompts(self.decoder, layout)
+        batch = dict(cache=cache, logits=final_logits(self.config, self.head(hidden[:, -1])),
+                     attn=layout.attention_mask, pos=layout.position_ids[:, -1:])
+        for j, i in enumerate(members):
+            self.held[i] = (batch, j)
+            self.left[i] = self.n
+
+
+def select_rows(cache, idx: torch.Tensor):
+    """A new cache holding the rows ``idx`` of ``cache`` (which is unchanged)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(getattr(layer, "keys", None) is None or layer.keys.dim() != 4 for layer in layers):
+        out = copy.deepcopy(cache)  # a cache of another kind: its own row selection
+        out.batch_select_indices(idx)
+        return out
+    out = copy.copy(cache)
+    out.layers = []
+    for layer in cache.layers:
+        new = copy.copy(layer)
+        new.keys, new.values = layer.keys.index_select(0, idx), layer.values.index_select(0, idx)
+        for buf in ("_kbuf", "_vbuf"):
+            if buf in new.__dict__:
+                setattr(new, buf, None)
+        out.layers.append(new)
+    return out
 
 
 def _group_draws(draws: dict, g: int, groups, seeds, n: int, T: int) -> torch.Tensor:

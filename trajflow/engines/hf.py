@@ -75,6 +75,19 @@ class HFRolloutEngine(RolloutEngine):
 
         self.source = model
         self.model = model
+        self.pad_id = pad_id
+        self.eos_ids = list(eos_ids)
+        self.micro_batch_size = micro_batch_size
+        self.continuous_batching = continuous_batching
+        self.device = device
+        # A bf16 copy's linear weights packed for oneDNN once per sync (trajflow.modeling.packed_linear):
+        # a decode step's small-M matmuls then skip the per-call weight reorder. Bit-identical output.
+        self.pack_weights = True
+        # Each decode step appends its keys and values in place (trajflow.engines.kv_cache).
+        self.in_place_cache = True
+        # Free slots take the next rows at once, a prompt's rows possibly starting at different steps.
+        self.split_groups = True
+        self._packed = self._pack_checked = False
         target = DTYPES[dtype] if dtype is not None else None
         self._released = False
         if target is not None and any(p.is_floating_point() and p.dtype != target for p in model.parameters()):
@@ -82,11 +95,6 @@ class HFRolloutEngine(RolloutEngine):
             self._dtype = target
             self._released = True
             self.sync()
-        self.pad_id = pad_id
-        self.eos_ids = list(eos_ids)
-        self.micro_batch_size = micro_batch_size
-        self.continuous_batching = continuous_batching
-        self.device = device
         # Data-parallel ranks with sharded parameters (ZeRO-3) must run every decoding step together.
         self.synced_gpus = False
 
@@ -109,6 +117,7 @@ class HFRolloutEngine(RolloutEngine):
         """
         if not self.own_copy:
             return
+        self._unpack(restore=False)  # the packed weights are stale; the emptied ones are cast below
         mine = dict(_tensors(self.model))
         src: dict[str, torch.Tensor] = dict(self.source.named_buffers())
         if buckets is None:
@@ -125,9 +134,25 @@ class HFRolloutEngine(RolloutEngine):
             if name in src:
                 self._cast_into(t, src[name])
         self._released = False
+        self._pack()
+
+    def _pack(self) -> None:
+        from trajflow.modeling.packed_linear import pack_linears, packing_available
+
+        if self.pack_weights and self.own_copy and packing_available(self._dtype, self.device):
+            pack_linears(self.model, self.micro_batch_size, check=not self._pack_checked)
+            self._packed = self._pack_checked = True
+
+    def _unpack(self, restore: bool) -> None:
+        from trajflow.modeling.packed_linear import unpack_linears
+
+        if self._packed:
+            unpack_linears(self.model, restore=restore)
+            self._packed = False
 
     def _cast_into(self, t: torch.Tensor, value: torch.Tensor) -> None:
-        if self._released and t.is_floating_point():
+        # An emptied tensor (released, or a weight emptied while packed) gets new storage.
+        if (self._released or t.shape != value.shape) and t.is_floating_point():
             t.data = value.detach().to(self._dtype, copy=True)
         else:
             t.copy_(value)
@@ -139,6 +164,7 @@ class HFRolloutEngine(RolloutEngine):
         copy had, as long as every change to it is followed by a sync, as the policy worker does)."""
         if not self.own_copy or self._released:
             return
+        self._unpack(restore=False)
         for _, t in _tensors(self.model):
             if t.is_floating_point():
                 t.data = t.data.new_empty(0)
@@ -182,7 +208,11 @@ class HFRolloutEngine(RolloutEngine):
             RuntimeError: a name the module does not have.
         """
         state = dict(named_tensors.items() if hasattr(named_tensors, "items") else named_tensors)
+        was_packed = self._packed
+        self._unpack(restore=True)  # load_state_dict copies into whole weights
         missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if was_packed:
+            self._pack()
         if unexpected:
             raise RuntimeError(f"update_weights: unknown weights {unexpected[:3]}")
 
@@ -271,7 +301,8 @@ class HFRolloutEngine(RolloutEngine):
             else:
                 resp, step_lp = decode_continuous(self.model, prompts, groups, seeds, params, self.micro_batch_size,
                                                   self.pad_id, self.eos_ids, self.device, share_prefix,
-                                                  join=self.continuous_batching, on_step=steps.append)
+                                                  join=self.continuous_batching, on_step=steps.append,
+                                                  in_place_cache=self.in_place_cache, split_groups=self.split_groups)
                 self._collect(resp, step_lp, range(total), responses, finish, logprobs)
         finally:
             self.model.train(was_training)
