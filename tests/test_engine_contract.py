@@ -121,6 +121,7 @@ def test_the_policy_worker_calls_only_the_contract_and_the_chosen_sync(tiny_mode
 
 
 def test_the_hf_engine_sleeps_and_wakes_its_cast_copy(tiny_model_dir):
+    from trajflow.modeling.packed_linear import dense_parameters
     from trajflow.models import load_causal_lm
 
     model = load_causal_lm(str(tiny_model_dir), "float32", "cpu")
@@ -130,7 +131,8 @@ def test_the_hf_engine_sleeps_and_wakes_its_cast_copy(tiny_model_dir):
     assert all(p.numel() == 0 for p in eng.model.parameters())
     eng.wake_up()
     src = dict(model.named_parameters())
-    for name, p in eng.model.named_parameters():
+    # The weights as the copy's layers use them (a bf16 linear's may live in its oneDNN-packed copy).
+    for name, p in dense_parameters(eng.model).items():
         assert torch.equal(p, src[name].detach().to(torch.bfloat16)), name
     shared = HFRolloutEngine(model, 0, [2], 4, "cpu")
     shared.sleep()  # nothing of its own to release

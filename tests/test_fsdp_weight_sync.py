@@ -47,7 +47,18 @@ def peak_bytes(fn) -> tuple[int, int]:
 
 class MeteredPolicyWorker(PolicyWorker):
     """A policy rank that measures its own weight syncs (:func:`peak_bytes`) and counts the bytes of
-    every ``update_weights`` call its engine receives."""
+    every ``update_weights`` call its engine receives.
+
+    The hf engine's bf16 copy keeps plain weights here (no oneDNN packing): a packed copy is made
+    anew at every sync after the old one is freed, and the profiler that meters the sync cannot see
+    the free of a block allocated before it started, so it would count every packed layer as held.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if hasattr(self.engine, "pack_weights"):
+            self.engine.pack_weights = False
+            self.engine._unpack(restore=True)
 
     def metered_push(self) -> dict:
         calls: list[int] = []
@@ -66,7 +77,10 @@ class MeteredPolicyWorker(PolicyWorker):
 
     def engine_copy(self) -> dict:
         """The hf engine's own copy (rollout.dtype), as float32 numpy arrays."""
-        return {k: v.detach().float().numpy().copy() for k, v in self.engine.model.state_dict().items()}
+        from trajflow.modeling.packed_linear import dense_state_dict
+
+        # A packed bf16 linear's weight is read back from its packed copy.
+        return {k: v.detach().float().numpy().copy() for k, v in dense_state_dict(self.engine.model).items()}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from trajflow.stages.rollout_correction import rollout_mismatch_metrics
 from trajflow.config import ActorConfig, MixedPrecisionConfig, ModelConfig, RolloutConfig, load_config
 from trajflow.errors import ConfigError
 from trajflow.modeling.backends import deepspeed_config
+from trajflow.modeling.packed_linear import dense_parameters
 from trajflow.modeling.forward import forward_micro_batch
 from trajflow.modeling.packing import pack
 from trajflow.modeling.precision import autocast, bf16_is_fast
@@ -115,7 +116,7 @@ def test_bf16_rollout_samples_from_its_own_copy_resynced_after_each_update(tiny_
     _, out, batch = _rollout_and_batch(w)
     metrics = w.update_actor(batch)
     trained = dict(w.model.named_parameters())
-    for name, p in eng.model.named_parameters():
+    for name, p in dense_parameters(eng.model).items():  # a packed bf16 linear's weight read back
         assert torch.equal(p, trained[name].detach().to(torch.bfloat16)), name
     # The sampler's log-probs differ from the trainer's: the mismatch is measured, and is small.
     assert metrics["rollout_corr/max_abs_diff"] > 0
@@ -293,7 +294,7 @@ def test_bf16_rollout_copy_holds_no_weights_during_the_update_and_samples_as_bef
     w.update_actor(batch)
     assert seen and all(n == 0 for n in seen)  # every micro-batch of the update ran without the copy
     trained = dict(w.model.named_parameters())
-    for name, p in eng.model.named_parameters():
+    for name, p in dense_parameters(eng.model).items():  # a packed bf16 linear's weight read back
         assert torch.equal(p, trained[name].detach().to(torch.bfloat16)), name
 
     # Released and rebuilt without an update in between: the same weights, so the same samples.

@@ -28,9 +28,11 @@ class HFRolloutEngine(RolloutEngine):
 
     Decoding is trajflow's own loop (:func:`trajflow.engines.batching.decode_continuous`), not
     ``generate``: a row that emits EOS leaves the batch at once (its KV cache rows are dropped), and
-    with ``continuous_batching`` the freed slots are refilled with the next prompts (prefilled, their
-    cache joined to the running batch), so every step runs up to ``micro_batch_size`` rows until the
-    last prompts drain; tokens are drawn by :func:`trajflow.stages.rollout.sample_tokens` with one pre-drawn
+    with ``continuous_batching`` the freed slots are refilled with the next rows, one slot at a time
+    (a prompt is prefilled once and its cache kept for its later rows), their cache joined to the
+    running batch, so every step runs ``micro_batch_size`` rows until the last prompts drain; each
+    step appends its keys and values in place (:mod:`trajflow.engines.kv_cache`), and a bf16 copy's
+    linear weights are packed for oneDNN (:mod:`trajflow.modeling.packed_linear`, bit-identical); tokens are drawn by :func:`trajflow.stages.rollout.sample_tokens` with one pre-drawn
     uniform per row and token from a generator seeded per group of ``micro_batch_size // n``
     prompts (the same samples whatever the schedule), and their log-probs come from the same logits. Under ZeRO-3 (``synced_gpus``) every rank must run
     the same number of forwards, so ``generate(synced_gpus=True)`` is used instead; a model the fast
@@ -119,6 +121,7 @@ class HFRolloutEngine(RolloutEngine):
             return
         self._unpack(restore=False)  # the packed weights are stale; the emptied ones are cast below
         mine = dict(_tensors(self.model))
+        packable = self._packable()
         src: dict[str, torch.Tensor] = dict(self.source.named_buffers())
         if buckets is None:
             src.update(dict(self.source.named_parameters()))
@@ -126,6 +129,7 @@ class HFRolloutEngine(RolloutEngine):
             for bucket in buckets:
                 for name in [n for n in bucket if n in mine]:
                     self._cast_into(mine.pop(name), bucket[name])
+                    self._pack_one(packable.get(name))
                 del bucket  # before the next one is gathered
         missing = [name for name in mine if name not in src and isinstance(mine[name], torch.nn.Parameter)]
         if buckets is not None and missing:
@@ -133,10 +137,32 @@ class HFRolloutEngine(RolloutEngine):
         for name, t in mine.items():
             if name in src:
                 self._cast_into(t, src[name])
+                self._pack_one(packable.get(name))
         self._released = False
         self._pack()
 
+    def _packable(self) -> dict:
+        """``{weight name: (module, free its plain weight)}`` of the layers :meth:`_pack` packs
+        (none when packing is off or unavailable)."""
+        from trajflow.modeling.packed_linear import packing_available, shared_weights
+
+        if not (self.pack_weights and self.own_copy and packing_available(self._dtype, self.device)):
+            return {}
+        shared = shared_weights(self.model)
+        return {f"{prefix}.weight": (m, id(m.weight) not in shared) for prefix, m in self.model.named_modules()
+                if type(m) is torch.nn.Linear}
+
+    def _pack_one(self, entry) -> None:
+        """Pack one layer right after its weight was cast (so a sync holds one layer's plain weight
+        beyond the copy at a time, not all of them)."""
+        from trajflow.modeling.packed_linear import pack_linear
+
+        if entry is not None:
+            pack_linear(entry[0], self.micro_batch_size, check=not self._pack_checked, free_weight=entry[1])
+            self._packed = True
+
     def _pack(self) -> None:
+        """Pack every bf16 linear of the copy not packed yet (trajflow.modeling.packed_linear)."""
         from trajflow.modeling.packed_linear import pack_linears, packing_available
 
         if self.pack_weights and self.own_copy and packing_available(self._dtype, self.device):

@@ -41,7 +41,7 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, getattr(self, _PACKED), self.bias, "none", [], "")
 
 
-def _shared_weights(model: torch.nn.Module) -> set[int]:
+def shared_weights(model: torch.nn.Module) -> set[int]:
     """``id`` of every parameter used by more than one module (a tied LM head and input embedding)."""
     seen: dict[int, int] = {}
     for module in model.modules():
@@ -53,46 +53,52 @@ def _shared_weights(model: torch.nn.Module) -> set[int]:
 @torch.no_grad()
 def pack_linears(model: torch.nn.Module, rows: int, check: bool = True) -> int:
     """Pack the weight of every ``torch.nn.Linear`` (exact type) of ``model`` whose weight is bf16 and
-    non-empty, and make its ``forward`` use the packed weight.
-
-    With ``check``, each layer's packed output on a random ``(rows, in_features)`` input must equal
-    ``F.linear`` bit for bit, else the layer stays plain (a caller that re-packs the same layers
-    after a weight change checks only the first time). An untied weight is emptied (``weight.data``
-    of 0 elements, the dtype kept); a tied one (the LM head sharing the embedding) keeps its storage.
-
-    Args:
-        model: the module, frozen (no gradients flow through packed layers).
-        rows: the batch size the packing is tuned for (decode slots).
-        check: compare each packed layer with ``F.linear`` before using it.
+    non-empty (:func:`pack_linear`), the modules that are not packed yet.
 
     Returns:
-        The number of layers packed.
+        The number of layers packed by this call.
     """
-    shared = _shared_weights(model)
-    packed = 0
-    gen = torch.Generator().manual_seed(0)
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if type(module) is not torch.nn.Linear or hasattr(module, _PACKED) or w is None \
-                or w.dtype != torch.bfloat16 or w.numel() == 0 or w.device.type != "cpu":
-            continue
-        try:
-            p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), max(1, int(rows)))
-            same = True
-            if check:
-                x = torch.randn(max(1, int(rows)), w.shape[1], generator=gen).to(w.dtype)
-                same = torch.equal(torch.ops.mkldnn._linear_pointwise(x, p, module.bias, "none", [], ""),
-                                   torch.nn.functional.linear(x, w, module.bias))
-        except RuntimeError:
-            same = False
-        if not same:
-            continue
-        setattr(module, _PACKED, p)
-        module.forward = types.MethodType(_packed_forward, module)
-        if id(w) not in shared:
-            w.data = w.data.new_empty(0)
-        packed += 1
-    return packed
+    shared = shared_weights(model)
+    return sum(pack_linear(m, rows, check, id(getattr(m, "weight", None)) not in shared) for m in model.modules())
+
+
+@torch.no_grad()
+def pack_linear(module: torch.nn.Module, rows: int, check: bool = True, free_weight: bool = True) -> bool:
+    """Pack ``module``'s weight if it is a ``torch.nn.Linear`` (exact type) with a non-empty bf16 CPU
+    weight not packed yet, and make its ``forward`` use the packed weight.
+
+    With ``check``, the packed output on a random ``(rows, in_features)`` input must equal
+    ``F.linear`` bit for bit, else the layer stays plain (a caller that re-packs the same layers after
+    a weight change checks only the first time). With ``free_weight`` the plain weight is emptied
+    (``weight.data`` of 0 elements, the dtype kept); pass ``False`` for a weight another module
+    uses too (a tied LM head and input embedding, :func:`shared_weights`).
+
+    Args:
+        module: a module of a frozen model (no gradients flow through packed layers).
+        rows: the batch size the packing is tuned for (decode slots).
+
+    Returns:
+        Whether the layer was packed.
+    """
+    w = getattr(module, "weight", None)
+    if type(module) is not torch.nn.Linear or hasattr(module, _PACKED) or w is None \
+            or w.dtype != torch.bfloat16 or w.numel() == 0 or w.device.type != "cpu":
+        return False
+    rows = max(1, int(rows))
+    try:
+        p = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+        if check:
+            x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, p, module.bias, "none", [], ""),
+                               torch.nn.functional.linear(x, w, module.bias)):
+                return False
+    except RuntimeError:
+        return False
+    setattr(module, _PACKED, p)
+    module.forward = types.MethodType(_packed_forward, module)
+    if free_weight:
+        w.data = w.data.new_empty(0)
+    return True
 
 
 @torch.no_grad()
@@ -108,3 +114,23 @@ def unpack_linears(model: torch.nn.Module, restore: bool = True) -> None:
             module.weight.data = p.to_dense()
         delattr(module, _PACKED)
         del module.forward  # the instance attribute; the class's forward again
+
+
+def dense_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of every parameter (``named_parameters``) as the layers use it: a packed
+    layer's weight read back from its packed copy (exactly), the others as they are."""
+    return _dense(model, dict(model.named_parameters()))
+
+
+def dense_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every packed layer's weight read back from its packed copy."""
+    return _dense(model, dict(model.state_dict()))
+
+
+def _dense(model: torch.nn.Module, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        p = getattr(module, _PACKED, None)
+        name = f"{prefix}.weight" if prefix else "weight"
+        if p is not None and module.weight.numel() == 0 and name in out:
+            out[name] = p.to_dense()
+    return out
