@@ -21,6 +21,12 @@ class Salt(IntEnum):
     UPDATE_RNG = 5       # torch's global RNG during the actor update (dropout, ...)
 
     @staticmethod
+    def validation_chunk(chunk: int) -> int:
+        """The salt of validation's generation call ``chunk`` (``data.val_batch_size`` prompts each):
+        chunk 0 is seeded as a validation in one call was (``VALIDATION``), later chunks get ``1000 + k``."""
+        return int(Salt.VALIDATION) if chunk == 0 else 1000 + int(chunk)
+
+    @staticmethod
     def dynamic(gen_batch: int) -> int:
         """The salt of dynamic sampling's generation batch ``gen_batch`` (0 is the iteration's own batch,
         seeded like any rollout; later batches get ``100 + k``)."""

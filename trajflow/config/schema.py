@@ -83,6 +83,8 @@ class DataConfig:
     train_batch_size: int = _f(8, "prompts per iteration", ge=1)
     max_prompt_length: int = _f(512, "prompts longer than this many tokens are an error", ge=1)
     val_max_prompts: int = _f(64, "validation prompts used per evaluation (0 = all)", ge=0)
+    val_batch_size: int = _f(64, "validation prompts per generation call (0 = all in one); the console's live "
+                             "line advances after each", ge=0)
 
 
 @dataclass

@@ -92,7 +92,7 @@ NO_EFFECT: tuple[str, ...] = (
     ARR + "actor.ulysses_sequence_parallel_size",
     "critic.model.fsdp_config.param_offload", "critic.model.fsdp_config.optimizer_offload",
     "critic.model.use_remove_padding", "data.filter_overlong_prompts", "data.truncation", "data.shuffle",
-    "data.val_batch_size", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.critic_warmup",
+    "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.critic_warmup",
     "trainer.default_local_dir",
 )
 
