@@ -406,7 +406,9 @@ def stages_for(cfg: DictConfig) -> SimpleNamespace:
             ``stage_timeouts``).
 
     Returns:
-        A namespace with ``rollout``, ``reward``, ``gate``, ``advantage``, ``update`` and ``validate`` tasks.
+        A namespace with ``rollout``, ``reward``, ``gate``, ``advantage``, ``update`` and ``validate`` tasks,
+        each a :class:`~trajflow.flows.graph.LinkedTask` (called like the task; the Prefect graph's edges
+        are the stages it really waits for). Call it once per flow run.
     """
     t = cfg.trainer
 
@@ -414,6 +416,10 @@ def stages_for(cfg: DictConfig) -> SimpleNamespace:
         return fn.with_options(retries=int(t.stage_retries), retry_delay_seconds=float(t.stage_retry_delay_s),
                                timeout_seconds=stage_timeout(cfg, stage.value))
 
-    return SimpleNamespace(rollout=configured(rollout_stage, Stage.ROLLOUT), reward=configured(reward_stage, Stage.REWARD),
-                           gate=configured(gate_stage, Stage.GATE), advantage=configured(advantage_stage, Stage.ADVANTAGE),
-                           update=configured(update_stage, Stage.UPDATE), validate=configured(validate_stage, Stage.VALIDATE))
+    from trajflow.flows.graph import LinkedTask, StageGraph
+
+    graph = StageGraph()  # one per flow run: the Prefect graph's edges (flows/graph.py)
+    stages = {"rollout": (rollout_stage, Stage.ROLLOUT), "reward": (reward_stage, Stage.REWARD),
+              "gate": (gate_stage, Stage.GATE), "advantage": (advantage_stage, Stage.ADVANTAGE),
+              "update": (update_stage, Stage.UPDATE), "validate": (validate_stage, Stage.VALIDATE)}
+    return SimpleNamespace(**{name: LinkedTask(configured(fn, st), name, graph) for name, (fn, st) in stages.items()})
