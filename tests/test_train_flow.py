@@ -158,3 +158,26 @@ def test_mlflow_record_has_model_system_metrics_datasets_links_and_validation_sa
     samples = pd.read_json(client.download_artifacts(mlrun.info.run_id, "samples/iteration_000002.json",
                                                      str(root / "dl-samples")), orient="split")
     assert samples["prompt"].tolist() == prompts
+
+
+def test_prefect_graph_each_stage_waits_for_exactly_what_it_uses(run):
+    """The Prefect run graph, read back from Prefect's API: each stage task run's upstream (its task_inputs,
+    wait_for included) is exactly what it waits for, rollout -> reward -> gate -> advantage -> update, the
+    next rollout and the validation after the update: no edge more, none less (flows/graph.py)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+
+    rid = run[0]["run_id"]
+    with get_client(sync_client=True) as client:
+        flows = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"train-{rid}"])))
+        assert len(flows) == 1
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flows[0].id])))
+    names = {t.id: t.name.replace(f"-{rid}-", "-") for t in tasks}
+    graph = {names[t.id]: {names.get(i.id, f"outside:{i.id}") for inputs in t.task_inputs.values() for i in inputs
+                           if getattr(i, "input_type", "") == "task_run"} for t in tasks}
+    expected = {"validate-step0": set()}
+    for it in (1, 2):
+        before = {f"update-it{it - 1}"} if it > 1 else set()
+        r, w, g, a, u = (f"{s}-it{it}" for s in ("rollout", "reward", "gate", "advantage", "update"))
+        expected |= {r: before, w: {r}, g: {r, w}, a: {r, w, g}, u: {r, w, g, a}, f"validate-step{it}": {u}}
+    assert graph == expected
