@@ -146,6 +146,23 @@ def judge_api_key(cfg: Mapping) -> str:
     return value
 
 
+def judge_client(cfg: Mapping, base_url: str | None = None, api_key: str | None = None) -> Any:
+    """An ``openai.OpenAI`` client for the judge, with ``timeout_s`` and ``max_retries``.
+
+    Args:
+        cfg: the ``reward.judge`` section as a dict.
+        base_url: the endpoint (default ``cfg["base_url"]``; the judge worker's for ``model_path``).
+        api_key: the bearer token (default: :func:`judge_api_key`; the run's token for ``model_path``).
+
+    Raises:
+        ValueError: no ``api_key`` given and the key's environment variable is named but not set.
+    """
+    import openai
+
+    return openai.OpenAI(base_url=str(base_url or cfg["base_url"]), api_key=api_key or judge_api_key(cfg),
+                         timeout=float(cfg.get("timeout_s", 60.0)), max_retries=int(cfg.get("max_retries", 2)))
+
+
 def judge_scores(cfg: Mapping, prompts: Sequence[Any], responses: Sequence[str], ground_truths: Sequence[Any],
                  client: Any = None) -> JudgeResult:
     """Ask the judge about every response (``cfg["concurrency"]`` requests at once).
@@ -155,8 +172,7 @@ def judge_scores(cfg: Mapping, prompts: Sequence[Any], responses: Sequence[str],
         prompts: per row, the prompt's chat messages (or text).
         responses: per row, the text judged.
         ground_truths: per row, the reference answer (or None).
-        client: an ``openai.OpenAI`` client to use (default: one for ``cfg["base_url"]`` with the key
-            from :func:`judge_api_key`, ``timeout_s`` and ``max_retries``).
+        client: an ``openai.OpenAI`` client to use (default: :func:`judge_client`, for ``cfg["base_url"]``).
 
     Returns:
         :class:`JudgeResult`; never raises for a failed judgement (it is that row's error).
@@ -167,8 +183,7 @@ def judge_scores(cfg: Mapping, prompts: Sequence[Any], responses: Sequence[str],
     import openai
 
     if client is None:
-        client = openai.OpenAI(base_url=str(cfg["base_url"]), api_key=judge_api_key(cfg),
-                               timeout=float(cfg.get("timeout_s", 60.0)), max_retries=int(cfg.get("max_retries", 2)))
+        client = judge_client(cfg)
     temperature = float(cfg.get("temperature", 0.0))
     # At temperature 0 the same request gives the same reply: asking again would not help.
     tries = 1 + (int(cfg.get("max_retries", 2)) if temperature > 0 else 0)

@@ -55,6 +55,15 @@ def test_config_rules_and_the_api_key_variable(monkeypatch):
     with pytest.raises(ConfigError, match="score_max"):
         load_config(None, ["reward.judge.enable=true", "reward.judge.base_url=http://127.0.0.1:9/v1",
                            "reward.judge.score_max=0"])
+    # A judge trajflow serves: model_path instead of base_url, exactly one, with its own token.
+    with pytest.raises(ConfigError, match="name one"):
+        load_config(None, ["reward.judge.enable=true", "reward.judge.base_url=http://127.0.0.1:9/v1",
+                           "reward.judge.model_path=smollm2-135m-instruct"])
+    with pytest.raises(ConfigError, match="its own per-run token"):
+        load_config(None, ["reward.judge.enable=true", "reward.judge.model_path=smollm2-135m-instruct",
+                           "reward.judge.api_key_env=TRAJFLOW_TEST_JUDGE_KEY"])
+    assert load_config(None, ["reward.judge.enable=true", "reward.judge.model_path=smollm2-135m-instruct"]
+                       ).reward.judge.model_path == "smollm2-135m-instruct"
     assert judge_api_key({"api_key_env": None}) == "EMPTY"
     monkeypatch.delenv("TRAJFLOW_TEST_JUDGE_KEY", raising=False)
     with pytest.raises(ValueError, match="TRAJFLOW_TEST_JUDGE_KEY"):
@@ -177,24 +186,14 @@ def test_an_unparseable_judge_is_asked_again_only_when_sampling(tmp_path, monkey
         s.stop()
 
 
-@pytest.mark.usefixtures("ray_local")
-def test_the_judge_scores_a_training_iteration(judge_server, tiny_model_dir, tmp_path, monkeypatch):
-    """Through the real flow (Prefect, Ray, MLflow on SQLite): the stored scores are the judge's verdicts
-    on the stored prompts and responses, recomputed here by a plain forward of the judge model."""
+def _check_flow_scores(summary: dict, judge_dir: Path) -> list[float]:
+    """The stored scores of the run's iteration 1 are the judge's verdicts on the stored prompts and
+    responses, recomputed by a plain forward of the judge model; returns them."""
     import pyarrow.parquet as pq
-
-    from tests.conftest import tiny_overrides
-    from trajflow.batch import decode_nested
-    from trajflow.flows.train import train
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    server, judge_dir = judge_server
-    monkeypatch.setenv("TRAJFLOW_TEST_JUDGE_KEY", "judge-token")
-    over = tiny_overrides(tiny_model_dir, tmp_path / "runs", **{
-        "trainer.total_iterations": 1, "trainer.test_freq": 0, "trainer.save_freq": 0, "trainer.log_samples": 0,
-        "reward.judge.enable": True, "reward.judge.base_url": server.base_url, "reward.judge.max_tokens": 1,
-        "reward.judge.api_key_env": "TRAJFLOW_TEST_JUDGE_KEY", "gates.enabled": True})
-    summary = train(None, over)
+    from trajflow.batch import decode_nested
+
     m = summary["metrics"]
     assert m["reward/judge_error_frac"] == 0.0
     it = Path(summary["run_dir"]) / "iterations" / "000001"
@@ -213,3 +212,53 @@ def test_the_judge_scores_a_training_iteration(judge_server, tiny_model_dir, tmp
         assert reward[row["sample_id"]]["reward_error"] is None
     assert [reward[r["sample_id"]]["score"] for r in rollout] == pytest.approx(want)
     assert m["reward/judge_score/mean"] == pytest.approx(np.mean(want))
+    return want
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_the_judge_scores_a_training_iteration(judge_server, tiny_model_dir, tmp_path, monkeypatch):
+    """Through the real flow (Prefect, Ray, MLflow on SQLite): the stored scores are the judge's verdicts
+    on the stored prompts and responses, recomputed here by a plain forward of the judge model."""
+    from tests.conftest import tiny_overrides
+    from trajflow.flows.train import train
+
+    server, judge_dir = judge_server
+    monkeypatch.setenv("TRAJFLOW_TEST_JUDGE_KEY", "judge-token")
+    over = tiny_overrides(tiny_model_dir, tmp_path / "runs", **{
+        "trainer.total_iterations": 1, "trainer.test_freq": 0, "trainer.save_freq": 0, "trainer.log_samples": 0,
+        "reward.judge.enable": True, "reward.judge.base_url": server.base_url, "reward.judge.max_tokens": 1,
+        "reward.judge.api_key_env": "TRAJFLOW_TEST_JUDGE_KEY", "gates.enabled": True})
+    _check_flow_scores(train(None, over), judge_dir)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_trajflow_serves_the_judge_model_itself(judge_server, tiny_model_dir, tmp_path, monkeypatch):
+    """``reward.judge.model_path``: the run starts the judge model as a Ray actor serving the endpoint on
+    loopback with its own token, scores through it (the stored scores are the verdicts recomputed by
+    hand) and stops it when the run ends."""
+    import openai
+
+    from tests.conftest import tiny_overrides
+    from trajflow.flows.train import train
+    from trajflow.run import workers
+
+    served = []
+    real_finish = workers.finish_judge_worker
+
+    def finish_and_probe(ctx):  # the real call, then what the served endpoint admits
+        real_finish(ctx)
+        url, token = ctx.judge_endpoint
+        assert url.startswith("http://127.0.0.1:") and len(token) >= 32
+        with pytest.raises(openai.AuthenticationError):  # no call without the run's token
+            openai.OpenAI(base_url=url, api_key="guess", max_retries=0).models.list()
+        served.append(url)
+
+    monkeypatch.setattr(workers, "finish_judge_worker", finish_and_probe)
+    _, judge_dir = judge_server  # only the model directory: trajflow serves it
+    over = tiny_overrides(tiny_model_dir, tmp_path / "runs", **{
+        "trainer.total_iterations": 1, "trainer.test_freq": 0, "trainer.save_freq": 0, "trainer.log_samples": 0,
+        "reward.judge.enable": True, "reward.judge.model_path": str(judge_dir), "reward.judge.max_tokens": 1})
+    _check_flow_scores(train(None, over), judge_dir)
+    assert len(served) == 1  # one judge for the whole run
+    with pytest.raises(openai.APIConnectionError):  # torn down at the run's end
+        openai.OpenAI(base_url=served[0], api_key="x", max_retries=0, timeout=5).models.list()

@@ -96,3 +96,22 @@ def test_each_judge_key_needs_its_own_consent(judged_run):
     assert base.reward.judge.base_url is None and base.reward.judge.enable is False
     load_config(base=base, overrides=over)  # and the config it leaves is valid
     assert judged_run["connections"] == []
+
+
+def test_a_stored_judge_model_path_needs_naming_again(tmp_path):
+    """``reward.judge.model_path`` is weights, not code, but it decides the scores: like the URL, a
+    stored one is refused for a command that scores unless named again, and dropped (judge off) else."""
+    store = RunStore(tmp_path / "runs", "r2")
+    store.run_dir.mkdir(parents=True)
+    cfg = yaml.safe_load(to_yaml(load_config(None, [f"store.root={store.root}"])))
+    cfg["reward"]["judge"].update(enable=True, model_path=str(tmp_path / "judge-model"))
+    store.write_config(yaml.safe_dump(cfg))
+    over = [f"store.root={store.root}"]
+    with pytest.raises(ConfigError, match="names reward.judge.model_path=.*which model judges them"):
+        screen_stored_config(store.read_config(), over, store.config_path)
+    named = over + [f"reward.judge.model_path={tmp_path / 'judge-model'}"]
+    base = screen_stored_config(store.read_config(), named, store.config_path)
+    assert base.reward.judge.model_path == str(tmp_path / "judge-model") and base.reward.judge.enable
+    base = screen_stored_config(store.read_config(), over, store.config_path, needs_code=False)
+    assert base.reward.judge.model_path is None and base.reward.judge.enable is False
+    load_config(base=base, overrides=over)

@@ -14,8 +14,9 @@ environment factory and the tools of a tool config; start-up checks import the r
   code stops with one line saying how to consent; one that does not (``gate``) drops it.
 - **Consent flags** (:data:`CONSENT_KEYS`) stored in the file are reset to their defaults: only the
   caller's command line grants consent.
-- **Judge endpoint**: a stored ``reward.judge.base_url`` (where responses are sent for judging) and
-  ``reward.judge.api_key_env`` (the environment variable whose secret is sent with them) are used only
+- **Judge endpoint**: a stored ``reward.judge.base_url`` (where responses are sent for judging), its
+  ``reward.judge.model_path`` (the judge model trajflow serves: weights, no code, but it decides the
+  scores) and ``reward.judge.api_key_env`` (the environment variable whose secret is sent with them) are used only
   when the caller names them again; with the judge on, a command that scores stops with one line.
 - **Tracking URI**: a stored ``tracking.uri`` different from the caller's (their override, else
   the SQLite store under ``store.root``) is reported in one line and not used, unless the caller
@@ -43,7 +44,9 @@ CONSENT_KEYS = ("reward.trust_changed_custom_function", "reward.custom_function_
 #: Where a stored config sends the run's data.
 URI_KEYS = ("tracking.uri",)
 #: The LLM judge's endpoint and the environment variable whose secret is sent to it.
-JUDGE_KEYS = ("reward.judge.base_url", "reward.judge.api_key_env")
+#: ``model_path`` is data (weights, no code) but chooses what judges the responses, so it is treated
+#: like the URL.
+JUDGE_KEYS = ("reward.judge.base_url", "reward.judge.model_path", "reward.judge.api_key_env")
 
 
 def override_keys(overrides: Sequence[str]) -> set[str]:
@@ -190,9 +193,10 @@ def screen_stored_config(stored: DictConfig, overrides: Sequence[str], source: s
 
 
 def _screen_judge(cfg: DictConfig, overrides: Sequence[str], source, needs_code: bool) -> None:
-    """A stored ``reward.judge.base_url`` (where responses are sent) or ``api_key_env`` (whose secret
-    goes with them) is used only when the caller names it again: refused while the judge is on for a
-    command that scores (naming the key and how to consent), else dropped (the judge then off)."""
+    """A stored ``reward.judge.base_url`` (where responses are sent), ``model_path`` (the judge model
+    trajflow serves) or ``api_key_env`` (whose secret goes with them) is used only when the caller
+    names it again: refused while the judge is on for a command that scores (naming the key and how
+    to consent), else dropped (the judge then off, when its endpoint or model was dropped)."""
     named = override_keys(overrides)
     enable = override_value(overrides, "reward.judge.enable")
     on = enable.lower() in ("true", "1", "yes", "on") if enable is not None else bool(_get(cfg, "reward.judge.enable"))
@@ -202,10 +206,10 @@ def _screen_judge(cfg: DictConfig, overrides: Sequence[str], source, needs_code:
             continue
         if needs_code and on:
             raise ConfigError(f"{source}: names {key}={value!r}; a run folder does not choose where responses are "
-                              f"sent or which secret goes with them: pass {key}={value} again to use it (or "
-                              f"reward.judge.enable=false)")
+                              f"sent, which model judges them or which secret goes with them: pass {key}={value} "
+                              f"again to use it (or reward.judge.enable=false)")
         _set(cfg, key, None)
-        if key == "reward.judge.base_url":
+        if key in ("reward.judge.base_url", "reward.judge.model_path"):
             _set(cfg, "reward.judge.enable", False)
 
 

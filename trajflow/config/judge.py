@@ -27,6 +27,13 @@ class JudgeConfig:
     enable: bool = _f(False, "score responses with the judge too: score = rule_weight * rule + weight * judge")
     base_url: Optional[str] = _f(None, "the judge's OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1); one "
                                  "a run folder stores is used on resume/replay only when named again")
+    model_path: Optional[str] = _f(None, "instead of base_url: the judge model (a Hugging Face directory or a built-in "
+                                   "name) that trajflow serves itself for the whole run, as a Ray actor behind the "
+                                   "same OpenAI-compatible endpoint on 127.0.0.1 with a per-run token; one a run "
+                                   "folder stores is used on resume/replay only when named again")
+    num_cpus: float = _f(0.0, "CPUs Ray reserves for the judge worker of model_path (0 = none reserved, as the "
+                         "reward model's worker; it then shares the CPUs with the other roles)", ge=0.0)
+    num_threads: int = _f(0, "torch threads of the judge worker of model_path (0 = trainer.num_threads)", ge=0)
     model: str = _f("judge", "model name sent to the judge endpoint")
     api_key_env: Optional[str] = _f(None, "name of the environment variable holding the judge's API key (read when "
                                     "scoring, never stored; null = no key); named again on resume/replay")
@@ -58,7 +65,9 @@ def check_judge(judge, source: str = "config") -> None:
     """The cross-field rules of ``reward.judge`` (:func:`trajflow.config.rules.validate` calls it).
 
     Raises:
-        ConfigError: enabled without an http(s) ``base_url``; ``score_max <= score_min``; a prompt
+        ConfigError: enabled without exactly one of an http(s) ``base_url`` and a ``model_path``;
+            ``api_key_env`` with ``model_path`` (the served judge has its own per-run token);
+            ``score_max <= score_min``; a prompt
             template with a placeholder other than :data:`JUDGE_PLACEHOLDERS` or unbalanced braces.
     """
     import string
@@ -67,10 +76,19 @@ def check_judge(judge, source: str = "config") -> None:
 
     if not judge.enable:
         return
-    url = str(judge.base_url or "")
-    if not url.startswith(("http://", "https://")):
+    model_path = judge.model_path
+    if model_path and judge.base_url:
+        raise ConfigError(f"{source}: reward.judge.base_url={judge.base_url!r} and reward.judge.model_path="
+                          f"{model_path!r}: name one (a judge endpoint you run, or a judge model trajflow serves)")
+    if model_path:
+        if judge.api_key_env:
+            raise ConfigError(f"{source}: reward.judge.api_key_env={judge.api_key_env!r} with "
+                              "reward.judge.model_path: the judge trajflow serves uses its own per-run token "
+                              "(set api_key_env=null)")
+    elif not str(judge.base_url or "").startswith(("http://", "https://")):
         raise ConfigError(f"{source}: reward.judge.enable=true needs reward.judge.base_url, the judge's "
-                          f"OpenAI-compatible base URL (http://... or https://...; got {judge.base_url!r})")
+                          f"OpenAI-compatible base URL (http://... or https://...; got {judge.base_url!r}), "
+                          "or reward.judge.model_path, a judge model trajflow serves")
     if judge.score_max <= judge.score_min:
         raise ConfigError(f"{source}: reward.judge.score_max={judge.score_max} must be > "
                           f"reward.judge.score_min={judge.score_min}")

@@ -122,6 +122,8 @@ class RunContext:
     reference: Any = None        # WorkerGroup of ReferenceWorker ranks (None without KL)
     critic: Any = None           # CriticWorker (None unless the estimator needs values)
     reward_model: Any = None     # RewardModelWorker (None unless reward.reward_model.enable)
+    judge: Any = None            # JudgeWorker (None unless reward.judge.model_path and the judge is on)
+    judge_endpoint: Any = None   # (base_url, token) of the judge worker's endpoint while it runs
     rollout: Any = None          # WorkerGroup of RolloutWorker ranks (rollout.pool set), else None
     teacher: Any = None          # WorkerGroup of ReferenceWorker ranks serving the teacher (adv_estimator=opd)
     placement: Any = None        # trajflow placement of roles on resource pools, made on first use
@@ -209,6 +211,11 @@ class RunContext:
 
     def needs_reward_model(self) -> bool:
         return bool(self.cfg.reward.reward_model.enable)
+
+    def needs_judge_worker(self) -> bool:
+        """The LLM judge is on and trajflow serves it (``reward.judge.model_path``)."""
+        judge = self.cfg.reward.judge
+        return bool(judge.enable and judge.get("model_path"))
 
     def release_memory(self) -> bool:
         """Whether the policy worker returns its freed heap to the OS between phases

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from trajflow.run.context import RunContext
 from trajflow.run.workers import create_critic_worker, create_policy_worker, create_reference_worker, \
-    create_reward_model_worker, create_teacher_worker
+    create_judge_worker, create_reward_model_worker, create_teacher_worker
 
 log = logging.getLogger(__name__)
 
@@ -145,18 +145,21 @@ def drop_unresponsive_workers(ctx: RunContext, timeout_s: float | None = None) -
 
     A dead actor fails the ping at once; a live one stuck in a timed-out call cannot answer (actor
     calls run one at a time) and is killed too. Returns the dropped roles (``policy``, ``reference``,
-    ``critic``, ``reward_model``).
+    ``critic``, ``reward_model``, ``judge``).
     """
     from trajflow.workers.group import kill_workers
 
     dropped = []
     for attr, method, role in (("actor", "info", "policy"), ("reference", "pid", "reference"),
-                               ("critic", "pid", "critic"), ("reward_model", "pid", "reward_model")):
+                               ("critic", "pid", "critic"), ("reward_model", "pid", "reward_model"),
+                               ("judge", "pid", "judge")):
         handle = getattr(ctx, attr)
         if handle is None or _answers(handle, method, PING_TIMEOUT_S if timeout_s is None else timeout_s):
             continue
         kill_workers(handle)  # every rank: a data-parallel group is recreated whole
         setattr(ctx, attr, None)
+        if attr == "judge":
+            ctx.judge_endpoint = None
         dropped.append(role)
     return dropped
 
@@ -194,6 +197,9 @@ def ensure_workers(ctx: RunContext, through: int) -> list[str]:
     if ctx.reward_model is None and ctx.needs_reward_model() and not ctx.state.policy_only:
         create_reward_model_worker(ctx)
         created.append("reward_model")
+    if ctx.judge is None and ctx.needs_judge_worker() and not ctx.state.policy_only:
+        create_judge_worker(ctx)
+        created.append("judge")
     if ctx.critic is None and ctx.needs_critic() and not ctx.state.policy_only:
         create_critic_worker(ctx)
         restore_critic(ctx, through)

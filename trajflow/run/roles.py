@@ -161,7 +161,7 @@ def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
     if judge.get("enable"):  # HTTP calls from the driver, while the Ray tasks score the rules
         from trajflow.stages.judge import judge_scores
 
-        verdicts = judge_scores(judge, messages, cols[1], cols[2])
+        verdicts = judge_scores(judge, messages, cols[1], cols[2], client=served_judge_client(ctx, judge))
     results = wait(ctx, futures)
     rule = np.concatenate([r.scores for r in results]).astype(np.float32) if results else np.zeros(rows, np.float32)
     extras = [e for r in results for e in r.extras] if results else [{} for _ in range(rows)]
@@ -173,6 +173,23 @@ def score(ctx: RunContext, table: pa.Table, text_column: str = "response_text"
         errors += sum(e is not None for e in verdicts.errors)
     rm = np.asarray(wait(ctx, rm_future), dtype=np.float32) if rm_future is not None else None
     return rule, extras, errors, rm
+
+
+def served_judge_client(ctx: RunContext, judge: dict) -> Any:
+    """The ``openai`` client for the judge model trajflow serves (``reward.judge.model_path``), its
+    worker started first if it is not running (a recreated context, a replay); None for a
+    ``base_url`` judge (:func:`trajflow.stages.judge.judge_scores` makes that client)."""
+    if not judge.get("model_path"):
+        return None
+    from trajflow.run.workers import create_judge_worker, finish_judge_worker
+    from trajflow.stages.judge import judge_client
+
+    if ctx.judge is None:
+        create_judge_worker(ctx)
+    elif ctx.judge_endpoint[0] is None:
+        finish_judge_worker(ctx)
+    url, token = ctx.judge_endpoint
+    return judge_client(judge, url, token)
 
 
 def greedy_baseline(ctx: RunContext, table: pa.Table, params: SamplingParams) -> pa.Table:

@@ -1,5 +1,6 @@
 """Start and stop the run's role workers: the policy (actor + rollout) ranks, the reference policy,
-the critic, the reward model and separate rollout workers, each placed on its resource pool.
+the critic, the reward model, the served LLM judge and separate rollout workers, each placed on its
+resource pool.
 """
 
 from __future__ import annotations
@@ -184,6 +185,47 @@ def create_reward_model_worker(ctx: RunContext, wait_loaded: bool = True) -> Non
         ray.get(ctx.reward_model.pid.remote())
 
 
+def create_judge_worker(ctx: RunContext, wait_loaded: bool = True) -> None:
+    """Start the LLM judge of ``reward.judge.model_path`` as a Ray actor serving it on loopback
+    (:class:`trajflow.workers.judge.JudgeWorker`, ``ctx.judge``) with a fresh per-run bearer token,
+    on the driver's Ray node (the scorer runs in the driver and calls ``127.0.0.1``), reserving
+    ``reward.judge.num_cpus``. ``ctx.judge_endpoint`` is set once it serves.
+
+    Raises:
+        trajflow.errors.ModelLoadError: the model path is neither a model directory nor a built-in name.
+        ray.exceptions.RayActorError: (with ``wait_loaded``) the model did not load; the cause names it.
+    """
+    import secrets
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from trajflow.models import resolve_model_path
+    from trajflow.workers.judge import JudgeWorker
+
+    cfg = ctx.cfg
+    judge = cfg.reward.judge
+    path = str(resolve_model_path(str(judge.model_path), cfg.model.cache_dir))
+    token = secrets.token_urlsafe(32)  # 256 bits, in memory only: the endpoint refuses calls without it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    ctx.judge = ray.remote(max_restarts=0)(JudgeWorker).options(
+        num_cpus=float(judge.num_cpus), scheduling_strategy=here).remote(
+        path, token, int(judge.max_tokens), int(judge.num_threads or cfg.trainer.num_threads),
+        int(judge.seed or 0))
+    ctx.judge_endpoint = (None, token)  # the URL once it serves
+    if wait_loaded:
+        finish_judge_worker(ctx)
+
+
+def finish_judge_worker(ctx: RunContext) -> None:
+    """Wait until the judge worker serves and record its endpoint (``ctx.judge_endpoint``: base URL, token)."""
+    import ray
+
+    ctx.judge_endpoint = (ray.get(ctx.judge.base_url.remote()), ctx.judge_endpoint[1])
+    log.info("run %s: the judge model %s serves at %s", ctx.run_id, ctx.cfg.reward.judge.model_path,
+             ctx.judge_endpoint[0])
+
+
 def create_workers(ctx: RunContext) -> None:
     """Start the policy workers, plus the reference workers when a KL term is on, the critic when the
     advantage estimator needs values and the reward model when it is enabled; they load in parallel,
@@ -204,6 +246,8 @@ def create_workers(ctx: RunContext) -> None:
         create_teacher_worker(ctx, wait_loaded=False)
     if ctx.needs_reward_model():
         create_reward_model_worker(ctx, wait_loaded=False)
+    if ctx.needs_judge_worker() and not ctx.state.policy_only:
+        create_judge_worker(ctx, wait_loaded=False)
     finish_policy_worker(ctx)
     for group in (ctx.reference, ctx.teacher):
         if group is not None:
@@ -211,6 +255,8 @@ def create_workers(ctx: RunContext) -> None:
     for handle in (ctx.critic, ctx.reward_model):
         if handle is not None:
             ray.get(handle.pid.remote())
+    if ctx.judge is not None:
+        finish_judge_worker(ctx)
     groups = {"actor": ctx.actor, "reference": ctx.reference, "rollout": ctx.rollout, "teacher": ctx.teacher}
     ctx.store.update_run_meta(worker_nodes={role: g.node_ids() for role, g in groups.items() if g is not None})
     if ctx.cfg.rollout.multi_turn.enable and not ctx.cfg.rollout.agent:  # what the tool sandbox isolates here
@@ -227,9 +273,10 @@ def release_workers(ctx: RunContext) -> None:
     """Stop the run's actors and release its placement groups (Ray itself keeps running)."""
     from trajflow.workers.group import kill_workers
 
-    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model, ctx.rollout, ctx.teacher):
+    for handle in (ctx.actor, ctx.reference, ctx.critic, ctx.reward_model, ctx.rollout, ctx.teacher, ctx.judge):
         kill_workers(handle)
-    ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = ctx.rollout = ctx.teacher = None
+    ctx.actor = ctx.reference = ctx.critic = ctx.reward_model = ctx.rollout = ctx.teacher = ctx.judge = None
+    ctx.judge_endpoint = None
     place, ctx.placement = ctx.placement, None
     if place is not None:
         place.close()
