@@ -253,6 +253,30 @@ def load_default_model(dtype: str = "float32"):
     return model, load_tokenizer(path), path
 
 
+def policy_worker(cfg):
+    """A local (in-process) :class:`~trajflow.workers.policy.PolicyWorker` on the recipe's model, as the
+    train flow builds it: actor, model and rollout sections, the trainer's seed and thread count."""
+    from omegaconf import OmegaConf
+
+    from trajflow.models import resolve_model_path
+    from trajflow.workers.policy import PolicyWorker
+
+    section = lambda sec: OmegaConf.to_object(cfg[sec])  # noqa: E731
+    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    return PolicyWorker(str(path), section("actor"), section("model"), section("rollout"), int(cfg.trainer.seed),
+                        "cpu", int(cfg.trainer.num_threads))
+
+
+def first_batch_prompts(cfg, worker, batch_size: int | None = None):
+    """The recipe's first training batch (``PromptSampler`` at the trainer's seed, ``batch_size`` prompts,
+    default ``data.train_batch_size``) and its prompt token ids from ``worker``."""
+    from trajflow.prompts import PromptSampler, load_prompt_dataset
+
+    ds = load_prompt_dataset(cfg.data.dataset)
+    prompts = PromptSampler(ds.train, batch_size or cfg.data.train_batch_size, cfg.trainer.seed).next_batch()
+    return prompts, worker.tokenize_prompts([p.messages for p in prompts], cfg.data.max_prompt_length)
+
+
 def preload_allocator(setting: str = "auto") -> str:
     """Run this script under the allocator trajflow preloads into its Ray workers.
 

@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 
-from _common import header, preload_allocator, set_all_threads
+from _common import first_batch_prompts, header, policy_worker, preload_allocator, set_all_threads
 
 
 def main() -> None:
@@ -28,27 +28,17 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides (key=value)")
     args = ap.parse_args()
     print(f"allocator: {preload_allocator('auto')}", flush=True)
-    from omegaconf import OmegaConf
-
     import torch
 
-    from trajflow.stages.rollout import SamplingParams
     from trajflow.config import load_config
-    from trajflow.models import resolve_model_path
-    from trajflow.prompts import PromptSampler, load_prompt_dataset
-    from trajflow.workers.policy import PolicyWorker
+    from trajflow.stages.rollout import SamplingParams
 
     overrides = list(args.overrides) + (["rollout.max_new_tokens=16"] if args.quick else [])
     repeats = 1 if args.quick else args.repeats
     threads = set_all_threads()
     cfg = load_config(None, overrides)
-    section = lambda sec: OmegaConf.to_object(cfg[sec])  # noqa: E731
-    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    worker = PolicyWorker(str(path), section("actor"), section("model"), section("rollout"), int(cfg.trainer.seed),
-                          "cpu", int(cfg.trainer.num_threads))
-    ds = load_prompt_dataset(cfg.data.dataset)
-    prompts = PromptSampler(ds.train, cfg.data.train_batch_size, cfg.trainer.seed).next_batch()
-    prompt_ids = worker.tokenize_prompts([p.messages for p in prompts], cfg.data.max_prompt_length)
+    worker = policy_worker(cfg)
+    _, prompt_ids = first_batch_prompts(cfg, worker)
     slots, n, T = int(cfg.rollout.micro_batch_size), int(cfg.rollout.n), int(cfg.rollout.max_new_tokens)
     print(f"torch {torch.__version__}, {threads} threads; {cfg.model.path}, {len(prompt_ids)} prompts x {n} samples, "
           f"{slots} decode slots, up to {T} new tokens, rollout dtype {worker.rollout.dtype}; {repeats} repeat(s)")

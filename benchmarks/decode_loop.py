@@ -26,7 +26,7 @@ import argparse
 import statistics
 import time
 
-from _common import header, preload_allocator, set_all_threads, verdict
+from _common import first_batch_prompts, header, policy_worker, preload_allocator, set_all_threads, verdict
 
 TARGET = 2.0
 SETTINGS = {  # label: (pack_weights, in_place_cache, split_groups)
@@ -61,27 +61,18 @@ def main() -> None:
     args = ap.parse_args()
     print(f"allocator: {preload_allocator('auto')}", flush=True)
     import torch
-    from omegaconf import OmegaConf
 
     from trajflow.config import load_config
-    from trajflow.models import resolve_model_path
-    from trajflow.prompts import PromptSampler, load_prompt_dataset
     from trajflow.stages.rollout import SamplingParams
-    from trajflow.workers.policy import PolicyWorker
 
     overrides = list(args.overrides) + (["rollout.max_new_tokens=16"] if args.quick else [])
     repeats = 1 if args.quick else args.repeats
     cfg = load_config(None, overrides)
-    section = lambda sec: OmegaConf.to_object(cfg[sec])  # noqa: E731
-    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    worker = PolicyWorker(str(path), section("actor"), section("model"), section("rollout"), int(cfg.trainer.seed),
-                          "cpu", int(cfg.trainer.num_threads))
+    worker = policy_worker(cfg)
     threads = set_all_threads()
     if args.threads:
         torch.set_num_threads(threads := args.threads)
-    ds = load_prompt_dataset(cfg.data.dataset)
-    prompts = PromptSampler(ds.train, cfg.data.train_batch_size, cfg.trainer.seed).next_batch()
-    prompt_ids = worker.tokenize_prompts([p.messages for p in prompts], cfg.data.max_prompt_length)
+    _, prompt_ids = first_batch_prompts(cfg, worker)
     engine = worker.engine
     n, T = int(cfg.rollout.n), int(cfg.rollout.max_new_tokens)
     print(f"torch {torch.__version__}, {threads} thread(s); {cfg.model.path}, {len(prompt_ids)} prompts x {n}, "

@@ -86,7 +86,9 @@ def run_mode(staleness: int, args, root: Path) -> dict:
             "update_s": statistics.median(e - s for _, s, e in spans["actor"][w:])}
 
 
-def plot(results: list[dict], png: Path) -> None:
+def plot(results: list[dict], png: Path, title=None) -> None:
+    """One timeline row per result: the rollout worker's and the policy worker's busy spans, numbered by
+    iteration; ``title(result)`` names each row (default: its staleness and steady s/iteration)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +102,8 @@ def plot(results: list[dict], png: Path) -> None:
                 ax.barh(y, e - s, left=s - t0, color=color, edgecolor="black", linewidth=0.5)
                 ax.text(s - t0 + (e - s) / 2, y, str(it), ha="center", va="center", fontsize=7)
         ax.set_yticks([0, 1], ["rollout worker (gen)", "policy worker (update)"])
-        ax.set_title(f"trainer.max_staleness={res['staleness']}: {res['s_per_it']:.1f} s/iteration after the warm-up",
+        ax.set_title(title(res) if title else
+                     f"trainer.max_staleness={res['staleness']}: {res['s_per_it']:.1f} s/iteration after the warm-up",
                      fontsize=9)
     axes[-1, 0].set_xlabel("seconds since the first rollout began")
     fig.tight_layout()

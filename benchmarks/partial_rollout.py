@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import scratch_dir, verdict  # noqa: E402  (puts the repository first on sys.path)
-from overlap import SPLIT, busy_intervals  # noqa: E402
+from overlap import SPLIT, busy_intervals, plot  # noqa: E402
 
 MODES = {"sync": ["trainer.max_staleness=0"], "overlap": ["trainer.max_staleness=1"],
          "partial": ["trainer.max_staleness=2", "trainer.partial_rollout=true"],
@@ -107,25 +107,9 @@ def run_mode(mode: str, args, root: Path) -> dict:
             "update_s": statistics.median(e - s for _, s, e in spans["actor"][w:])}
 
 
-def plot(results: list[dict], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.9 * len(results) + 0.6), sharex=True, squeeze=False)
-    for ax, res in zip(axes[:, 0], results):
-        t0 = min(s for rows in res["spans"].values() for _, s, _ in rows)
-        for y, (worker, color) in enumerate((("rollout", "tab:blue"), ("actor", "tab:orange"))):
-            for it, s, e in res["spans"][worker]:
-                ax.barh(y, e - s, left=s - t0, color=color, edgecolor="black", linewidth=0.5)
-                ax.text(s - t0 + (e - s) / 2, y, str(it), ha="center", va="center", fontsize=7)
-        ax.set_yticks([0, 1], ["rollout worker (gen)", "policy worker (update)"])
-        ax.set_title(f"{res['mode']} ({' '.join(MODES[res['mode']])}): {res['s_per_it']:.1f} s/iteration, "
-                     f"trainer idle {res['idle']:.0%}", fontsize=9)
-    axes[-1, 0].set_xlabel("seconds since the first rollout began")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+def title(res: dict) -> str:
+    return (f"{res['mode']} ({' '.join(MODES[res['mode']])}): {res['s_per_it']:.1f} s/iteration, "
+            f"trainer idle {res['idle']:.0%}")
 
 
 def main() -> None:
@@ -184,7 +168,7 @@ def main() -> None:
                         higher_is_better=False)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in load)}; after: "
           f"{' '.join(f'{x:.2f}' for x in load_after)}; CPUs: {os.cpu_count()}")
-    plot(results, args.png)
+    plot(results, args.png, title)
     print(f"timeline: {args.png.resolve()}")
 
 

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import set_all_threads, verdict  # noqa: E402
+from _common import policy_worker, set_all_threads, verdict  # noqa: E402
 
 
 def main() -> None:
@@ -34,21 +34,15 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from omegaconf import OmegaConf
 
     from trajflow.stages.rollout import sampling_params
     from trajflow.config import load_config
-    from trajflow.models import resolve_model_path
     from trajflow.prompts import PromptSampler, load_prompt_dataset
-    from trajflow.workers.policy import PolicyWorker
 
     threads = set_all_threads()
     cfg = load_config("grpo_tool_calculator", ["rollout.agent=examples.agents.calculator_agent:agent",
                                                "rollout.multi_turn.allow_weaker_sandbox=true", *args.overrides])
-    section = lambda sec: OmegaConf.to_object(cfg[sec])  # noqa: E731
-    path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    worker = PolicyWorker(str(path), section("actor"), section("model"), section("rollout"), int(cfg.trainer.seed),
-                          "cpu", int(cfg.trainer.num_threads))
+    worker = policy_worker(cfg)
     ds = load_prompt_dataset(cfg.data.dataset)
     prompts = PromptSampler(ds.train, args.prompts, cfg.trainer.seed).next_batch()
     rows = [{"messages": p.messages, "ground_truth": str(p.ground_truth), "data_source": p.data_source,
