@@ -63,7 +63,8 @@ def extra_runs(two_runs):
             client.delete_run(r.info.run_id)
     shutil.copytree(two_runs.root / "lr-high", two_runs.root / ONE_IT,
                     ignore=lambda d, names: [n for n in names if n in ("000002", "000003", "checkpoints", "audit.lance")])
-    tags = {k: v for k, v in src.data.tags.items() if not k.startswith("mlflow.")}
+    # the copy is its own trajflow run: the dashboard names runs by their trajflow.run_id tag
+    tags = {**{k: v for k, v in src.data.tags.items() if not k.startswith("mlflow.")}, "trajflow.run_id": ONE_IT}
     one = client.create_run(src.info.experiment_id, run_name=ONE_IT, tags=tags)
     for key in src.data.metrics:
         hist = [m for m in client.get_metric_history(src_id, key) if m.step <= 1]
