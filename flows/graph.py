@@ -56,6 +56,12 @@ class LinkedTask:
     def __init__(self, task: Any, name: str, graph: StageGraph) -> None:
         self.task, self.name, self.graph = task, name, graph
 
+    def __getattr__(self, attr: str) -> Any:
+        # The task's own settings (retries, timeout_seconds, task_run_name, ...) read through.
+        if attr == "task":
+            raise AttributeError(attr)
+        return getattr(self.task, attr)
+
     def with_options(self, **options: Any) -> "LinkedTask":
         return LinkedTask(self.task.with_options(**options), self.name, self.graph)
 
