@@ -29,8 +29,9 @@ def pytest_sessionfinish(session, exitstatus):
         instance.stop()
 
 
-def make_tiny_model(out: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama with SmolLM2's tokenizer and random weights (~1.7M parameters)."""
+def make_tiny_model(out: Path, seed: int = 0, **config) -> Path:
+    """A 2-layer Llama with SmolLM2's tokenizer and random weights (~1.7M parameters); ``config``
+    overrides LlamaConfig fields (sizes, layers, vocabulary)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -38,11 +39,11 @@ def make_tiny_model(out: Path, seed: int = 0) -> Path:
 
     tok = AutoTokenizer.from_pretrained(builtin_tokenizer_dir("smollm2-135m-instruct"))
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(config)
+    fields = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                  tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(LlamaConfig(**{**fields, **config}))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

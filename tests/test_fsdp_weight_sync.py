@@ -87,20 +87,11 @@ class MeteredPolicyWorker(PolicyWorker):
 def deep_model_dir(tmp_path_factory) -> Path:
     """8 Llama blocks of 0.26 M parameters each and a tied 2,048 x 128 embedding (0.26 M) with
     SmolLM2's tokenizer (its special tokens are below 2,048; prompts here are token ids < 2,000)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from tests.conftest import make_tiny_model
 
-    from trajflow.models import builtin_tokenizer_dir
-
-    out = tmp_path_factory.mktemp("deep-model")
-    tok = AutoTokenizer.from_pretrained(builtin_tokenizer_dir("smollm2-135m-instruct"))
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=512, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return make_tiny_model(tmp_path_factory.mktemp("deep-model"), vocab_size=2048, hidden_size=128,
+                           intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4,
+                           num_key_value_heads=4, max_position_embeddings=256)
 
 
 def sizes(model_dir: Path) -> dict:
