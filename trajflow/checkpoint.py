@@ -34,7 +34,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from trajflow.faults import fault_point
 from trajflow.store import RunStore, _fsync_dir, atomic_write_json, follow_umask
@@ -234,10 +234,21 @@ def verify_checkpoint(store: RunStore, iteration: int) -> str | None:
     return _check_contents(d, state, sorted(listed))
 
 
-#: A checkpoint's policy weights: one process (whole model, or the LoRA adapter alone), or rank 0's
-#: shards of an FSDP2 checkpoint (:meth:`trajflow.modeling.fsdp.FSDP2Backend.save`); a DeepSpeed
-#: checkpoint keeps them under ``actor/deepspeed/``.
-POLICY_WEIGHTS = ("actor/model.safetensors", "actor/adapter.safetensors", "actor/fsdp_rank00000.safetensors")
+def weights_format(actor_files: Iterable[str]) -> str | None:
+    """How a checkpoint's ``actor/`` folder holds the policy weights, from the file names in it
+    (relative to ``actor/``): ``"fsdp2"`` (rank shards, :meth:`trajflow.modeling.fsdp.FSDP2Backend.save`),
+    ``"deepspeed"`` (``deepspeed/``), ``"lora"`` (the adapter alone), ``"single"`` (the whole model),
+    or None when none is there."""
+    names = set(actor_files)
+    if "fsdp_rank00000.safetensors" in names:
+        return "fsdp2"
+    if any(n.startswith("deepspeed/") for n in names):
+        return "deepspeed"
+    if "adapter.safetensors" in names:
+        return "lora"
+    if "model.safetensors" in names:
+        return "single"
+    return None
 
 
 def _check_contents(d: Path, state: dict, files: list[str]) -> str | None:
@@ -248,7 +259,7 @@ def _check_contents(d: Path, state: dict, files: list[str]) -> str | None:
 
     if not isinstance(state.get("policy_version"), int) or isinstance(state.get("policy_version"), bool):
         return f"{d / STATE_FILE}: policy_version={state.get('policy_version')!r} is not an integer"
-    if not any(f in files for f in POLICY_WEIGHTS) and not any(f.startswith("actor/deepspeed/") for f in files):
+    if weights_format(f[len("actor/"):] for f in files if f.startswith("actor/")) is None:
         return (f"{d / 'actor'} holds no policy weights (model.safetensors, adapter.safetensors, FSDP2's "
                 f"fsdp_rank00000.safetensors or DeepSpeed's deepspeed/)")
     for rel in files:

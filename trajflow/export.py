@@ -173,16 +173,13 @@ class _Section:
 
 
 def _format(d: Path) -> str:
-    if (d / "fsdp_rank00000.safetensors").exists():
-        return "fsdp2"
-    if (d / "deepspeed").is_dir():
-        return "deepspeed"
-    if (d / "adapter.safetensors").exists():
-        return "lora"
-    if (d / "model.safetensors").exists():
-        return "single"
-    raise StoreError(f"{d} holds no policy weights (model.safetensors, adapter.safetensors, fsdp_rank00000.safetensors "
-                     f"or deepspeed/)")
+    from trajflow.checkpoint import weights_format
+
+    fmt = weights_format(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+    if fmt is None:
+        raise StoreError(f"{d} holds no policy weights (model.safetensors, adapter.safetensors, fsdp_rank00000.safetensors "
+                         f"or deepspeed/)")
+    return fmt
 
 
 def _load_weights(model: Any, d: Path, fmt: str, is_lora: bool) -> None:
