@@ -307,7 +307,7 @@ class RunsFormat(str, Enum):
 def runs(store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
          fmt: RunsFormat = typer.Option(RunsFormat.table, "--format", "-f", case_sensitive=False,
                                         help="output format")) -> None:
-    """List the runs of a store: kind, recipe, status, iterations, checkpoints, newest validation."""
+    """List the runs of a store: kind, recipe, status, iterations, checkpoints, newest validation, size."""
     from trajflow.runs import format_runs, list_runs
 
     rows = _run(list_runs, _store_root(store))
@@ -337,8 +337,8 @@ def gc(run_ids: Optional[List[str]] = typer.Argument(None, help="only these runs
        store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP),
        older_checkpoints: bool = typer.Option(False, "--older-checkpoints",
                                               help="also delete checkpoints no resume needs (all but the newest, "
-                                                   "the best and replays' starting points); a replay of an "
-                                                   "iteration after one needs it"),
+                                                   "the best and replays' starting points); a replay of "
+                                                   "iteration N needs checkpoint N-1"),
        yes: bool = typer.Option(False, "--yes", "-y", help="delete; without it, only list what would go")) -> None:
     """Free disk space: leftovers of killed writers, gate data docs of passed gates, with
     --older-checkpoints checkpoints no resume needs. Lists only, unless --yes."""
