@@ -4,8 +4,9 @@ The table is docs/config.md's "Mapping to verl and TRL": each verl key that has 
 rewritten to it before the config is built, and the console says so once per key
 (``verl key actor_rollout_ref.actor.optim.lr -> actor.lr``). verl keys that only tune verl's own
 machinery (GPU memory share, tensor parallelism, offload, padding removal) have no effect here: they
-are dropped with a note naming them. A verl key whose meaning differs (``trainer.total_epochs``) is
-refused with what to write instead. Anything else is left to the config's own checks.
+are dropped with a note naming them. A verl key whose meaning differs (``trainer.total_epochs``, the
+nearest trajflow key of ``rollout.max_num_seqs``, verl's agent loop and interaction configs, its
+fully async trainer) is refused with what to write instead. Anything else is left to the config's own checks.
 """
 
 from __future__ import annotations
@@ -61,6 +62,21 @@ ALIASES: dict[str, str] = {
     ARR + "actor.fsdp_config.mixed_precision.param_dtype": "actor.mixed_precision.param_dtype",
     ARR + "actor.fsdp_config.mixed_precision.reduce_dtype": "actor.mixed_precision.reduce_dtype",
     ARR + "actor.fsdp_config.mixed_precision.buffer_dtype": "actor.mixed_precision.buffer_dtype",
+    ARR + "actor.fsdp_config.offload_policy": "actor.fsdp.offload_params",  # FSDP2's CPUOffloadPolicy, both
+    ARR + "actor.optim.lr_warmup_steps_ratio": "actor.lr_warmup_steps_ratio",
+    ARR + "actor.optim.lr_warmup_steps": "actor.lr_warmup_steps",
+    ARR + "actor.optim.warmup_style": "actor.warmup_style",
+    ARR + "actor.optim.min_lr_ratio": "actor.min_lr_ratio",
+    ARR + "ref.strategy": "reference.strategy",
+    ARR + "ref.fsdp_config.reshard_after_forward": "reference.fsdp.reshard_after_forward",
+    ARR + "ref.fsdp_config.fsdp_size": "reference.fsdp.fsdp_size",
+    ARR + "ref.fsdp_config.offload_policy": "reference.fsdp.offload_params",
+    ARR + "ref.fsdp_config.mixed_precision.param_dtype": "reference.mixed_precision.param_dtype",
+    ARR + "ref.fsdp_config.mixed_precision.reduce_dtype": "reference.mixed_precision.reduce_dtype",
+    ARR + "ref.fsdp_config.mixed_precision.buffer_dtype": "reference.mixed_precision.buffer_dtype",
+    "critic.model.fsdp_config.mixed_precision.param_dtype": "critic.mixed_precision.param_dtype",
+    "critic.model.fsdp_config.mixed_precision.reduce_dtype": "critic.mixed_precision.reduce_dtype",
+    "critic.model.fsdp_config.mixed_precision.buffer_dtype": "critic.mixed_precision.buffer_dtype",
     "critic.model.path": "critic.path",
     "critic.optim.lr": "critic.lr",
     "critic.ppo_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size",
@@ -78,6 +94,7 @@ ALIASES: dict[str, str] = {
     "algorithm.rollout_correction.rollout_rs_threshold_lower": "algorithm.rollout_rs_threshold_lower",
     "trainer.total_training_steps": "trainer.total_iterations",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_checkpoints",
+    "trainer.max_critic_ckpt_to_keep": "trainer.max_checkpoints",  # one checkpoint holds both roles here
 }
 
 #: verl keys that tune only verl's own machinery (devices, memory, offload, padding removal): no
@@ -100,6 +117,24 @@ NO_EFFECT: tuple[str, ...] = (
 REFUSED: dict[str, str] = {
     "trainer.total_epochs": "trajflow counts iterations (one batch of data.train_batch_size prompts each): set "
                             "trainer.total_iterations (epochs x training prompts / data.train_batch_size)",
+    # The nearest trajflow key means something else (docs/config.md's table says how): named, not rewritten.
+    ARR + "rollout.max_num_seqs": "vLLM's scheduler limit is not set by trajflow; the hf engine's decode slots are "
+                                  "rollout.micro_batch_size",
+    ARR + "rollout.multi_turn.interaction_config_path": "trajflow's environments are named by "
+                                                        "rollout.multi_turn.environment (a registered name or "
+                                                        "module:factory; docs/multi-turn.md)",
+    ARR + "rollout.multi_turn.max_parallel_calls": "trajflow bounds tool calls across the whole batch: "
+                                                   "rollout.multi_turn.tool_workers",
+    ARR + "rollout.agent.agent_loop_config_path": "your own agent is rollout.agent=module:function, run against "
+                                                  "the endpoint the rollout serves (docs/agents.md)",
+}
+#: verl keys (and sections) that trajflow has no counterpart for, refused like REFUSED (matched as prefixes).
+REFUSED_SECTIONS: dict[str, str] = {
+    ARR + "model.override_config": "trajflow does not override the model's config.json (edit the file); the weights "
+                                   "are float32 master weights, the compute dtype is actor.mixed_precision.param_dtype "
+                                   "and the sampler's rollout.dtype",
+    "async_training.": "trajflow's asynchronous training is trainer.max_staleness and trainer.partial_rollout "
+                       "(docs/overlap.md, docs/partial_rollout.md)",
 }
 
 #: Top-level sections only verl has: a key under them that is in none of the tables above is named
@@ -146,6 +181,9 @@ def translate_verl_keys(overrides: Sequence[str]) -> list[str]:
             reward_name = value
         elif key in REFUSED:
             raise ConfigError(f"override {o!r}: {REFUSED[key]}")
+        elif key.startswith(tuple(REFUSED_SECTIONS)):
+            why = next(v for k, v in REFUSED_SECTIONS.items() if key.startswith(k))
+            raise ConfigError(f"override {o!r}: verl key {key}: {why}")
         elif key.startswith(NO_EFFECT):
             _say(f"verl key {key}: no effect in trajflow (verl's own devices, memory or offload setting), ignored")
         elif key.startswith(VERL_SECTIONS):
