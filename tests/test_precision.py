@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from trajflow.stages.policy_update import UpdateBatch, UpdateRows, UpdateSettings
 from trajflow.stages.rollout import SamplingParams
@@ -233,6 +234,10 @@ def test_the_environment_fixes_what_auto_means(monkeypatch):
     cfg = load_config(None, ["actor.mixed_precision.param_dtype=auto", "rollout.dtype=auto"])
     assert cfg.actor.mixed_precision.param_dtype == "bfloat16" and cfg.rollout.dtype == "bfloat16"
     assert "TRAJFLOW_AUTO_PRECISION=bfloat16" in cfg.trainer.precision_auto
+    # every role's compute dtype takes 'auto', the on-policy distillation teacher's too (it was left 'auto')
+    roles = ["critic", "reference", "teacher", "reward.reward_model"]
+    cfg = load_config(None, [f"{r}.mixed_precision.param_dtype=auto" for r in roles])
+    assert [OmegaConf.select(cfg, f"{r}.mixed_precision.param_dtype") for r in roles] == ["bfloat16"] * 4
     monkeypatch.setenv("TRAJFLOW_AUTO_PRECISION", "fp32")
     with pytest.raises(ConfigError, match=r"TRAJFLOW_AUTO_PRECISION='fp32': expected 'float32' or 'bfloat16'"):
         load_config(None, [])

@@ -508,7 +508,7 @@ class TrajflowConfig:
 
 
 #: The config sections with a ``mixed_precision`` sub-section (full key prefixes).
-PRECISION_SECTIONS = ("actor", "critic", "reference", "reward.reward_model")
+PRECISION_SECTIONS = ("actor", "critic", "reference", "teacher", "reward.reward_model")
 
 
 def _all_keys(cls: type = TrajflowConfig, prefix: str = "") -> list[str]:
