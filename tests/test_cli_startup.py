@@ -40,6 +40,9 @@ def probe(*args: str, cwd=None) -> tuple[int, list[str], str]:
     (["train", "rollout.n=0"], "rollout.n=0 is out of range"),
     (["train", "-c", "grpo_nope"], "no recipe named 'grpo_nope'"),
     (["config", "actor.lrr=1e-5"], "did you mean 'actor.lr'"),
+    (["train", "trainer.logger=[console,mlflow,swanlab]"], "'swanlab' is one of verl's loggers"),
+    # tensorboard / wandb are looked up (find_spec), not imported, when the config is checked
+    (["train", "trainer.logger=[console,mlflow,tensorboard,wandb]", "rollout.n=0"], "rollout.n=0 is out of range"),
 ])
 def test_a_config_error_imports_no_heavy_library(args, needle):
     code, loaded, text = probe(*args)

@@ -68,6 +68,9 @@ pytestmark = pytest.mark.timeout(1800)
 WORDS = ["alpha", "bravo", "zyzzyva", "delta"]  # the 4 training prompts: 2 iterations per epoch
 STAGE_FILES = ("rollout.parquet", "reward.parquet", "advantage.parquet")
 MARK = "TRAJFLOW_TEST_MARK"
+# The kill chain also logs to TensorBoard, the epoch run (sessions that end normally) to W&B as well.
+TB = "[console,mlflow,tensorboard]"
+TB_WANDB = "[console,mlflow,tensorboard,wandb]"
 
 REWARD_PY = '''
 def score(data_source, solution_str, ground_truth, extra_info=None):
@@ -263,7 +266,8 @@ def scenario_chain(lab: Lab) -> dict:
     run = store / "k"
     out: dict = {"store": store, "steps": []}
     steps = out["steps"]
-    steps.append(lab.cli("k1", "train", *lab.overrides(store, shared_ray=False, **{"trainer.max_checkpoints": 2}),
+    steps.append(lab.cli("k1", "train", *lab.overrides(store, shared_ray=False, **{"trainer.max_checkpoints": 2,
+                                                                               "trainer.logger": TB}),
                          "--run-id", "k",
                          fault="rollout:1"))
     steps.append(lab.cli("k2", "resume", "k", root, fn, fault="after_reward:2"))
@@ -289,7 +293,7 @@ def scenario_epoch(lab: Lab) -> dict:
     """One epoch (2 iterations) to the end, then ``trainer.resume=auto`` with 4 iterations, then a
     ``resume`` of the finished run, then a ``resume`` of an unknown run."""
     store = lab.store("epoch")
-    ov = {"trainer.max_checkpoints": 2}
+    ov = {"trainer.max_checkpoints": 2, "trainer.logger": TB_WANDB}
     out = {"store": store}
     out["first"] = lab.cli("ep1", "train", *lab.overrides(store, **ov, **{"trainer.total_iterations": 2}),
                            "--run-id", "ep")
@@ -474,6 +478,38 @@ def _assert_mlflow_history_is_the_uninterrupted_runs(store: Path, run: Path, ref
         got = [(m.step, m.value) for m in client.get_metric_history(newest, key)]
         want = [(m.step, m.value) for m in ref_client.get_metric_history(ref_id, key)]
         assert sorted(got) == sorted(want), key
+
+
+def _assert_mirrors_hold_mlflow(store: Path, run: Path, wandb: bool) -> None:
+    """TensorBoard (and W&B) hold every point of the run's MLflow record, once, with its value."""
+    from tests.mirror_readers import mlflow_points, tensorboard_points, wandb_points
+
+    meta = json.loads((run / "run.json").read_text())
+    want = mlflow_points(f"sqlite:///{store / 'mlflow.db'}", meta["mlflow_run_id"])
+    assert {"actor/pg_loss", "critic/score/mean", "response_length/mean", "timing_s/gen"} <= set(want)
+    tb = tensorboard_points(run / "tensorboard")
+    assert set(tb) == set(want)
+    for key, points in want.items():
+        steps = [s for s, _ in tb[key]]
+        assert len(steps) == len(set(steps)), (key, steps)  # no (name, step) twice across the sessions
+        assert sorted(tb[key]) == [(s, float(np.float32(v))) for s, v in points], key  # float32 in TensorBoard
+    if wandb:
+        wb, runs = wandb_points(run / "wandb", meta["wandb_run_id"])
+        assert {k: sorted(v) for k, v in wb.items()} == want
+        assert all(len(v) == len(set(s for s, _ in v)) for v in wb.values())
+        assert len(runs) == len(meta["sessions"]) and {r["run_id"] for r in runs} == {meta["wandb_run_id"]}
+
+
+def test_tensorboard_and_wandb_hold_the_mlflow_record_across_kills_and_resumes(scenarios):
+    """trainer.logger's mirrors on real CLI runs: the kill chain (five sessions, four of them SIGKILLed,
+    re-run iterations whose MLflow points are kept) in TensorBoard; the epoch run (a finished run resumed
+    with more iterations) in TensorBoard and offline W&B, one W&B run id throughout."""
+    chain = get(scenarios, "chain")
+    _assert_mirrors_hold_mlflow(chain["store"], chain["store"] / "k", wandb=False)
+    assert "tensorboard: writing to" in chain["steps"][-1].stdout  # the resumed session, from the stored config
+    epoch = get(scenarios, "epoch")
+    _assert_mirrors_hold_mlflow(epoch["store"], epoch["store"] / "ep", wandb=True)
+    assert "wandb: offline run" in epoch["auto"].stdout
 
 
 def test_killed_driver_leaves_no_ray_processes(scenarios):
