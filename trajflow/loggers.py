@@ -222,8 +222,10 @@ def _open_wandb(cfg, store, meta: Mapping[str, Any], run_name: str, out) -> Wand
                           f"or drop 'wandb' from trainer.logger") from None
     store.update_run_meta(wandb_run_id=run_id, wandb_dir=str(d))
     if mirror.mode == "offline":
-        print(f"wandb: offline run {run_id} (project {project}, name {name}) in {mirror.dir}; upload later with "
-              f"wandb sync {mirror.dir.parent}/offline-run-*-{run_id}", file=out, flush=True)
+        print(f"wandb: offline run {run_id} (project {project}, name {name}) in {mirror.dir.parent}; upload it "
+              f"later with: wandb sync {mirror.dir.parent}/offline-run-*-{run_id}", file=out, flush=True)
+    elif mirror.mode == "disabled":
+        print("wandb: WANDB_MODE=disabled: W&B writes nothing", file=out, flush=True)
     else:
         print(f"wandb: run {run_id} (project {project}, name {name}, WANDB_MODE={mirror.mode}) in {mirror.dir}",
               file=out, flush=True)
