@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.mirror_readers import mlflow_points, tensorboard_points, wandb_points
+from tests.mirror_readers import (mlflow_points, tensorboard_points, tensorboard_texts, wandb_points,
+                                  wandb_tables)
 from trajflow.config import load_config
 from trajflow.errors import ConfigError, StoreError
 from trajflow.loggers import open_mirrors, stored_wandb_id
@@ -37,6 +38,7 @@ def test_tensorboard_and_wandb_hold_what_mlflow_holds_across_a_resume(tmp_path, 
     for step in (0, 1, 2):
         first.log_metrics({"actor/pg_loss": 0.1 + step, "val-core/words/acc/mean@2": step / 3}, step=step)
     first.log_metrics({"critic/score/mean": 0.7}, step=2)  # a second call at the same step
+    first.mirror_generations(_generations("first"), step=2)  # verl's val/generations
     first.finish("KILLED")
     lines = capsys.readouterr().out
     assert f"tensorboard: writing to {store.run_dir / 'tensorboard'}" in lines
@@ -46,6 +48,7 @@ def test_tensorboard_and_wandb_hold_what_mlflow_holds_across_a_resume(tmp_path, 
     # The resume restarts from checkpoint 1: step 2 is re-run (MLflow keeps its earlier values), 3 is new.
     second = _session(cfg, store, continue_from=first.run_id, keep_step=lambda s: s <= 1)
     for step in (2, 3):
+        second.mirror_generations(_generations(f"second-{step}"), step=step)  # not at re-run step 2: kept
         second.log_metrics({"actor/pg_loss": 10.0 + step, "val-core/words/acc/mean@2": 0.5,
                             "critic/score/mean": 0.25}, step=step)
     second.finish("FINISHED")
@@ -64,6 +67,12 @@ def test_tensorboard_and_wandb_hold_what_mlflow_holds_across_a_resume(tmp_path, 
         assert [s for s, _ in tb[key]] == [s for s, _ in points], key
         assert [v for _, v in tb[key]] == [float(np.float32(v)) for _, v in points], key
 
+    texts = tensorboard_texts(tb_dir, "val/generations")  # markdown tables, '|' and newlines escaped
+    assert texts == [(2, "| prompt | response_text | score |\n|---|---|---|\n| 2 \\| 3 | first<br>5 | 1.0 |"),
+                     (3, "| prompt | response_text | score |\n|---|---|---|\n| 2 \\| 3 | second-3<br>5 | 1.0 |")]
+    tables = wandb_tables(store.run_dir / "wandb", run_id, "val/generations")
+    assert tables == [(2, {"columns": ["prompt", "response_text", "score"], "data": [["2 | 3", "first\n5", 1.0]]}),
+                      (3, {"columns": ["prompt", "response_text", "score"], "data": [["2 | 3", "second-3\n5", 1.0]]})]
     wb, runs = wandb_points(store.run_dir / "wandb", run_id)
     assert {k: sorted(v) for k, v in wb.items()} == want
     assert len(runs) == 2 and {(r["run_id"], r["project"], r["display_name"]) for r in runs} == \
@@ -71,6 +80,10 @@ def test_tensorboard_and_wandb_hold_what_mlflow_holds_across_a_resume(tmp_path, 
     config = runs[0]["config"]["update"]  # the resolved config
     assert config["actor"]["lr"] == 3e-6 and config["trainer"]["logger"] == ["console", "mlflow", "tensorboard",
                                                                              "wandb"]
+
+
+def _generations(response: str) -> dict:
+    return {"prompt": ["2 | 3"], "response_text": [f"{response}\n5"], "score": [1.0]}
 
 
 def test_a_log_dir_of_an_earlier_session_is_named_not_used(tmp_path, monkeypatch, capsys):

@@ -23,7 +23,8 @@ def run(tiny_model_dir, ray_local, tmp_path_factory):
     root = tmp_path_factory.mktemp("store")
     summary = train(None, tiny_overrides(tiny_model_dir, root, **{"gates.enabled": True,
                                                                   "tracking.system_metrics_interval_s": 0.5,
-                                                                  "tracking.model_copy": True}))
+                                                                  "tracking.model_copy": True,
+                                                                  "trainer.logger": "[console,mlflow,tensorboard,wandb]"}))
     return summary, root
 
 
@@ -181,3 +182,35 @@ def test_prefect_graph_each_stage_waits_for_exactly_what_it_uses(run):
         r, w, g, a, u = (f"{s}-it{it}" for s in ("rollout", "reward", "gate", "advantage", "update"))
         expected |= {r: before, w: {r}, g: {r, w}, a: {r, w, g}, u: {r, w, g, a}, f"validate-step{it}": {u}}
     assert graph == expected
+
+
+def test_tensorboard_and_wandb_hold_the_mlflow_metrics_and_validation_generations(run):
+    """trainer.logger's mirrors on a real run: every MLflow point (validation at step 0 included) in
+    TensorBoard (float32) and offline W&B, and each validation's generations as verl's val/generations,
+    the rows of MLflow's validation table."""
+    import numpy as np
+
+    from tests.mirror_readers import (mlflow_points, tensorboard_points, tensorboard_texts, wandb_points,
+                                      wandb_tables)
+
+    summary, root = run
+    run_dir = Path(summary["run_dir"])
+    meta = json.loads((run_dir / "run.json").read_text())
+    want = mlflow_points(f"sqlite:///{root / 'mlflow.db'}", summary["mlflow_run_id"])
+    assert set(EXPECTED_METRICS) <= set(want) and want[EXPECTED_METRICS[-1]][0][0] == 0
+    tb = tensorboard_points(run_dir / "tensorboard")
+    assert {k: sorted(v) for k, v in tb.items()} == {k: [(s, float(np.float32(v))) for s, v in p]
+                                                     for k, p in want.items()}
+    wb, runs = wandb_points(run_dir / "wandb", meta["wandb_run_id"])
+    assert {k: sorted(v) for k, v in wb.items()} == want
+    assert [(r["project"], r["display_name"]) for r in runs] == [("trajflow-grpo_default", summary["run_id"])]
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    logged = {s: json.loads(Path(client.download_artifacts(summary["mlflow_run_id"], f"validation/iteration_{s:06d}.json",
+                                                            str(root / f"dl-gen-{s}"))).read_text())
+              for s in (0, 1, 2)}
+    assert wandb_tables(run_dir / "wandb", meta["wandb_run_id"], "val/generations") == sorted(logged.items())
+    texts = tensorboard_texts(run_dir / "tensorboard", "val/generations")
+    assert [s for s, _ in texts] == [0, 1, 2]
+    for step, text in texts:
+        assert text.splitlines()[0] == "| " + " | ".join(logged[step]["columns"]) + " |"
+        assert len(text.splitlines()) == 2 + len(logged[step]["data"])

@@ -12,11 +12,12 @@ Where they write (verl's environment variables override the defaults, as in verl
 - TensorBoard: ``<run folder>/tensorboard`` (``TENSORBOARD_DIR`` names the log directory itself),
   with ``torch.utils.tensorboard.SummaryWriter``; one event file per session in the same directory,
   flushed after every step (a killed session loses nothing it logged). TensorBoard stores scalars
-  as float32.
+  as float32. Validation generations: the text ``val/generations`` (a markdown table), as verl.
 - W&B: offline mode unless ``WANDB_MODE`` says otherwise (nothing is sent, nobody logs in; upload
   later with ``wandb sync``), under ``<run folder>/wandb/`` (``WANDB_DIR`` names the directory the
   ``wandb/`` folder goes in); project ``trainer.project_name`` (default ``trajflow-<recipe>``), run
-  name ``trainer.experiment_name`` (default: the trajflow run id), config the resolved config. The
+  name ``trainer.experiment_name`` (default: the trajflow run id), config the resolved config,
+  validation generations as the table ``val/generations``, as verl. The
   W&B run id is kept in ``run.json`` (``wandb_run_id``) and reused by a resume, so every session is
   the same W&B run (an offline session is one ``offline-run-*`` folder; ``wandb sync`` merges them).
   A session killed with SIGKILL loses what W&B had not flushed to its ``.wandb`` file yet (about
@@ -113,6 +114,11 @@ class TensorBoardMirror:
             self.writer.add_scalar(k, v, global_step=int(step))
         self.writer.flush()
 
+    def log_generations(self, table: Mapping[str, list], step: int) -> None:
+        """Validation generations as the markdown table ``val/generations`` (TensorBoard's Text tab)."""
+        self.writer.add_text("val/generations", markdown_table(table), global_step=int(step))
+        self.writer.flush()
+
     def close(self, status: str = "FINISHED") -> None:
         self.writer.close()
 
@@ -149,8 +155,28 @@ class WandbMirror:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=int(step))
 
+    def log_generations(self, table: Mapping[str, list], step: int) -> None:
+        """Validation generations as the W&B table ``val/generations`` at ``step``."""
+        import wandb
+
+        columns = list(table)
+        self.run.log({"val/generations": wandb.Table(columns=columns, data=[list(r) for r in
+                                                                           zip(*(table[c] for c in columns))])},
+                     step=int(step))
+
     def close(self, status: str = "FINISHED") -> None:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+def markdown_table(table: Mapping[str, list]) -> str:
+    """``{column: values}`` as a markdown table, one row per entry (``|`` escaped, newlines as ``<br>``)."""
+    def cell(v) -> str:
+        return str(v).replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+    columns = list(table)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in zip(*(table[c] for c in columns))]
+    return "\n".join(lines)
 
 
 def open_mirrors(cfg, store, run_name: str, *, out=None) -> list:

@@ -389,6 +389,20 @@ class Tracker:
                             m.name, step, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 self.mirrors.remove(m)
 
+    def mirror_generations(self, table: Mapping[str, list], step: int) -> None:
+        """Validation generations (``{column: values}``) to the mirrors as verl's ``val/generations``
+        (TensorBoard text, a W&B table); not at a step whose validation metrics an earlier session
+        logged (a re-run step keeps the earlier record, as for metrics). A failure is one warning and
+        leaves the mirror's metrics on."""
+        if not self.mirrors or any(s == int(step) and k.startswith("val-") for k, s in self._logged):
+            return
+        for m in self.mirrors:
+            try:
+                m.log_generations(table, int(step))
+            except Exception as e:
+                log.warning("trainer.logger %r could not log the validation generations of step %d: %s",
+                            m.name, step, str(e).splitlines()[0] if str(e) else type(e).__name__)
+
     def set_tags(self, tags: Mapping[str, str]) -> None:
         for k, v in tags.items():
             self.client.set_tag(self.run_id, k, str(v))

@@ -135,16 +135,18 @@ class ValidationProgress:
 
 def _log_generations(ctx: RunContext, step: int, rows: list, responses: list[str], scores) -> None:
     """The first ``trainer.log_val_generations`` validation generations, with their prompts, as the
-    MLflow table ``validation/iteration_NNNNNN.json`` (verl logs the same to its trackers)."""
+    MLflow table ``validation/iteration_NNNNNN.json`` and, with ``trainer.logger``'s tensorboard /
+    wandb, as their ``val/generations`` (verl logs the same to its trackers)."""
     from trajflow.tracking import prompt_text
 
     k = min(int(ctx.cfg.trainer.log_val_generations), len(rows))
     if not k or ctx.tracker is None:
         return
-    ctx.tracker.log_table({"prompt_id": [p.prompt_id for p in rows[:k]],
-                           "data_source": [p.data_source for p in rows[:k]],
-                           "prompt": [prompt_text(p.messages) for p in rows[:k]],
-                           "response_text": list(responses[:k]),
-                           "ground_truth": [str(p.ground_truth) for p in rows[:k]],
-                           "score": [float(x) for x in list(scores)[:k]]},
-                          f"validation/iteration_{step:06d}.json")
+    table = {"prompt_id": [p.prompt_id for p in rows[:k]],
+             "data_source": [p.data_source for p in rows[:k]],
+             "prompt": [prompt_text(p.messages) for p in rows[:k]],
+             "response_text": list(responses[:k]),
+             "ground_truth": [str(p.ground_truth) for p in rows[:k]],
+             "score": [float(x) for x in list(scores)[:k]]}
+    ctx.tracker.log_table(table, f"validation/iteration_{step:06d}.json")
+    ctx.tracker.mirror_generations(table, step)  # trainer.logger's tensorboard / wandb: val/generations
