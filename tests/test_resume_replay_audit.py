@@ -550,6 +550,18 @@ def test_resume_at_epoch_boundary_trains_the_remaining_iterations(scenarios):
     for epoch in ((1, 2), (3, 4)):
         seen = [w for it in epoch for w in words[it][0::2]]
         assert sorted(seen) == sorted(WORDS), f"epoch {epoch}: {seen}"
+    # Training a finished run further logs a second final model: the first stays the output at step 2
+    # (MLflow links a model to a run once), the newer one is the output at step 4 and the run's tag.
+    assert "final model was not logged" not in auto.stderr
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{ep['store'] / 'mlflow.db'}")
+    mlflow_run = client.get_run(json.loads((run / "run.json").read_text())["mlflow_run_id"])
+    outputs = {o.step: o.model_id for o in mlflow_run.outputs.model_outputs}
+    assert sorted(outputs) == [2, 4] and mlflow_run.data.tags["trajflow.model_id"] == outputs[4]
+    first = client.get_logged_model(outputs[2])
+    assert first.tags["trajflow.superseded_by"] == outputs[4] and str(first.status) == "READY"
+    assert str(client.get_logged_model(outputs[4]).status) == "READY"
     # max_checkpoints=2 keeps the two newest.
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["000003", "000004"]
     # Resuming the finished run says so, exits 0 and starts no new session.

@@ -22,6 +22,8 @@ MODEL_NAME = "policy"
 TAG_MODEL_ID = "trajflow.model_id"
 #: LoggedModel tag: the folder that holds the final model (by reference).
 TAG_MODEL_PATH = "trajflow.model_path"
+#: LoggedModel tag of a finished run's final model once the run trains further: the newer model's id.
+TAG_SUPERSEDED_BY = "trajflow.superseded_by"
 
 
 def create_policy_model(client: Any, experiment_id: str, mlflow_run_id: str, run_id: str, cfg: Any) -> str:
@@ -41,6 +43,17 @@ def create_policy_model(client: Any, experiment_id: str, mlflow_run_id: str, run
     model = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=mlflow_run_id,
                                        tags={"trajflow.run_id": run_id}, params=params, model_type="text-generation")
     return model.model_id
+
+
+def model_is_final(client: Any, model_id: str) -> bool:
+    """Whether the LoggedModel ``model_id`` was finalised READY (an earlier session ended the run with
+    it); False for a PENDING one or one MLflow no longer has."""
+    from mlflow.entities import LoggedModelStatus
+
+    try:
+        return client.get_logged_model(model_id).status == LoggedModelStatus.READY
+    except Exception:  # deleted or unreadable: the session starts a new model rather than fail
+        return False
 
 
 def finalize_policy_model(client: Any, mlflow_run_id: str, model_id: str, model_dir: str | Path, step: int, *,

@@ -207,7 +207,7 @@ class Tracker:
                  logged_model: bool = True, run_name: str | None = None) -> None:
         from mlflow.tracking import MlflowClient
 
-        from trajflow.mlflow_model import TAG_MODEL_ID, create_policy_model
+        from trajflow.mlflow_model import TAG_MODEL_ID, TAG_SUPERSEDED_BY, create_policy_model, model_is_final
 
         self.uri = tracking_uri(cfg)
         self.client = MlflowClient(tracking_uri=self.uri)
@@ -231,6 +231,7 @@ class Tracker:
         self.mirrors: list = []  # trajflow.loggers' TensorBoard / W&B copies of every point logged
         self._system_monitor = None
         self.model_id: str | None = None
+        superseded: str | None = None
         previous = self._previous_session(continue_from)
         all_tags = session_tags(cfg)
         all_tags.update({"trajflow.run_id": run_id, "trajflow.recipe": str(cfg.recipe)})
@@ -248,9 +249,15 @@ class Tracker:
             self.set_tags(all_tags)
             self._continue(previous, cfg, keep_step or (lambda step: True))
             self.model_id = previous.data.tags.get(TAG_MODEL_ID)
+            if logged_model and self.model_id and model_is_final(self.client, self.model_id):
+                # A finished run trained further: its earlier final model stays as it was logged
+                # (MLflow links a model to a run as output once), the policy trained on is a new one.
+                superseded, self.model_id = self.model_id, None
         if logged_model and self.model_id is None:
             self.model_id = create_policy_model(self.client, exp_id, self.run_id, run_id, cfg)
             self.client.set_tag(self.run_id, TAG_MODEL_ID, self.model_id)
+            if superseded:
+                self.client.set_logged_model_tags(superseded, {TAG_SUPERSEDED_BY: self.model_id})
         self.log_text(to_yaml(cfg), "config.yaml")
         if cfg.tracking.system_metrics:
             self._start_system_metrics(float(cfg.tracking.system_metrics_interval_s), resume=previous is not None)

@@ -118,8 +118,9 @@ def open_run(cfg: DictConfig, run_id: str, resume: bool = False) -> RunContext:
         ctx.state.last_iteration = int(cfg.trainer.total_iterations)
         if resume:
             _report_resume(ctx, latest, start)
-        ctx.tracker = Tracker(cfg, run_id, continue_from=previous_mlflow_run,
-                              keep_step=_kept_steps(store, latest), logged_model=bool(cfg.tracking.log_model))
+        # A session with nothing to train neither starts nor supersedes the run's LoggedModel.
+        ctx.tracker = Tracker(cfg, run_id, continue_from=previous_mlflow_run, keep_step=_kept_steps(store, latest),
+                              logged_model=bool(cfg.tracking.log_model) and start <= ctx.state.last_iteration)
         ctx.tracker.mirrors = open_mirrors(cfg, store, run_id)  # trainer.logger's tensorboard / wandb
         _log_datasets(ctx)
         sessions = store.read_run_meta().get("sessions", [])
