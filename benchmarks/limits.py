@@ -61,6 +61,10 @@ runs):
    decode loop with torch's kernels could reach if the linear layers were all it ran (attention,
    norms, sampling and the cache are left out), so trajflow's fraction of it is the loop's overhead.
 
+Every ratio depends on the CPU kind (bf16 matmuls are ~4x fp32 with AMX, slower than fp32 on AVX2):
+the script prints the CPU's model name and bf16 matmul paths (:func:`cpu_kind`, from the kernel's
+``/proc/cpuinfo``) first and beside each target line.
+
     .venv/bin/python benchmarks/limits.py [--quick] [--repeats R] [--max-new-tokens 64] [--matmul-n 2048]
 """
 
@@ -76,6 +80,30 @@ from _common import preload_allocator, header, set_all_threads, verdict
 TARGET_MFU = 0.60
 TARGET_GEN = 0.50
 TARGET_READ_BOUND = 0.70
+
+
+def cpu_kind(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """This machine's CPU as the ratios depend on it: the model name and which of the bf16 matmul
+    paths it has (``AMX`` tiles, ``AVX512-BF16`` dot products, else ``AVX512`` or ``AVX2`` only), read
+    from ``cpuinfo``'s first processor, e.g. ``"Intel(R) Xeon(R) Processor [AMX, AVX512-BF16]"``.
+    The bound-ratios below differ by kind: bf16 is ~4x fp32 with AMX and slower than fp32 on AVX2."""
+    name, flags = "unknown CPU", set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and name == "unknown CPU":
+                    name = " ".join(value.split())
+                elif key == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        return name
+    paths = [label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
+    if not paths:
+        paths = ["AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"]
+    return f"{name} [{', '.join(paths)}]"
 
 
 def matmul_gflops(n: int, repeats: int, dtype=None) -> tuple[float, list[float]]:
@@ -205,6 +233,8 @@ def main() -> None:
     from trajflow.workers.policy import PolicyWorker
 
     threads = set_all_threads()
+    kind = cpu_kind()
+    print(f"CPU: {kind}", flush=True)
     cfg = load_config(None, [f"rollout.max_new_tokens={args.max_new_tokens}"])
     print(f"torch {torch.__version__}, {threads} threads; default recipe, {cfg.data.train_batch_size} prompts x "
           f"{cfg.rollout.n} samples, {args.max_new_tokens} new tokens; best of {args.repeats}")
@@ -336,14 +366,15 @@ def main() -> None:
     bounds = generation_bounds(worker, prompt_ids, n, args.max_new_tokens, args.repeats, dims, bw,
                                {"float32": peak, "bfloat16": peak16})
 
-    header("targets")
-    verdict(f"training step MFU, {recipe_label} (fraction of matmul GFLOP/s)", mfus[recipe_label], TARGET_MFU,
+    header(f"targets on {kind}")
+    verdict(f"[{kind}] training step MFU, {recipe_label} (fraction of matmul GFLOP/s)", mfus[recipe_label],
+            TARGET_MFU, fmt="{:.1%}")
+    verdict(f"[{kind}] generation rate at batch 32 / plain forward tok/s (32 x 64)", gen_frac, TARGET_GEN,
             fmt="{:.1%}")
-    verdict("generation rate at batch 32 / plain forward tok/s (32 x 64)", gen_frac, TARGET_GEN, fmt="{:.1%}")
     for dtype, (frac_read, frac_roof, frac_mm) in bounds.items():
-        verdict(f"generation, {dtype} weights: fraction of the weight-read bound", frac_read, TARGET_READ_BOUND,
-                fmt="{:.1%}")
-        print(f"      (of the roofline bound {frac_roof:.1%}, of the decode-matmul bound {frac_mm:.1%})")
+        verdict(f"[{kind}] generation, {dtype} weights: fraction of the weight-read bound", frac_read,
+                TARGET_READ_BOUND, fmt="{:.1%}")
+        print(f"      [{kind}] (of the roofline bound {frac_roof:.1%}, of the decode-matmul bound {frac_mm:.1%})")
 
 
 def decode_matmul_seconds(model, rows: int, dtype, repeats: int) -> float:

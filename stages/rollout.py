@@ -170,7 +170,9 @@ def sample_tokens(logits: torch.Tensor, temperature: float, uniform: torch.Tenso
         raise ValueError(f"sample_tokens: top_k must be >= 0, got {top_k}")
     if uniform.shape != logits.shape[:1]:
         raise ValueError(f"sample_tokens: uniform must have shape {tuple(logits.shape[:1])}, got {tuple(uniform.shape)}")
-    x = logits.float() / temperature
+    x = logits.float()
+    if temperature != 1.0:  # dividing by 1 changes nothing but costs a pass over the vocabulary
+        x = x / temperature
     logz = torch.logsumexp(x, dim=-1, keepdim=True)
     probs = torch.exp(x - logz)
     kept = probs

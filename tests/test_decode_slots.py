@@ -3,6 +3,7 @@ free slots, keys and values appended in place, bf16 weights packed for oneDNN. E
 sampled tokens and their log-probs as they were; the schedule is checked against a by-hand
 simulation of the slots."""
 
+import copy
 from collections import deque
 from types import SimpleNamespace
 
@@ -156,3 +157,49 @@ def test_packed_bf16_copy_samples_what_the_plain_copy_samples(model, tok):
     packed._unpack(restore=True)
     for name, value in packed.model.state_dict().items():
         assert torch.equal(value, state[name]), name
+
+
+def test_lean_decode_step_samples_what_the_model_forward_samples(model, tok):
+    """fp32: the same tokens as the model's own forward, and log-probs within float rounding of the
+    teacher-forced ones; one step's hidden state equals the model's to rounding."""
+    from trajflow.engines.decode_step import decode_step, supports_decode_step
+    from trajflow.modeling.compat import cache_kwargs, output_cache
+
+    assert supports_decode_step(model) is None
+    prompts = _prompts(tok)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=MAX_NEW, seed=11)
+    out = {}
+    for lean in (False, True):
+        engine = HFRolloutEngine(model, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], micro_batch_size=4)
+        engine.lean_step = lean
+        out[lean] = engine.generate(prompts, params)
+    assert out[True].response_ids == out[False].response_ids
+    assert out[True].stats == out[False].stats
+    diff = max(abs(a - b) for x, y in zip(out[True].rollout_logprobs, out[False].rollout_logprobs) for a, b in zip(x, y))
+    assert diff < 1e-4
+    # One step by hand on a left-padded batch: the padded row's masked columns change nothing.
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+    attn = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    pos = torch.tensor([[0, 1, 2, 3], [0, 0, 0, 1]])
+    caches = [output_cache(model.get_decoder()(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True))
+              for _ in range(2)]
+    tok_next, attn_next, pos_next = torch.tensor([[11], [12]]), torch.cat([attn, torch.ones(2, 1, dtype=torch.long)], 1), \
+        torch.tensor([[4], [2]])
+    want = model.get_decoder()(input_ids=tok_next, attention_mask=attn_next, position_ids=pos_next,
+                               **cache_kwargs(caches[0]), use_cache=True).last_hidden_state[:, -1]
+    got = decode_step(model.get_decoder(), tok_next, attn_next, pos_next, caches[1])
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert caches[1].layers[0].keys.shape[2] == caches[0].layers[0].keys.shape[2] == 5
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.allclose(a.keys, b.keys) and torch.allclose(a.values, b.values)
+
+
+def test_lean_decode_step_refuses_what_it_does_not_compute(model):
+    from trajflow.engines.decode_step import supports_decode_step
+
+    cfg = copy.deepcopy(model.config)
+    other = SimpleNamespace(config=cfg)
+    cfg.model_type = "gemma3_text"
+    assert "model_type" in supports_decode_step(other)
+    cfg.model_type, cfg.sliding_window, cfg.use_sliding_window = "mistral", 4096, True
+    assert supports_decode_step(other) == "sliding-window attention"

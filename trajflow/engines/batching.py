@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from trajflow.stages.rollout import SamplingParams, sample_tokens
+from trajflow.engines.decode_step import decode_step, supports_decode_step
 from trajflow.engines.kv_cache import use_slack_layers
 from trajflow.modeling.compat import cache_kwargs, output_cache
 from trajflow.modeling.forward import layout_prompts, encode_prompts
@@ -77,7 +78,8 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
                       seeds: Sequence[int], params: SamplingParams, slots: int, pad_id: int,
                       eos_ids: Sequence[int], device, share_prefix: bool, join: bool = True,
                       on_step: Callable[[int], None] | None = None,
-                      in_place_cache: bool = True, split_groups: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      in_place_cache: bool = True, split_groups: bool = True,
+                      lean_step: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample ``params.n`` responses for every prompt with at most ``slots`` rows per decode step.
 
     Rows are admitted in the order of ``groups`` (lists of prompt indices, concatenated; a prompt's
@@ -108,6 +110,9 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
         split_groups: with continuous batching, fill every free slot at once with the next pending
             row, even if the rest of its prompt's ``n`` rows must wait for later slots (the prompt's
             prefilled KV cache is kept for them); off, a prompt starts only when ``n`` slots are free.
+        lean_step: run each decode forward through :func:`trajflow.engines.decode_step.decode_step`
+            where the model supports it (:func:`~trajflow.engines.decode_step.supports_decode_step`),
+            instead of the model's own forward (same layers, less per-call machinery).
 
     Returns:
         ``tokens`` ``(len(prompts) * n, T)`` int64, row ``i * n + s`` the ``s``-th sample of prompt
@@ -126,6 +131,7 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
     pending = deque((i, s) for members in groups for i in members for s in range(n))  # rows, prompt-major
     prefills = _Prefills(decoder, head, model.config, prompts, n, pad_id, device, share_prefix, max(1, slots // n))
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    lean = lean_step and supports_decode_step(model) is None
 
     rows = torch.zeros(0, dtype=torch.long)                 # output row of each batch row
     step = torch.zeros(0, dtype=torch.long)                 # tokens each batch row has written
@@ -202,10 +208,13 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
         pos, step = pos + 1, step + 1
         if on_step is not None:
             on_step(int(rows.numel()))
-        out = decoder(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, **cache_kwargs(cache),
-                      use_cache=True)
-        cache = output_cache(out)
-        logits = final_logits(model.config, head(out.last_hidden_state[:, -1]))
+        if lean:
+            hidden = decode_step(decoder, tok[:, None], attn, pos, cache)
+        else:
+            out = decoder(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, **cache_kwargs(cache),
+                          use_cache=True)
+            cache, hidden = output_cache(out), out.last_hidden_state[:, -1]
+        logits = final_logits(model.config, head(hidden))
     return tokens, logprobs
 
 

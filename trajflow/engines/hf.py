@@ -32,7 +32,9 @@ class HFRolloutEngine(RolloutEngine):
     (a prompt is prefilled once and its cache kept for its later rows), their cache joined to the
     running batch, so every step runs ``micro_batch_size`` rows until the last prompts drain; each
     step appends its keys and values in place (:mod:`trajflow.engines.kv_cache`), and a bf16 copy's
-    linear weights are packed for oneDNN (:mod:`trajflow.modeling.packed_linear`, bit-identical); tokens are drawn by :func:`trajflow.stages.rollout.sample_tokens` with one pre-drawn
+    linear weights are packed for oneDNN (:mod:`trajflow.modeling.packed_linear`, bit-identical), and a
+    Llama-family model's decode forwards run through :func:`trajflow.engines.decode_step.decode_step`
+    (its own layers without the model forward's per-call machinery; ``lean_step``); tokens are drawn by :func:`trajflow.stages.rollout.sample_tokens` with one pre-drawn
     uniform per row and token from a generator seeded per group of ``micro_batch_size // n``
     prompts (the same samples whatever the schedule), and their log-probs come from the same logits. Under ZeRO-3 (``synced_gpus``) every rank must run
     the same number of forwards, so ``generate(synced_gpus=True)`` is used instead; a model the fast
@@ -89,6 +91,9 @@ class HFRolloutEngine(RolloutEngine):
         self.in_place_cache = True
         # Free slots take the next rows at once, a prompt's rows possibly starting at different steps.
         self.split_groups = True
+        # Decode forwards of Llama-family models through trajflow.engines.decode_step (same layers,
+        # without the model forward's per-call machinery); other models run their own forward.
+        self.lean_step = True
         self._packed = self._pack_checked = False
         target = DTYPES[dtype] if dtype is not None else None
         self._released = False
@@ -328,7 +333,8 @@ class HFRolloutEngine(RolloutEngine):
                 resp, step_lp = decode_continuous(self.model, prompts, groups, seeds, params, self.micro_batch_size,
                                                   self.pad_id, self.eos_ids, self.device, share_prefix,
                                                   join=self.continuous_batching, on_step=steps.append,
-                                                  in_place_cache=self.in_place_cache, split_groups=self.split_groups)
+                                                  in_place_cache=self.in_place_cache, split_groups=self.split_groups,
+                                                  lean_step=self.lean_step)
                 self._collect(resp, step_lp, range(total), responses, finish, logprobs)
         finally:
             self.model.train(was_training)
