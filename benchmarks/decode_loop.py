@@ -1,6 +1,6 @@
 """The HF engine's decode loop before and after its speed-ups, on the default recipe's rollout batch.
 
-The default recipe samples 8 prompts x 8 rows with 32 decode slots from a bf16 rollout copy. Five
+The default recipe samples 8 prompts x 8 rows with 32 decode slots from a bf16 rollout copy. Six
 settings of one in-process policy worker's engine run alternately on the same prompts and seeds:
 
 - ``before``: the loop as it was: a prompt starts only when ``n`` slots are free, each step
@@ -9,8 +9,10 @@ settings of one in-process policy worker's engine run alternately on the same pr
   (:mod:`trajflow.modeling.packed_linear`);
 - ``+ in-place cache``: keys and values appended in place (:mod:`trajflow.engines.kv_cache`);
 - ``+ split groups``: also free slots filled row by row (``split_groups``);
-- ``after``: also each decode forward through :func:`trajflow.engines.decode_step.decode_step`
-  (``lean_step``: the layers without the model forward's per-call machinery), the engine's default.
+- ``+ lean step``: also each decode forward through :func:`trajflow.engines.decode_step.decode_step`
+  (``lean_step``: the layers without the model forward's per-call machinery);
+- ``after``: also ended rows' places in the KV cache reused by the next rows (``reuse_slots``: no
+  whole-cache copies when rows come and go), the engine's default.
 
 Prints per run: wall seconds, CPU seconds of this process, real tokens, decode steps, mean rows per
 step, tok/s, and whether the tokens equal the ``before`` run's (they should: every change keeps the
@@ -31,12 +33,13 @@ import time
 from _common import first_batch_prompts, header, policy_worker, preload_allocator, set_all_threads, verdict
 
 TARGET = 2.0
-SETTINGS = {  # label: (pack_weights, in_place_cache, split_groups, lean_step)
-    "before": (False, False, False, False),
-    "+ packed": (True, False, False, False),
-    "+ in-place cache": (True, True, False, False),
-    "+ split groups": (True, True, True, False),
-    "after": (True, True, True, True),
+SETTINGS = {  # label: (pack_weights, in_place_cache, split_groups, lean_step, reuse_slots)
+    "before": (False, False, False, False, False),
+    "+ packed": (True, False, False, False, False),
+    "+ in-place cache": (True, True, False, False, False),
+    "+ split groups": (True, True, True, False, False),
+    "+ lean step": (True, True, True, True, False),
+    "after": (True, True, True, True, True),
 }
 
 
@@ -83,7 +86,8 @@ def main() -> None:
           f"{repeats} repeat(s)")
 
     def use(label: str) -> None:
-        engine.pack_weights, engine.in_place_cache, engine.split_groups, engine.lean_step = SETTINGS[label]
+        (engine.pack_weights, engine.in_place_cache, engine.split_groups, engine.lean_step,
+         engine.reuse_slots) = SETTINGS[label]
         if engine.pack_weights:
             engine._pack()
         else:

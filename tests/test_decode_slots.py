@@ -203,3 +203,34 @@ def test_lean_decode_step_refuses_what_it_does_not_compute(model):
     assert "model_type" in supports_decode_step(other)
     cfg.model_type, cfg.sliding_window, cfg.use_sliding_window = "mistral", 4096, True
     assert supports_decode_step(other) == "sliding-window attention"
+
+
+def test_ended_rows_places_taken_by_the_next_rows_sample_the_same(model, tok, monkeypatch):
+    """reuse_slots: the next rows written into ended rows' places in the cache (no whole-cache copy)
+    sample the same tokens with the same schedule as dropping the ended rows and joining the new."""
+    import trajflow.engines.batching as batching
+
+    filled = []
+    real_fill = batching._fill_rows
+    monkeypatch.setattr(batching, "_fill_rows", lambda *a: (filled.append(a[3]), real_fill(*a)))
+    prompts, n, slots = _prompts(tok), 3, 4
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=MAX_NEW, seed=5)
+    first = HFRolloutEngine(model, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], micro_batch_size=slots)
+    full = first.generate(prompts, params)
+    eos = [tok.eos_token_id] + [full.response_ids[n * i + i % n][1 + i % 3] for i in range(len(prompts))]
+    out = {}
+    for reuse in (False, True):
+        engine = HFRolloutEngine(model, pad_id=tok.pad_token_id, eos_ids=eos, micro_batch_size=slots)
+        engine.reuse_slots = reuse
+        filled.clear()
+        out[reuse] = engine.generate(prompts, params)
+        assert bool(filled) == reuse
+    assert out[True].response_ids == out[False].response_ids
+    assert out[True].stats == out[False].stats
+    diff = max(abs(a - b) for x, y in zip(out[True].rollout_logprobs, out[False].rollout_logprobs) for a, b in zip(x, y))
+    assert diff < 1e-4
+    rows = [p for p in prompts for _ in range(n)]
+    forced, _ = compute_log_probs(model, rows, out[True].response_ids, temperature=1.0, micro_batch_size=15,
+                                  pad_id=tok.pad_token_id)
+    for got, want in zip(out[True].rollout_logprobs, forced):
+        assert torch.allclose(torch.tensor(got), torch.as_tensor(want), atol=1e-4)

@@ -79,7 +79,7 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
                       eos_ids: Sequence[int], device, share_prefix: bool, join: bool = True,
                       on_step: Callable[[int], None] | None = None,
                       in_place_cache: bool = True, split_groups: bool = True,
-                      lean_step: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      lean_step: bool = True, reuse_slots: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample ``params.n`` responses for every prompt with at most ``slots`` rows per decode step.
 
     Rows are admitted in the order of ``groups`` (lists of prompt indices, concatenated; a prompt's
@@ -113,6 +113,12 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
         lean_step: run each decode forward through :func:`trajflow.engines.decode_step.decode_step`
             where the model supports it (:func:`~trajflow.engines.decode_step.supports_decode_step`),
             instead of the model's own forward (same layers, less per-call machinery).
+        reuse_slots: with ``split_groups``, rows that end while at least as many rows are pending
+            stay in the batch for one more forward (its result unused) and the next admitted rows
+            are written into their places in the KV cache (each layer's rows, right-aligned, the
+            columns before the new prompt masked): no copy of the whole cache to drop rows and
+            another to join new ones. Otherwise (or when a new prompt is wider than the batch) the
+            ended rows are dropped as before.
 
     Returns:
         ``tokens`` ``(len(prompts) * n, T)`` int64, row ``i * n + s`` the ``s``-th sample of prompt
@@ -138,8 +144,11 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
     u_rows = None if params.greedy else torch.zeros(0, T, dtype=torch.float64)  # each batch row's draws
     logits = attn = pos = cache = None
     can_join = join
+    # Batch rows that ended and are kept for one forward so that the next admission writes its rows
+    # into their places: no copy of the whole cache (select, then join) when rows come and go.
+    holes = torch.zeros(0, dtype=torch.long)
     while pending or rows.numel():
-        live = rows.numel()
+        live = rows.numel() - holes.numel()
         take: list[tuple[int, int]] = []
         if live == 0 or can_join:
             if can_join and split_groups:
@@ -151,7 +160,11 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
                     if (live or take) and live + len(take) + k > slots:
                         break
                     take.extend(pending.popleft() for _ in range(k))
-        for piece in prefills.admit(take, pending):
+        pieces = prefills.admit(take, pending)
+        if holes.numel() and (len(take) < holes.numel() or any(p.attn.shape[1] > attn.shape[1] for p in pieces)):
+            rows, step, u_rows, logits, attn, pos = _close_holes(holes, cache, rows, step, u_rows, logits, attn, pos)
+            holes = holes[:0]
+        for piece in pieces:
             new_cache, new_logits, new_attn, new_pos = piece.cache, piece.logits, piece.attn, piece.pos
             if in_place_cache:
                 use_slack_layers(new_cache, T)
@@ -165,6 +178,20 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
                 unadmitted[g] -= 1
                 if unadmitted[g] == 0:
                     draws.pop(g, None)
+            k = min(holes.numel(), len(new_rows))
+            if k:
+                h, holes = holes[:k], holes[k:]
+                _fill_rows(cache, new_cache, h, k, attn.shape[1])
+                attn[h] = _left_pad_mask(new_attn[:k], attn.shape[1])
+                logits[h], pos[h], rows[h], step[h] = new_logits[:k], new_pos[:k], new_rows[:k], 0
+                if not params.greedy:
+                    u_rows[h] = new_u[:k]
+                if k == len(new_rows):
+                    continue
+                new_logits, new_attn, new_pos, new_rows = new_logits[k:], new_attn[k:], new_pos[k:], new_rows[k:]
+                new_u = None if params.greedy else new_u[k:]
+                for layer in new_cache.layers:
+                    layer.keys, layer.values = layer.keys[k:], layer.values[k:]
             if rows.numel() == 0:
                 cache, logits, attn, pos, rows, u_rows = new_cache, new_logits, new_attn, new_pos, new_rows, new_u
                 step = torch.zeros(len(new_rows), dtype=torch.long)
@@ -187,7 +214,11 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
         tokens[rows, step] = tok.cpu()
 
         going = (~torch.isin(tok, eos)).cpu() & (step < T - 1)
-        if not bool(going.all()):
+        ended = (~going).nonzero().squeeze(1)
+        if reuse_slots and can_join and split_groups and 0 < ended.numel() <= len(pending) \
+                and ended.numel() < going.numel():
+            holes = ended  # the next admission fills them (at least as many rows are pending)
+        elif ended.numel():
             keep = going.nonzero().squeeze(1)
             rows, step = rows[keep], step[keep]
             u_rows = None if params.greedy else u_rows[keep]
@@ -207,7 +238,7 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
         attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
         pos, step = pos + 1, step + 1
         if on_step is not None:
-            on_step(int(rows.numel()))
+            on_step(int(rows.numel() - holes.numel()))
         if lean:
             hidden = decode_step(decoder, tok[:, None], attn, pos, cache)
         else:
@@ -216,6 +247,25 @@ def decode_continuous(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
             cache, hidden = output_cache(out), out.last_hidden_state[:, -1]
         logits = final_logits(model.config, head(hidden))
     return tokens, logprobs
+
+
+def _fill_rows(cache, new_cache, h: torch.Tensor, k: int, width: int) -> None:
+    """Write the first ``k`` rows of ``new_cache`` into rows ``h`` of ``cache`` (``width`` positions),
+    right-aligned; the columns before them keep stale values that the attention mask excludes."""
+    for la, lb in zip(cache.layers, new_cache.layers):
+        w = lb.keys.shape[2]
+        la.keys[h, :, width - w:] = lb.keys[:k]
+        la.values[h, :, width - w:] = lb.values[:k]
+
+
+def _close_holes(holes, cache, rows, step, u_rows, logits, attn, pos):
+    """Drop the batch rows ``holes`` (ended rows kept for reuse) from the cache and every per-row tensor."""
+    keep = torch.ones(rows.numel(), dtype=torch.bool)
+    keep[holes] = False
+    keep = keep.nonzero().squeeze(1)
+    cache.batch_select_indices(keep.to(attn.device))
+    return (rows[keep], step[keep], None if u_rows is None else u_rows[keep], logits[keep.to(logits.device)],
+            attn[keep.to(attn.device)], pos[keep.to(pos.device)])
 
 
 def _leading_rows_of_one_prompt(pending: deque) -> int:

@@ -94,6 +94,9 @@ class HFRolloutEngine(RolloutEngine):
         # Decode forwards of Llama-family models through trajflow.engines.decode_step (same layers,
         # without the model forward's per-call machinery); other models run their own forward.
         self.lean_step = True
+        # Rows that end while others wait leave their places in the KV cache to the next rows
+        # (trajflow.engines.batching.decode_continuous, reuse_slots) instead of two whole-cache copies.
+        self.reuse_slots = True
         self._packed = self._pack_checked = False
         target = DTYPES[dtype] if dtype is not None else None
         self._released = False
@@ -334,7 +337,7 @@ class HFRolloutEngine(RolloutEngine):
                                                   self.pad_id, self.eos_ids, self.device, share_prefix,
                                                   join=self.continuous_batching, on_step=steps.append,
                                                   in_place_cache=self.in_place_cache, split_groups=self.split_groups,
-                                                  lean_step=self.lean_step)
+                                                  lean_step=self.lean_step, reuse_slots=self.reuse_slots)
                 self._collect(resp, step_lp, range(total), responses, finish, logprobs)
         finally:
             self.model.train(was_training)
