@@ -1,20 +1,19 @@
 """One decode step of a Llama-family decoder without transformers' per-call machinery.
 
 A decode step feeds one token per row. On a CPU at the rollout's few dozen rows, the decoder's
-linear layers are bound by reading the weights (~33 ms of a 62 ms step of SmolLM2-135M in bf16 at
-16 rows on an AMX Xeon, one thread); most of the rest was the model's generic forward around them:
-the 4-D mask built per step, ``scaled_dot_product_attention``'s flash kernel for a single query
-(~0.23 ms a layer, 7 ms a step), keyword plumbing and the module calls of each layer.
+linear layers are bound by reading the weights (~30 ms of a 62 ms step of SmolLM2-135M in bf16 at
+16 rows on an AMX Xeon, one thread); much of the rest is the model's generic forward around them:
+the 4-D mask built per call, keyword plumbing, decorators and hooks of each module call.
 :func:`decode_step` runs the same layers on the same KV cache with the single-query case written out:
 
-- one additive mask ``(rows, 1, 1, W)`` per step, shared by all layers;
-- attention per key-value head as two batched matmuls, the ``G`` query heads of a group as the
-  ``M`` of one matmul against their shared keys (no ``repeat_kv`` copy), softmax in float32;
+- one boolean mask ``(rows, 1, 1, W)`` per step, shared by all layers;
+- attention per key-value head, the ``G`` query heads of a group as ``G`` queries against their
+  shared keys (no ``repeat_kv`` copy; transformers' ``sdpa`` path does the same for one query);
 - rotary embedding, RMSNorms and MLPs through the model's own modules and function, so their
   arithmetic is the model's.
 
-Only the attention's summation order differs from transformers' ``sdpa`` path (float rounding:
-the sampled tokens are the same up to a draw that falls within that rounding of a CDF step). The
+The arithmetic is that of transformers' ``sdpa`` path for a single query; only the attention
+mask's form differs (one boolean mask per step instead of one built per call). The
 step is used only where :func:`supports_decode_step` verifies the structure it assumes: a decoder
 of :data:`MODEL_TYPES` with full (not sliding-window) attention, no q/k norms, mergeable cache
 layers; anything else runs the model's own forward.
@@ -112,9 +111,11 @@ def decode_step(decoder: torch.nn.Module, tokens: torch.Tensor, attention_mask: 
         v = attn.v_proj(h).view(rows, 1, -1, hd).transpose(1, 2)
         q, k = rotary(q, k, cos, sin)
         keys, values = cache.update(k, v, i)                           # (R, KVH, W, hd)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                           enable_gqa=q.shape[1] != keys.shape[1])
-        o = o.transpose(1, 2).reshape(rows, 1, -1)                     # (R, 1, H * hd)
+        # A key-value head's G query heads as G queries against its keys (no repeat_kv copy):
+        # (R, KVH, G, hd), what transformers' sdpa path does for a single query.
+        o = F.scaled_dot_product_attention(q.reshape(rows, keys.shape[1], -1, hd), keys, values, attn_mask=mask,
+                                           scale=attn.scaling)
+        o = o.reshape(rows, 1, -1)                                     # (R, 1, H * hd), head h = kv * G + g
         x = x + attn.o_proj(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return decoder.norm(x)[:, -1]
