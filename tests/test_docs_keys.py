@@ -73,12 +73,12 @@ def test_every_key_the_docs_name_exists():
 
 
 def _verl_keys() -> list[str]:
-    """The verl column's keys, ``arr.`` expanded; ``a.b.c` / `d``` is ``a.b.c`` and ``a.b.d``."""
+    """The verl column's keys, ``arr.`` expanded; ``a.b.c` / `d``` (or ``(and `d`)``) is ``a.b.c`` and ``a.b.d``."""
     top = {*SECTIONS, "actor_rollout_ref", "reward_model", "custom_reward_function", "async_training"}
     keys = []
     for row in _mapping_rows():
         prev = None
-        for m in re.finditer(r"(/ |and )?`([^`]+)`", row[1]):
+        for m in re.finditer(r"(/ |\(and )?`([^`]+)`", row[1]):
             name = m.group(2).split("=", 1)[0].replace("arr.", "actor_rollout_ref.")
             if not re.fullmatch(r"\w+(\.\w+)*", name):
                 continue  # a value, a path, or an abbreviation such as critic.model.fsdp_config...
