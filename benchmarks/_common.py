@@ -79,13 +79,49 @@ def _tree_processes() -> list[Any]:
     return procs
 
 
+#: Ray's and Prefect's side processes, by a piece of their command line -> the name printed.
+_SIDE_PROCESSES = (
+    ("gcs_server", "Ray GCS"),
+    ("raylet/raylet", "Ray raylet"),
+    ("dashboard/dashboard.py", "Ray API server (dashboard head)"),
+    ("ray::DashboardAgent", "Ray dashboard agent"),
+    ("dashboard/agent.py", "Ray dashboard agent"),
+    ("ray::RuntimeEnvAgent", "Ray runtime-env agent"),
+    ("runtime_env/agent/main.py", "Ray runtime-env agent"),
+    ("autoscaler/_private/monitor.py", "Ray autoscaler monitor"),
+    ("_private/log_monitor.py", "Ray log monitor"),
+    ("trajflow.infra.raywatch", "trajflow Ray watcher"),
+    ("prefect.server", "Prefect temporary server"),
+)
+
+
+def process_role(cmdline: list[str], is_driver: bool = False) -> str:
+    """What a process of a trajflow run is, from its command line: ``driver``, a Ray actor by its class
+    (``ray::PolicyWorker``), a Ray task worker by the task it runs, ``ray::IDLE``, Ray's and Prefect's
+    side processes by name (:data:`_SIDE_PROCESSES`), else the command itself."""
+    if is_driver:
+        return "driver"
+    line = " ".join(cmdline)
+    for key, name in _SIDE_PROCESSES:
+        if key in line:
+            return name
+    if line.startswith("ray::"):
+        return line.split()[0].split(".")[0]  # ray::PolicyWorker.update_actor -> ray::PolicyWorker
+    return line[:70]
+
+
 class RssSampler:
-    """Peak total memory of this process tree, sampled in a background thread.
+    """Peak total memory of this process tree, sampled in a background thread, and what each process held.
 
     ``peak_rss`` is the largest sum of RSS over all processes of the tree at one sampling instant
     (shared pages, e.g. Ray's object store or the torch libraries, are counted once per process,
-    so this overstates the machine's use a little). Every ``pss_every``-th sample also sums PSS
-    (proportional set size, shared pages split between their users; reading it costs more).
+    so this overstates the machine's use a little). A child caught between ``fork`` and ``exec`` (its
+    command line still its parent's) shares every page with its parent and is left out of the sum.
+    Every ``pss_every``-th sample also sums PSS (proportional set size, shared pages split between
+    their users; reading it costs more).
+
+    Each process gets a role (:func:`process_role`): this process is the ``driver``; a Ray worker is
+    named by the actor class or the task functions it ran (an idle worker keeps the names of what it ran).
 
     Args:
         interval_s: seconds between samples.
@@ -97,25 +133,54 @@ class RssSampler:
         self.pss_every = pss_every
         self.peak_rss = 0
         self.peak_pss = 0
-        self.peak_procs: list[tuple[str, int]] = []
+        self.peak_procs: list[tuple[int, int]] = []  # (pid, rss) at the instant of the peak sum
+        self.own_peak: dict[int, int] = {}  # pid -> its largest RSS over the run
         self.samples = 0
-        self._names: dict[int, str] = {}
+        self._roles: dict[int, list[str]] = {}  # pid -> roles seen, first first
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def role(self, pid: int) -> str:
+        """The name of process ``pid``: its role, plus what an idle Ray worker ran before."""
+        seen = self._roles.get(pid, ["?"])
+        busy = [r for r in seen if r != "ray::IDLE"]
+        if not busy:
+            return seen[0]
+        if busy[0].startswith("ray::") and busy[0][5:6].isupper():  # an actor: its class says it all
+            return busy[0]
+        if busy[0].startswith("ray::"):
+            return "Ray task worker (" + ", ".join(r[5:] for r in busy) + ")"
+        return busy[0]
 
     def _sample(self) -> None:
         import psutil
 
+        me = os.getpid()
+        procs = _tree_processes()
+        cmdlines: dict[int, list[str]] = {}
+        for p in procs:
+            try:
+                cmdlines[p.pid] = p.cmdline()
+            except psutil.Error:
+                pass
         total, rows = 0, []
         pss_total = 0
         want_pss = self.pss_every and self.samples % self.pss_every == 0
-        for p in _tree_processes():
+        for p in procs:
             try:
+                cmd = cmdlines.get(p.pid)
+                if not cmd:
+                    continue
+                if p.pid != me and cmdlines.get(p.ppid()) == cmd:
+                    continue  # between fork and exec: its pages are its parent's
                 rss = p.memory_info().rss
+                role = process_role(cmd, p.pid == me)
+                seen = self._roles.setdefault(p.pid, [])
+                if role not in seen:
+                    seen.append(role)
                 total += rss
-                if p.pid not in self._names:
-                    self._names[p.pid] = f"{p.pid} " + (" ".join(p.cmdline()[:3])[:70] or p.name())
-                rows.append((self._names[p.pid], rss))
+                rows.append((p.pid, rss))
+                self.own_peak[p.pid] = max(self.own_peak.get(p.pid, 0), rss)
                 if want_pss:
                     pss_total += p.memory_full_info().pss
             except psutil.Error:  # exited between listing and reading
@@ -140,11 +205,19 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
 
-    def report(self, top: int = 6) -> None:
+    def report(self, top: int | None = None) -> None:
+        """Print the peak sum, then every process at that instant (name, GiB, and its own peak over the
+        run), then the processes that had ended before it with their own peaks."""
         print(f"peak RSS, all processes (sum at one instant, {self.samples} samples): {self.peak_rss / GIB:.2f} GiB"
               + (f"; peak PSS {self.peak_pss / GIB:.2f} GiB" if self.peak_pss else ""))
-        for name, rss in self.peak_procs[:top]:
-            print(f"    {rss / GIB:6.2f} GiB  {name}")
+        print(f"    {'at the peak':>11s} {'own peak':>9s}  process")
+        shown = set()
+        for pid, rss in self.peak_procs[:top]:
+            shown.add(pid)
+            print(f"    {rss / GIB:7.2f} GiB {self.own_peak.get(pid, rss) / GIB:5.2f} GiB  {self.role(pid)} [{pid}]")
+        gone = sorted(((p, r) for p, r in self.own_peak.items() if p not in shown), key=lambda kv: -kv[1])
+        for pid, rss in gone[:top]:
+            print(f"    {'-':>7s}     {rss / GIB:5.2f} GiB  {self.role(pid)} [{pid}] (not running at the peak)")
 
 
 # --------------------------------------------------------------------------------------------- trajflow runs

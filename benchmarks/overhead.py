@@ -23,7 +23,9 @@ no-op Ray actor calls carrying batch-sized payloads and Ray tasks defined per ca
 tasks do). What is left is printed as unattributed.
 
 Peak memory: a background thread sums RSS over this process and all its descendants (Ray's GCS,
-raylet and workers, Prefect's temporary server) every 0.25 s during the run; target <= 5 GiB (issue 20).
+raylet, agents and workers, Prefect's temporary server) every 0.25 s during the run; target <= 5 GiB
+(issue 20). Each process is printed by its role (driver, the Ray actor's class, the Ray task worker by
+the tasks it ran, Ray's and Prefect's side processes) with its RSS at the peak and its own peak.
 
     .venv/bin/python benchmarks/overhead.py [--iterations K] [--quick] [key=value ...]
 """
@@ -34,6 +36,7 @@ import argparse
 import logging
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -246,7 +249,7 @@ def main() -> None:
     import ray
 
     from trajflow.infra.allocator import worker_env_vars
-    from trajflow.infra.ray_cluster import loopback_node
+    from trajflow.infra.ray_cluster import local_system_config, loopback_node
     from trajflow.config import load_config
 
     default_cfg = load_config(None, [])
@@ -261,6 +264,7 @@ def main() -> None:
             env_vars = worker_env_vars(cfg.resources.allocator)
             with loopback_node():
                 ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), include_dashboard=False,
+                         _system_config=local_system_config(cfg),
                          logging_level=logging.WARNING, log_to_driver=True,
                          **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}))
             break
@@ -343,6 +347,8 @@ def main() -> None:
           f"outside model compute {out_med:.2f} s = {share:.1%} (of timing_s/step: "
           f"{median([(s - mc) / s for s, mc in zip(step, model)]):.1%})")
     mem.report()
+    heavy = [m for m in ("torch", "transformers", "great_expectations", "mlflow", "lancedb") if m in sys.modules]
+    print(f"driver's heavy imports after the run: {', '.join(heavy) or 'none'}")
     print(f"wall {run.wall_s:.0f} s including start-up; run dir {run_dir}"
           f"{'' if args.keep else ' (removed at exit; --keep keeps it)'}")
 

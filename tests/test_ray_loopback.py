@@ -56,10 +56,20 @@ try:
         time.sleep(0.5)
     time.sleep(3)
     rows = listening()
+    # One task on a worker of its own; then the idle workers Ray keeps (trajflow's _system_config:
+    # none prestarted, reward.num_workers = 1 kept).
+    assert ray.get(ray.remote(num_cpus=0)(lambda: 1).remote(), timeout=120) == 1
+    time.sleep(3)
+    idle = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            idle += [p.pid] if p.cmdline()[:1] == ["ray::IDLE"] else []
+        except psutil.Error:
+            pass
     ray_cluster_switch = ray_constants.ENABLE_RAY_CLUSTER
 finally:
     stop_ray()
-print(json.dumps({"listening": rows, "enable_ray_cluster_after": ray_cluster_switch}))
+print(json.dumps({"listening": rows, "enable_ray_cluster_after": ray_cluster_switch, "idle_workers": idle}))
 """
 
 
@@ -82,6 +92,9 @@ def test_local_ray_listens_on_loopback_only():
     # The switch that makes the node IP loopback is restored: a later ray.init(address=...) or a
     # `ray start` is untouched.
     assert seen["enable_ray_cluster_after"] is True
+    # No worker idles through the run: none prestarted, and of the workers the task brought up only
+    # the one it ran on is kept (Ray's defaults kept one per CPU, ~80 MB each; trajflow.infra.ray_cluster).
+    assert len(seen["idle_workers"]) == 1, seen["idle_workers"]
 
 
 DEEPSPEED_PROBE = PROBE.split("assert start_ray(")[0] + """

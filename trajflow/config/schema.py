@@ -440,6 +440,8 @@ class ResourcesConfig:
                              "rollout and update: always, never, or auto (when other model workers, a critic, "
                              "reference, reward model or rollout pool, hold memory in the phases between)",
                              choices=["auto", "always", "never"])
+    ray_system_config: dict = _f({}, "Ray's RayConfig settings for a local Ray, over trajflow's (no workers prestarted, "
+                                 "reward.num_workers idle workers kept; trajflow/infra/ray_cluster.py)")
 
 
 @dataclass

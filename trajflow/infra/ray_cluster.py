@@ -53,7 +53,8 @@ def start_ray(cfg: DictConfig) -> bool:
 
         before = raywatch.descendants()
         with loopback_node():
-            info = ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), **kwargs)
+            info = ray.init(num_cpus=cfg.resources.num_cpus or os.cpu_count(), _system_config=local_system_config(cfg),
+                            **kwargs)
         try:
             # The flow started Prefect's temporary server before Ray: not new, but ours to reap.
             _RAY_WATCH["known"] = before - {k for k, cmd in raywatch.command_lines(before).items()
@@ -66,6 +67,34 @@ def start_ray(cfg: DictConfig) -> bool:
     if session:
         log.info("Ray session %s: worker output is in %s", session, os.path.join(session, "logs"))
     return True
+
+
+def local_system_config(cfg: DictConfig) -> dict[str, Any]:
+    """Ray's ``_system_config`` (RayConfig settings) for a local Ray started here: fewer idle worker processes.
+
+    * ``prestart_worker_first_driver: false``: Ray starts ``num_cpus`` workers when the driver connects,
+      in case tasks follow. trajflow's tasks never use them: its jobs carry a runtime environment
+      (the allocator's ``LD_PRELOAD``), so Ray starts workers of that environment for them anyway,
+      and the prestarted ones idle for the whole run (~80 MB each).
+    * ``num_workers_soft_limit: reward.num_workers``: how many idle workers Ray keeps for reuse
+      (default: one per CPU). The Ray tasks of an iteration (reward scoring in ``reward.num_workers``
+      tasks, then the advantage) reuse the same workers every iteration, so keeping that many loses
+      no start-up; a worker Ray starts beside them (it may start two for one task) exits after a second
+      idle instead of idling through the run.
+
+    ``resources.ray_system_config`` entries override these (e.g. ``{num_workers_soft_limit: -1}`` for
+    Ray's default). Ray takes ``_system_config`` only when it starts the cluster; a cluster named by
+    ``resources.ray_address`` keeps its own settings. Measured with ``benchmarks/overhead.py`` (docs/scaling.md).
+    """
+    from omegaconf import OmegaConf
+
+    out: dict[str, Any] = {"prestart_worker_first_driver": False,
+                           "num_workers_soft_limit": max(1, int(cfg.reward.get("num_workers", 1)))}
+    extra = cfg.resources.get("ray_system_config") or {}
+    if OmegaConf.is_config(extra):
+        extra = OmegaConf.to_container(extra, resolve=True)
+    out.update({str(k): v for k, v in dict(extra).items()})
+    return out
 
 
 @contextlib.contextmanager
