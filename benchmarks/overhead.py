@@ -224,7 +224,7 @@ def probe_ray(run_dir: Path, iteration: int, repeats: int) -> dict[str, float]:
         "Ray actor call, update batch in (update_actor)": timeit(lambda: ray.get(echo.take.remote(update_batch)), repeats),
         "Ray actor call, generation result out (generate_sequences)": timeit(lambda: ray.get(echo.give.remote(gen_result)), repeats),
         "Ray actor call, small (tokenize_prompts, info)": timeit(lambda: ray.get(echo.take.remote({"x": 1})), repeats),
-        "Ray task defined per call, reward-sized args (score_rows, advantage_table)": timeit(task_per_call, repeats),
+        "Ray task defined per call, reward-sized args (score_rows)": timeit(task_per_call, repeats),
     }
     ray.kill(echo)
     return out
@@ -320,7 +320,7 @@ def main() -> None:
     for k, v in probe_mlflow(root, cfg, iter_metrics, samples, gate_json if gate_json.exists() else None, args.repeats).items():
         per_call[k] = (v, 1 if "samples" not in k or k_samples else 0)
     per_call["Prefect no-op task round trip"] = (probe_prefect(args.repeats), 5)
-    ray_calls = {"update batch in": 1, "generation result out": 1, "small": 2, "defined per call": 2}
+    ray_calls = {"update batch in": 1, "generation result out": 1, "small": 2, "defined per call": 1}
     for k, v in probe_ray(run_dir, last, args.repeats).items():
         per_call[k] = (v, next(c for key, c in ray_calls.items() if key in k))
     ray.shutdown()

@@ -303,10 +303,14 @@ def gate_stage(run_id: str, iteration: int, rollout: StageRef, reward: StageRef)
 @stage_task(Stage.ADVANTAGE, inputs=advantage_inputs, timer="timing_s/adv")
 def advantage_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: StageRef, gate: dict, *,
                     inputs: dict) -> StageRef:
-    """Compute advantages and returns on a Ray worker and store them.
+    """Compute advantages and returns and store them.
 
     Rows quarantined by the gate take no part: the estimator sees only the kept rows (so they cannot
     shift a group's baseline), and their advantages are stored as zeros.
+
+    The estimators run here, in the driver: milliseconds of math over the batch, in the torch the
+    driver already holds for the worker classes it creates. A Ray task for them held a second torch
+    (~240 MB) in the worker that scores rewards, idle the rest of the iteration.
     """
     fault_point("after_reward", iteration)
     s = AdvantageSettings.of(ctx)
@@ -325,8 +329,7 @@ def advantage_stage(ctx: RunContext, iteration: int, rollout: StageRef, reward: 
         baselines = None
         if "reward_baseline" in kept.column_names:  # ReMax: the greedy response's score
             baselines = kept.column("reward_baseline").to_numpy(zero_copy_only=False)
-        compute = ray.remote(num_cpus=0)(advantage_table)
-        out = wait(ctx, compute.remote(kept, dict(s.algorithm), values, baselines))
+        out = advantage_table(kept, dict(s.algorithm), values, baselines)
     out = fill_dropped_rows(joined, out)
     if s.trainer_version is not None:  # off-policy rows: how far behind the trainer each one is
         versions = dict(zip(joined.column("sample_id").to_pylist(), joined.column("policy_version").to_pylist()))

@@ -18,12 +18,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
-from trajflow.stages.distillation import reverse_kl_metrics
-from trajflow.stages.kl import apply_kl_penalty_to_rewards
 from trajflow.stages.scorers import SCORERS, load_custom_function, select_scorer
-from trajflow.batch import decode_nested, json_column, lengths, list_column, pad_ragged, to_ragged, trainable_mask
+from trajflow.batch import decode_nested, json_column, lengths, list_column, pad_ragged, to_ragged, trainable_mask_array
 from trajflow.errors import DataError
 
 __all__ = ["RewardResult", "check_env_rewards", "compute_scores", "final_scores", "last_trainable_index",
@@ -427,18 +424,19 @@ def score_rows(data_sources: list[str], solutions: list[str], ground_truths: lis
                           env_rewards=env_rewards, row_prompt_ids=row_prompt_ids)
 
 
-def last_trainable_index(mask: torch.Tensor) -> torch.Tensor:
+def last_trainable_index(mask: np.ndarray) -> np.ndarray:
     """Where an outcome reward goes: the position of each row's last True in ``mask``.
 
     Args:
-        mask: ``(batch, response_len)`` bool, the generated tokens (:func:`trajflow.batch.trainable_mask`).
+        mask: ``(batch, response_len)`` bool array, the generated tokens
+            (:func:`trajflow.batch.trainable_mask_array`).
 
     Returns:
         ``(batch,)`` int64 positions; 0 for a row with no True (its reward is masked away anyway).
     """
-    T = mask.shape[-1]
-    pos = torch.arange(T, device=mask.device).expand_as(mask)
-    return torch.where(mask, pos, torch.full_like(pos, -1)).max(dim=-1).values.clamp(min=0)
+    mask = np.asarray(mask, dtype=bool)
+    pos = np.broadcast_to(np.arange(mask.shape[-1], dtype=np.int64), mask.shape)
+    return np.where(mask, pos, -1).max(axis=-1, initial=-1).clip(min=0)
 
 
 def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
@@ -479,27 +477,34 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
     """
     resp_len = lengths(rollout.column("response_ids"))
     B, T = len(resp_len), max(int(resp_len.max()) if len(resp_len) else 1, 1)
-    mask = trainable_mask(rollout, T)
+    # numpy, not torch: the driver computes this table and does not import torch (the KL and
+    # distillation paths below do, where a run asks for them).
+    mask = trainable_mask_array(rollout, T)
     rule = np.asarray(scores, dtype=np.float32).copy()
     # The overlong penalty measures the generation budget: observation tokens of a multi-turn row
     # were not generated, so they do not count against rollout.max_new_tokens.
-    generated = mask.sum(dim=-1).numpy()
+    generated = mask.sum(axis=-1)
     scores, metrics = final_scores(rule, rm_scores, generated, reward_cfg, max_new_tokens)
     penalties = shaping_penalties(generated, reward_cfg, max_new_tokens)
     if penalties is not None:  # the shaping each row got, beside what its scorer said (reward_extra)
         extras = [{**(e if isinstance(e, dict) else {}), "overlong_penalty": round(float(p), 6)}
                   for e, p in zip(extras, penalties)]
-    token_scores = torch.zeros((B, T), dtype=torch.float32)
-    token_scores[torch.arange(B), last_trainable_index(mask)] = torch.from_numpy(scores)
+    token_scores = np.zeros((B, T), dtype=np.float32)
+    token_scores[np.arange(B), last_trainable_index(mask)] = scores
     token_scores = token_scores * mask
     token_rewards = token_scores
     if algorithm_cfg.get("use_kl_in_reward"):
+        import torch
+
+        from trajflow.stages.kl import apply_kl_penalty_to_rewards
+
         if ref_logprobs is None:
             raise ValueError("algorithm.use_kl_in_reward needs reference log-probs")
         behaviour = pad_ragged(rollout.column("rollout_logprobs"), 0.0, torch.float32, length=T)
         ref = pad_ragged(pa.array([list(map(float, r)) for r in ref_logprobs], pa.list_(pa.float32())), 0.0,
                          torch.float32, length=T)
-        token_rewards, mean_kl = apply_kl_penalty_to_rewards(token_scores, behaviour, ref, mask, kl_coef,
+        token_rewards, mean_kl = apply_kl_penalty_to_rewards(torch.from_numpy(token_scores), behaviour, ref,
+                                                             torch.from_numpy(mask), kl_coef,
                                                              algorithm_cfg["kl_penalty"])
         metrics["critic/kl"] = float(mean_kl)
         metrics["critic/kl_coef"] = float(kl_coef)
@@ -517,10 +522,14 @@ def reward_table(rollout: pa.Table, scores: np.ndarray, extras: list[dict], *,
         cols["rule_score"] = pa.array(rule, pa.float32())
         cols["rm_score"] = pa.array(np.asarray(rm_scores, dtype=np.float32), pa.float32())
     if teacher_logprobs is not None:
+        import torch
+
+        from trajflow.stages.distillation import reverse_kl_metrics
+
         cols["teacher_logprobs"] = list_column(teacher_logprobs, pa.float32())
         teacher = pad_ragged(cols["teacher_logprobs"], 0.0, torch.float32, length=T)
         student = pad_ragged(rollout.column("rollout_logprobs"), 0.0, torch.float32, length=T)
-        metrics.update(reverse_kl_metrics(teacher, student, mask))
+        metrics.update(reverse_kl_metrics(teacher, student, torch.from_numpy(mask)))
     if reward_baselines is not None:
         cols["reward_baseline"] = pa.array(np.asarray(reward_baselines, dtype=np.float32), pa.float32())
         metrics["reward/baseline/mean"] = float(np.mean(reward_baselines)) if len(reward_baselines) else 0.0

@@ -116,11 +116,11 @@ def to_ragged(t: "torch.Tensor", lens: Sequence[int] | np.ndarray, arrow_type: p
     """Inverse of right-padding: keep the first ``lens[i]`` entries of row ``i``.
 
     Args:
-        t: tensor ``(rows, width)``.
+        t: tensor or array ``(rows, width)``.
         lens: ``(rows,)`` lengths, each ``<= width``.
         arrow_type: Arrow value type of the result.
     """
-    arr = t.detach().cpu().numpy()
+    arr = t if isinstance(t, np.ndarray) else t.detach().cpu().numpy()
     lens = np.asarray(lens, dtype=np.int64)
     mask = np.arange(arr.shape[1])[None, :] < lens[:, None]
     flat = arr[mask]
@@ -128,8 +128,8 @@ def to_ragged(t: "torch.Tensor", lens: Sequence[int] | np.ndarray, arrow_type: p
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, type=arrow_type))
 
 
-def trainable_mask(table: pa.Table, width: int | None = None) -> "torch.Tensor":
-    """Which response tokens the policy generated, as a padded bool tensor.
+def trainable_mask_array(table: pa.Table, width: int | None = None) -> np.ndarray:
+    """Which response tokens the policy generated, as a padded bool array (no torch: the driver's path).
 
     The rollout's ``loss_mask`` (multi-turn rows: 0 on observation and template tokens) within each
     row's ``response_ids``; every response token when the column is absent (single-turn rows).
@@ -142,30 +142,46 @@ def trainable_mask(table: pa.Table, width: int | None = None) -> "torch.Tensor":
         ``(rows, width)`` bool, False on padding.
 
     Raises:
-        BatchError: a ``loss_mask`` row whose length differs from its ``response_ids`` row.
+        BatchError: a ``loss_mask`` row whose length differs from its ``response_ids`` row, or a row
+            longer than ``width``.
     """
-    import torch
-
     resp_len = lengths(table.column("response_ids"))
     if width is None:
         width = max(int(resp_len.max()) if len(resp_len) else 1, 1)
-    mask = torch.arange(width)[None, :] < torch.from_numpy(resp_len)[:, None]
+    mask = np.arange(width)[None, :] < resp_len[:, None]
     if "loss_mask" not in table.column_names:
         return mask
-    col = table.column("loss_mask")
-    bad = np.nonzero(lengths(col) != resp_len)[0]
+    col = _as_list_array(table.column("loss_mask"))
+    lens = lengths(col)
+    bad = np.nonzero(lens != resp_len)[0]
     if len(bad):
         r = int(bad[0])
-        raise BatchError(f"row {r}: loss_mask has {int(lengths(col)[r])} entries but response_ids has "
+        raise BatchError(f"row {r}: loss_mask has {int(lens[r])} entries but response_ids has "
                          f"{int(resp_len[r])}; they must be the same length")
-    return mask & (pad_ragged(col, 0, torch.float32, length=width) != 0)
+    if len(lens) and lens.max() > width:
+        raise BatchError(f"row {int(lens.argmax())} has {int(lens.max())} entries, more than length={width}")
+    values = col.flatten().to_numpy(zero_copy_only=False)
+    generated = np.zeros((len(lens), width), dtype=bool)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    generated[np.repeat(np.arange(len(lens)), lens), np.arange(len(values)) - np.repeat(starts, lens)] = \
+        values.astype(np.float32) != 0
+    return mask & generated
+
+
+def trainable_mask(table: pa.Table, width: int | None = None) -> "torch.Tensor":
+    """:func:`trainable_mask_array` as a torch bool tensor ``(rows, width)``.
+
+    Raises:
+        BatchError: as :func:`trainable_mask_array`.
+    """
+    import torch
+
+    return torch.from_numpy(trainable_mask_array(table, width))
 
 
 def trainable_lengths(table: pa.Table) -> np.ndarray:
-    """Per-row count of generated response tokens (:func:`trainable_mask`), int64 ``(rows,)``."""
-    if "loss_mask" not in table.column_names:
-        return lengths(table.column("response_ids"))
-    return trainable_mask(table).sum(dim=-1).numpy().astype(np.int64)
+    """Per-row count of generated response tokens (:func:`trainable_mask_array`), int64 ``(rows,)``."""
+    return trainable_mask_array(table).sum(axis=-1).astype(np.int64)
 
 
 def list_column(rows: Iterable[Sequence[Any]], arrow_type: pa.DataType) -> pa.ListArray:

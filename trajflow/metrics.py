@@ -8,7 +8,7 @@ import pyarrow as pa
 from trajflow.stages.multi_turn import multi_turn_metrics
 from trajflow.metric_names import metric_name
 from trajflow.stages.pass_at_k import best_at_k, maj_at_k, pass_at_k, verl_ks
-from trajflow.batch import lengths, trainable_lengths, trainable_mask
+from trajflow.batch import lengths, trainable_lengths, trainable_mask_array
 
 
 #: verl's stages whose wall time is also reported per token (``timing_per_token_ms/<stage>``), and which
@@ -42,7 +42,7 @@ def batch_metrics(joined: pa.Table) -> dict[str, float]:
     # no advantage, return or value of their own (stored as 0), and would pull the means to 0.
     keep = None
     if "loss_mask" in joined.column_names:
-        generated = trainable_mask(joined).numpy()
+        generated = trainable_mask_array(joined)
         keep = generated[np.arange(generated.shape[1])[None, :] < resp_len[:, None]]  # in flattened ragged order
     for col, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"), ("values", "critic/values")):
         if col in joined.column_names:

@@ -401,3 +401,15 @@ def test_gsm8k_answer_is_the_last_hashes_wherever_it_is():
     assert fn("openai/gsm8k", text, "42", None)["score"] == 1.0
     assert fn("openai/gsm8k", "#### 41\nno wait\n#### 42", "42", None)["score"] == 1.0  # the last one
     assert fn("openai/gsm8k", "#### 41\nno wait\n#### 42", "41", None)["score"] == 0.0
+
+
+def test_the_reward_stage_imports_without_torch():
+    """The Ray task that scores rewards imports this module: it must not load torch (~240 MB in that
+    worker, idle the rest of the iteration); the KL and distillation paths import it where they run."""
+    import subprocess
+    import sys
+
+    code = "import sys, trajflow.stages.reward; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
