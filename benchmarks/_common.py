@@ -143,9 +143,12 @@ class RssSampler:
     def role(self, pid: int) -> str:
         """The name of process ``pid``: its role, plus what an idle Ray worker ran before."""
         seen = self._roles.get(pid, ["?"])
-        busy = [r for r in seen if r != "ray::IDLE"]
+        # A Ray worker starts as `python default_worker.py ...` and names itself ray::... once it runs.
+        busy = [r for r in seen if r.startswith("ray::") and r != "ray::IDLE"] or \
+            [r for r in seen if not r.startswith("ray::") and "default_worker.py" not in r
+             and "setup_worker.py" not in r]
         if not busy:
-            return seen[0]
+            return "ray::IDLE" if "ray::IDLE" in seen else seen[0]
         if busy[0].startswith("ray::") and busy[0][5:6].isupper():  # an actor: its class says it all
             return busy[0]
         if busy[0].startswith("ray::"):
