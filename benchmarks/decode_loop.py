@@ -21,7 +21,7 @@ with PASS/MISS against the issue's target (generation >= 2x the loop before). On
 use ``--threads 1`` and read the per-CPU-second ratio: oversubscribed OpenMP threads inflate wall time
 unevenly.
 
-    .venv/bin/python benchmarks/decode_loop.py [--repeats 3] [--threads N] [--quick] [key=value ...]
+    .venv/bin/python benchmarks/decode_loop.py [--repeats 3] [--threads N] [--slots S] [--quick] [key=value ...]
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all CPUs)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 16 new tokens")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="also run the engine's default with this many decode slots (64: every row of the default "
+                         "batch at once; its RNG groups of prompts differ, so its samples do too)")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="also run the engine's default with this many decode slots (e.g. 64: every row of the "
+                         "default batch at once; its RNG groups differ, so its samples do too)")
     ap.add_argument("overrides", nargs="*", help="config overrides (key=value)")
     args = ap.parse_args()
     print(f"allocator: {preload_allocator('auto')}", flush=True)
@@ -85,20 +91,26 @@ def main() -> None:
           f"{engine.micro_batch_size} decode slots, up to {T} new tokens, rollout dtype {worker.rollout.dtype}; "
           f"{repeats} repeat(s)")
 
+    slots = engine.micro_batch_size
+    settings = dict(SETTINGS)
+    if args.slots:
+        settings[f"after, {args.slots} slots"] = SETTINGS["after"]
+
     def use(label: str) -> None:
+        engine.micro_batch_size = args.slots if label.endswith(" slots") else slots
         (engine.pack_weights, engine.in_place_cache, engine.split_groups, engine.lean_step,
-         engine.reuse_slots) = SETTINGS[label]
+         engine.reuse_slots) = settings[label]
         if engine.pack_weights:
             engine._pack()
         else:
             engine._unpack(restore=True)
 
     engine.generate(prompt_ids[:1], SamplingParams(n=2, max_new_tokens=4, seed=0))  # warm-up
-    runs: dict[str, list[dict]] = {label: [] for label in SETTINGS}
+    runs: dict[str, list[dict]] = {label: [] for label in settings}
     header("runs (alternating)")
     for r in range(repeats):
         first = None
-        for label in SETTINGS:
+        for label in settings:
             use(label)
             params = SamplingParams(n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                     top_k=cfg.rollout.top_k, max_new_tokens=T, seed=1000 + r)
@@ -132,6 +144,10 @@ def main() -> None:
     verdict("generation tok/s, after / before (wall)", med["after"]["rate"] / med["before"]["rate"], TARGET,
             fmt="{:.2f}x")
     print(f"      (per CPU second: {med['after']['cpu_rate'] / med['before']['cpu_rate']:.2f}x)")
+    for label in settings:
+        if label.endswith(" slots"):
+            print(f"      ({label}: {med[label]['rate'] / med['before']['rate']:.2f}x wall, "
+                  f"{med[label]['cpu_rate'] / med['before']['cpu_rate']:.2f}x per CPU second)")
 
 
 if __name__ == "__main__":
