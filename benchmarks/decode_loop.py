@@ -64,9 +64,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all CPUs)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 16 new tokens")
     ap.add_argument("--slots", type=int, default=0,
-                    help="also run the engine's default with this many decode slots (64: every row of the default "
-                         "batch at once; its RNG groups of prompts differ, so its samples do too)")
-    ap.add_argument("--slots", type=int, default=0,
                     help="also run the engine's default with this many decode slots (e.g. 64: every row of the "
                          "default batch at once; its RNG groups differ, so its samples do too)")
     ap.add_argument("overrides", nargs="*", help="config overrides (key=value)")
