@@ -71,7 +71,9 @@ MATH_DATA_SOURCE_PREFIXES = ("numina", "ai-mo/numinamath", "lighteval/math", "ai
 MATH_VERIFY_MAX_CHARS = 1000
 
 _ANSWER_RE = re.compile(r"answer\s*:", re.IGNORECASE)
-_GSM8K_RE = re.compile(r"####")
+#: GSM8K's answer marker: a run of four or more ``#`` (models also write ``#####``; the whole run is
+#: the marker, so no ``#`` is left in the answer).
+_GSM8K_RE = re.compile(r"#{4,}")
 #: Characters that stand for a minus sign or a hyphen and are not ``-`` after NFKC: U+2010-U+2015
 #: (hyphens, figure dash, en/em dash, horizontal bar), U+2212 (minus sign), U+2796 (heavy minus),
 #: U+FE58 (small em dash). Models write ``\boxed{−5}``; math-verify and string equality read ``-5`` only.
@@ -126,10 +128,13 @@ def _answer_line(text: str) -> str | None:
 
 
 def _gsm8k_answer(text: str) -> str | None:
-    """The text after the **last** ``####`` (GSM8K's answer format), first line only, cleaned as an
-    ``Answer:`` line; None when there is no ``####`` or nothing follows it. Searched over the whole
-    text, however long (the math-verify length cap applies to what is parsed, not to where the
-    answer is)."""
+    """The text after the **last** run of four or more ``#`` (GSM8K's ``####`` answer format), first
+    line only, cleaned as an ``Answer:`` line; None when there is no such run or nothing follows it.
+    ``#### 13``, ``##### 13`` and ``####13`` all give ``13``. (verl's GSM8K ``method="strict"`` takes
+    the number after the last ``#### `` in the response's last 300 characters, so it reads
+    ``##### 13`` as 13 too but needs the space; here the marker is the whole run of ``#`` and the
+    answer need not be a plain number, math-verify judges it.) Searched over the whole text, however
+    long (the math-verify length cap applies to what is parsed, not to where the answer is)."""
     matches = list(_GSM8K_RE.finditer(text))
     if not matches:
         return None
@@ -150,7 +155,8 @@ def extract_answer(text: str) -> str | None:
     1. the text after the **last** ``Answer:`` (case-insensitive, so ``Final answer:`` counts), first line
        only, stripped; a ``\\boxed{...}`` in it is unwrapped, then surrounding ``*``/`````
        (markdown) and one trailing ``.`` are removed. An empty remainder counts as not found.
-    2. otherwise the text after the **last** ``####`` (GSM8K), first line, cleaned as in 1.
+    2. otherwise the text after the **last** run of four or more ``#`` (GSM8K's ``####``; ``##### 13``
+       and ``####13`` give ``13``), first line, cleaned as in 1.
     3. otherwise the content of the last ``\\boxed{...}`` (balanced braces, so ``\\boxed{\\frac{1}{2}}``
        gives ``\\frac{1}{2}``).
 

@@ -413,3 +413,28 @@ def test_the_reward_stage_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("6 * 7 = 42\n#### 13", "13"),
+        ("6 * 7 = 42\n##### 13", "13"),  # five: the whole run is the marker, no '#' left in the answer
+        ("6 * 7 = 42\n####13", "13"),  # no space
+        ("######## 13\nThat is all.", "13"),  # first line only
+        ("#### 12\nno, recount\n##### 13", "13"),  # the last run, whatever its length
+        ("#### 12\nno, recount\n####13.", "13"),  # cleaned as an Answer: line (one trailing '.')
+        ("#### **\\boxed{13}**", "13"),
+        ("### 13", None),  # three is a heading, not GSM8K's marker
+        ("so #####   \nnothing on the line", None),
+    ],
+)
+def test_gsm8k_marker_is_a_run_of_four_or_more_hashes(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_gsm8k_five_hashes_score_as_the_answer():
+    fn = SCORERS.get("math_verify")
+    assert fn("openai/gsm8k", "3 + 10 = 13\n##### 13", "13", None)["score"] == 1.0
+    assert fn("openai/gsm8k", "3 + 10 = 13\n####13", "13", None)["score"] == 1.0
+    assert fn("openai/gsm8k", "3 + 10 = 13\n##### 14", "13", None)["score"] == 0.0
