@@ -29,7 +29,8 @@ from trajflow.stages.names import Stage
 from trajflow.stages.critic_update import critic_batch
 from trajflow.stages.policy_update import update_batch, update_batch_options, with_loss_mask
 from trajflow.stages.judge import judge_metrics
-from trajflow.stages.reward import final_scores, overlong_floor_warning, reward_table, shaping_penalties
+from trajflow.stages.reward import (final_scores, no_signal_warning, overlong_floor_warning, reward_table,
+                                   shaping_penalties)
 from trajflow.stages.rollout import rollout_table, rollout_temperature, sampling_params, with_sampling_columns
 from trajflow.stages.staleness import check_staleness, row_staleness, staleness_metrics
 from trajflow.stages.partial_rollout import TOKEN_VERSIONS, provenance_metrics
@@ -276,8 +277,13 @@ def reward_stage(ctx: RunContext, iteration: int, rollout: StageRef, *, inputs: 
     floor = overlong_floor_warning(out.column("score").to_numpy(),
                                    shaping_penalties(trainable_lengths(table), reward_cfg, s.max_new_tokens),
                                    reward_cfg, s.max_new_tokens)
-    if floor is not None:
-        print(f"warning: iteration {iteration}: {floor}", file=sys.stderr, flush=True)
+    # the floor's line is the more specific one: the no-signal line only when the floor's is not printed
+    warning = floor or no_signal_warning(out.column("score").to_numpy(), table.column("group_id").to_pylist(),
+                                         cfg.algorithm.adv_estimator, run_id=ctx.run_id, iteration=iteration,
+                                         store=None if cfg.store.root == "runs" else cfg.store.root,
+                                         kl_in_reward=s.use_kl_in_reward)
+    if warning is not None:
+        print(f"warning: iteration {iteration}: {warning}", file=sys.stderr, flush=True)
     return ctx.store.write_stage(iteration, Stage.REWARD.value, out, ctx.policy_version, inputs=inputs,
                                  meta={"metrics": metrics})
 

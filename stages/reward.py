@@ -24,8 +24,8 @@ from trajflow.batch import decode_nested, json_column, lengths, list_column, pad
 from trajflow.errors import DataError
 
 __all__ = ["RewardResult", "check_env_rewards", "compute_scores", "final_scores", "last_trainable_index",
-           "overlong_floor_warning", "overlong_penalty", "reward_table", "rollout_env_rewards", "score_rows",
-           "shaping_penalties"]
+           "no_signal_warning", "overlong_floor_warning", "overlong_penalty", "reward_table", "rollout_env_rewards",
+           "score_rows", "shaping_penalties"]
 
 # --------------------------------------------------------------------------------------------- batch scoring
 
@@ -361,6 +361,67 @@ def overlong_floor_warning(scores: np.ndarray, penalties: np.ndarray | None, rew
             f"(reward.overlong_buffer: len={ob.get('len')}, penalty_factor={factor:g}), so every advantage is 0 "
             f"and nothing is learnt; raise rollout.max_new_tokens, set reward.overlong_buffer.enable=false, or "
             f"use the recipe for your data (-c grpo_gsm8k, -c grpo_math)")
+
+
+def no_signal_warning(scores: np.ndarray, group_ids: Sequence, adv_estimator: str, *, run_id: str, iteration: int,
+                      store: str | None = None, kl_in_reward: bool = False) -> str | None:
+    """One line when every group of a group-baseline estimator has all-equal scores: every advantage
+    is then 0 and the policy gradient learns nothing from the batch (a silent ``actor/grad_norm`` 0).
+
+    Which estimators: those registered with ``needs_groups`` (grpo and Dr. GRPO, rloo,
+    reinforce_plus_plus_baseline, opo, gpg, grpo_passk). Each one's baseline comes from the other
+    samples of the same prompt (the group mean, leave-one-out mean, length-weighted mean, or the best
+    other sample), so a group whose scores are all exactly equal gets advantage exactly 0 (the
+    guarantee of :mod:`trajflow.stages.advantage`). Not the others: gae's baseline is the critic's
+    V(s_t), reinforce_plus_plus whitens returns-to-go over the whole batch (groups that differ from
+    each other still give signal), remax subtracts the greedy response's score, and opd learns from
+    the teacher's log-probs, not from scores. With ``kl_in_reward`` (``algorithm.use_kl_in_reward``)
+    the rows' KL penalties still differ, so the line says the only signal left is the KL penalty.
+
+    Args:
+        scores: ``(rows,)`` float, the final scores (after shaping).
+        group_ids: length-``rows`` group ids (the rollout's ``group_id``: rows of one prompt).
+        adv_estimator: ``algorithm.adv_estimator``.
+        run_id, iteration, store: named in the ``trajflow audit`` command the line suggests (``store``:
+            the store root, None for the default ``runs``).
+        kl_in_reward: ``algorithm.use_kl_in_reward``.
+
+    Returns:
+        The warning (without a ``warning:`` prefix), or None: some group's scores differ, the batch
+        is empty or holds a non-finite score (the gate reports those), or the estimator does not
+        use groups.
+
+    Raises:
+        ValueError: unknown ``adv_estimator``, or ``group_ids`` not of length ``rows``.
+    """
+    from trajflow.stages.advantage import needs_groups  # torch: the driver's, never the scoring worker's
+
+    scores = np.asarray(scores, dtype=np.float64)
+    if len(group_ids) != len(scores):
+        raise ValueError(f"group_ids has {len(group_ids)} entries for {len(scores)} scores")
+    if not needs_groups(adv_estimator) or not len(scores) or not np.isfinite(scores).all():
+        return None
+    by_group: dict = {}
+    for gid, score in zip(group_ids, scores.tolist()):
+        by_group.setdefault(gid, []).append(score)
+    if any(min(v) != max(v) for v in by_group.values()):  # exact, as the estimators' all_equal
+        return None
+    counts: dict[float, int] = {}  # how many groups sit at each value
+    for v in by_group.values():
+        counts[v[0]] = counts.get(v[0], 0) + 1
+    what = f"all {len(scores)} scores are {scores[0]:.3f}" if len(counts) == 1 else \
+        f"each of the {len(by_group)} groups has equal scores (" + ", ".join(
+            f"{v:.3f} in {n}" for v, n in sorted(counts.items())) + ")"
+    effect = ("every advantage is 0 and nothing is learnt from this batch" if not kl_in_reward else
+              "the advantages carry only the KL penalty (algorithm.use_kl_in_reward) and nothing is learnt "
+              "from the reward")
+    audit = f'trajflow audit {run_id} --where "iteration = {iteration}" -f json'
+    audit += f" --store {store}" if store else ""
+    return (f"{what}, so with {adv_estimator}'s group baseline {effect}. Likely: the reward never matches the "
+            f"model's answers (compare response_text with ground_truth and reward_extra: `{audit}`, or the "
+            f"dashboard's trajectories; the math scorers read '#### 42', 'Answer: 42' or \\boxed{{42}}), or the "
+            f"task is too hard (or too easy) for the model: easier data, more samples per prompt (rollout.n), a "
+            f"higher rollout.temperature")
 
 
 def final_scores(rule_scores: np.ndarray, rm_scores: np.ndarray | None, response_lengths: np.ndarray,

@@ -85,8 +85,13 @@ def test_quarantine_excludes_nan_rows_from_the_update(tiny_model_dir, ray_local,
     assert json.loads((d / "manifest.json").read_text())["status"] == "complete"
 
 
-def test_constant_rewards_warn_and_continue(tiny_model_dir, ray_local, tmp_path, scorer_file):
+def test_constant_rewards_warn_and_continue(tiny_model_dir, ray_local, tmp_path, scorer_file, capfd):
     summary = _train(tiny_model_dir, tmp_path, scorer_file, "constant")
+    # the console says so too, each iteration, not only gate.json: 2 prompts x 2 samples, all 0.35
+    err = capfd.readouterr().err
+    for it in (1, 2):
+        assert (f"warning: iteration {it}: all 4 scores are 0.350, so with grpo's group baseline every advantage is "
+                f"0 and nothing is learnt from this batch. Likely: the reward never matches") in err, err[-3000:]
     gate = json.loads((Path(summary["run_dir"]) / "iterations" / "000002" / "gate.json").read_text())
     assert gate["success"] is True
     assert gate["metrics"]["gate/equal_reward_group_frac/success"] == 0.0

@@ -1,6 +1,7 @@
 """Own data gets a recipe that fits it: verl's GSM8K and MATH layouts pick grpo_gsm8k / grpo_math
 (response caps and rewards for worked solutions), the console names the cap and the reward shaping,
-the shaping is in reward_extra, and a batch stuck at the overlong floor is a warning."""
+the shaping is in reward_extra, and a batch stuck at the overlong floor, or with no group whose scores
+differ, is a warning."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trajflow.stages.reward import overlong_floor_warning, reward_table, shaping_penalties
+from trajflow.stages.reward import no_signal_warning, overlong_floor_warning, reward_table, shaping_penalties
 from tests.test_verl_data import gsm8k_row, math_row, write_verl_parquet
 from trajflow.config import load_config
 from trajflow.prompts.shape import describe_recipe, detect_shape
@@ -119,6 +120,64 @@ def test_shaping_is_recorded_per_row_and_the_floor_is_a_warning():
     assert overlong_floor_warning(np.zeros(3), None, reward_cfg, 8) is None  # no shaping
 
 
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
+
+
+def _advantages(name: str, scores: list[float], groups: list[str]):
+    """The registered estimator's advantages for one-token responses carrying ``scores``."""
+    import torch
+
+    from trajflow.stages.advantage import ADV_ESTIMATORS, AdvantageConfig
+
+    rewards = torch.tensor(scores, dtype=torch.float32).unsqueeze(-1)
+    return ADV_ESTIMATORS.get(name)(rewards, torch.ones_like(rewards), groups, AdvantageConfig())[0]
+
+
+def test_a_batch_without_learning_signal_is_a_warning():
+    groups = ["a", "a", "b", "b", "c", "c"]
+    msg = no_signal_warning(np.zeros(6), groups, "grpo", run_id="grpo_gsm8k-1", iteration=2)
+    assert msg == ("all 6 scores are 0.000, so with grpo's group baseline every advantage is 0 and nothing is "
+                   "learnt from this batch. Likely: the reward never matches the model's answers (compare "
+                   "response_text with ground_truth and reward_extra: `trajflow audit grpo_gsm8k-1 --where "
+                   "\"iteration = 2\" -f json`, or the dashboard's trajectories; the math scorers read '#### 42', "
+                   "'Answer: 42' or \\boxed{42}), or the task is too hard (or too easy) for the model: easier data, "
+                   "more samples per prompt (rollout.n), a higher rollout.temperature")
+    equal_per_group = [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    msg = no_signal_warning(np.array(equal_per_group), groups, "rloo", run_id="r", iteration=1, store="/data/runs")
+    assert msg.startswith("each of the 3 groups has equal scores (0.000 in 2, 1.000 in 1), so with rloo's group "
+                          "baseline every advantage is 0")
+    assert "`trajflow audit r --where \"iteration = 1\" -f json --store /data/runs`" in msg
+    one_differs = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert no_signal_warning(np.array(one_differs), groups, "grpo", run_id="r", iteration=1) is None
+    # exact equality, as the estimators' all_equal: a difference of 1e-7 is still a signal
+    assert no_signal_warning(np.array([0.0, 1e-7, 0, 0, 0, 0]), groups, "grpo", run_id="r", iteration=1) is None
+    # the line's claim, checked against every group-baseline estimator: all advantages 0 exactly when it warns
+    for name in GROUP_ESTIMATORS:
+        assert not _advantages(name, equal_per_group, groups).any(), name
+        assert _advantages(name, one_differs, groups).any(), name
+        assert no_signal_warning(np.zeros(6), groups, name, run_id="r", iteration=1) is not None, name
+    # a critic, a batch-wide whitening, a greedy baseline or a teacher still give a signal: no line
+    for name in ("gae", "reinforce_plus_plus", "remax", "opd"):
+        assert no_signal_warning(np.zeros(6), groups, name, run_id="r", iteration=1) is None, name
+    assert _advantages("reinforce_plus_plus", equal_per_group, groups).any()  # groups differ from each other
+    # with the KL penalty in the reward the advantages are not 0, but the reward teaches nothing
+    kl = no_signal_warning(np.zeros(6), groups, "grpo", run_id="r", iteration=1, kl_in_reward=True)
+    assert "the advantages carry only the KL penalty (algorithm.use_kl_in_reward) and nothing is learnt from the " \
+           "reward" in kl
+    # a NaN is the gate's to report; an empty batch has nothing to say
+    assert no_signal_warning(np.array([0.0, np.nan]), ["a", "a"], "grpo", run_id="r", iteration=1) is None
+    assert no_signal_warning(np.zeros(0), [], "grpo", run_id="r", iteration=1) is None
+    with pytest.raises(ValueError, match="group_ids has 2 entries for 3 scores"):
+        no_signal_warning(np.zeros(3), ["a", "a"], "grpo", run_id="r", iteration=1)
+    with pytest.raises(ValueError, match="grpoo"):
+        no_signal_warning(np.zeros(2), ["a", "a"], "grpoo", run_id="r", iteration=1)
+    # the overlong floor is all-equal too: the flow prints the floor's own, more specific line instead
+    pen = np.full(4, -1.0)
+    floor_cfg = {"overlong_buffer": {"enable": True, "len": 6, "penalty_factor": 1.0}}
+    assert overlong_floor_warning(np.full(4, -1.0), pen, floor_cfg, 6) is not None
+    assert no_signal_warning(np.full(4, -1.0), ["a", "a", "b", "b"], "grpo", run_id="r", iteration=1) is not None
+
+
 def test_own_gsm8k_parquet_trains_end_to_end(tmp_path, tiny_model_dir, gsm8k_files):
     """The README's "train on your own verl parquet": no recipe named, the GSM8K recipe chosen and said;
     with the default's shaping forced back on, a random model's cut responses hit the floor and say so."""
@@ -146,6 +205,7 @@ def test_own_gsm8k_parquet_trains_end_to_end(tmp_path, tiny_model_dir, gsm8k_fil
     assert [e["overlong_penalty"] for e in extras] == pytest.approx([-n / 6 for n in lengths], abs=1e-6)
     assert lengths == [6] * 4 and reward.column("score").to_pylist() == [-1.0] * 4  # a random model: cut, wrong
     assert "warning: iteration 1: all 4 scores are -1.000, the overlong floor" in p.stderr
+    assert "group baseline" not in p.stderr  # the floor's line only, not also the general no-signal line
     # Disk: the recipe's trainer.save_freq=0 writes no checkpoint; the final model is in MLflow by
     # reference (a LoggedModel pointing at final/), not copied into the artifact store.
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
