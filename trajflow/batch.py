@@ -93,23 +93,34 @@ def pad_ragged(col: pa.Array | pa.ChunkedArray, pad_value: float | int = 0, dtyp
     arr = _as_list_array(col)
     lens = lengths(arr)
     width = int(lens.max()) if length is None and len(lens) else int(length or 0)
-    if len(lens) and lens.max() > width:
-        raise BatchError(f"row {int(lens.argmax())} has {int(lens.max())} entries, more than length={width}")
+    _check_width(lens, width)
     values = arr.flatten().to_numpy(zero_copy_only=False).copy()  # torch needs a writable buffer
     if dtype is None:
         dtype = torch.from_numpy(values[:0].copy()).dtype if values.dtype != object else torch.float32
     out = torch.full((len(lens), width), pad_value, dtype=dtype)
     if len(values) == 0:
         return out
+    rows, cols = _padded_positions(lens, width, side)
+    out[torch.from_numpy(rows), torch.from_numpy(cols)] = torch.from_numpy(values).to(dtype)
+    return out
+
+
+def _check_width(lens: np.ndarray, width: int) -> None:
+    if len(lens) and lens.max() > width:
+        raise BatchError(f"row {int(lens.argmax())} has {int(lens.max())} entries, more than length={width}")
+
+
+def _padded_positions(lens: np.ndarray, width: int, side: str = "right") -> tuple[np.ndarray, np.ndarray]:
+    """Where each flattened value of a list column with row lengths ``lens`` goes in a padded
+    ``(rows, width)`` array: int64 ``(values,)`` row and column indices."""
     rows = np.repeat(np.arange(len(lens)), lens)
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    cols = np.arange(len(values)) - np.repeat(starts, lens)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    cols = np.arange(int(lens.sum())) - np.repeat(starts, lens)
     if side == "left":
         cols = cols + np.repeat(width - lens, lens)
     elif side != "right":
         raise BatchError(f"side must be 'left' or 'right', got {side!r}")
-    out[torch.from_numpy(rows), torch.from_numpy(cols)] = torch.from_numpy(values).to(dtype)
-    return out
+    return rows, cols
 
 
 def to_ragged(t: "torch.Tensor", lens: Sequence[int] | np.ndarray, arrow_type: pa.DataType = pa.float32()) -> pa.ListArray:
@@ -158,13 +169,10 @@ def trainable_mask_array(table: pa.Table, width: int | None = None) -> np.ndarra
         r = int(bad[0])
         raise BatchError(f"row {r}: loss_mask has {int(lens[r])} entries but response_ids has "
                          f"{int(resp_len[r])}; they must be the same length")
-    if len(lens) and lens.max() > width:
-        raise BatchError(f"row {int(lens.argmax())} has {int(lens.max())} entries, more than length={width}")
+    _check_width(lens, width)
     values = col.flatten().to_numpy(zero_copy_only=False)
     generated = np.zeros((len(lens), width), dtype=bool)
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
-    generated[np.repeat(np.arange(len(lens)), lens), np.arange(len(values)) - np.repeat(starts, lens)] = \
-        values.astype(np.float32) != 0
+    generated[_padded_positions(lens, width)] = values.astype(np.float32) != 0
     return mask & generated
 
 
