@@ -505,14 +505,18 @@ class Tracker:
             return register_policy_model(self.client, self.run_id, self.model_id, registered_name, description)
         return uri
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """Stop the system-metrics monitor (flushing its last samples), close the mirrors and the MLflow run."""
+    def close_mirrors(self, status: str) -> None:
+        """Close the TensorBoard / W&B mirrors with ``status``; one that fails to close is a warning."""
         for m in self.mirrors:
             try:
                 m.close(status)
             except Exception as e:  # never lose the MLflow run's status to a copy's error
                 log.warning("could not close trainer.logger %r: %s", m.name, e)
         self.mirrors = []
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Stop the system-metrics monitor (flushing its last samples), close the mirrors and the MLflow run."""
+        self.close_mirrors(status)
         if self._system_monitor is not None:
             self._system_monitor.finish()
             self._system_monitor = None

@@ -299,13 +299,8 @@ def close_run(ctx: RunContext, status: str) -> None:
 def close_mirrors(ctx: RunContext) -> None:
     """Close the TensorBoard / W&B mirrors of a session that failed to start (the MLflow run is
     left as it is, as before)."""
-    for m in getattr(ctx.tracker, "mirrors", None) or []:
-        try:
-            m.close("FAILED")
-        except Exception as e:
-            log.warning("could not close trainer.logger %r: %s", m.name, e)
     if ctx.tracker is not None:
-        ctx.tracker.mirrors = []
+        ctx.tracker.close_mirrors("FAILED")
 
 
 def _close_tracker(ctx: RunContext, status: str) -> None:
