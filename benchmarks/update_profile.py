@@ -15,6 +15,10 @@ x 8 samples sampled by the worker itself, GRPO advantages of their reasoning-gym
 3. **Operators** of one more update under ``torch.profiler`` (CPU, shapes recorded), grouped: matmuls,
    attention kernels, dtype casts and copies, ``cat``, zero fills, the optimizer kernel, oneDNN weight
    packing, the rest (elementwise work); then the top operators by self time with their shapes.
+4. **The matmul-only bound**: every matmul of that update (each shape, as many times as it ran) timed
+   alone on contiguous operands, best of R, and summed; the MFU the update would have if nothing but
+   those matmuls took time (attention, casts, elementwise work, the optimizer all free). An update
+   whose matmuls alone cannot reach the target cannot reach it by trimming the rest.
 
 Every number here is a wall time: on a machine shared with other work they are inflated unevenly
 (memory-bound operators more than matmuls); quote them from a quiet machine, with the CPU kind printed first.
@@ -51,6 +55,47 @@ def group_of(name: str) -> str:
         if any(k in name for k in keys):
             return group
     return "other (elementwise, indexing, ...)"
+
+
+def _operands(name: str, shapes: list, dtype) -> tuple | None:
+    """Random contiguous operands for one profiled matmul call, or None for a call shape not handled."""
+    import torch
+
+    def rand(shape):
+        return torch.randn(*shape, dtype=dtype)
+
+    shapes = [list(x) for x in shapes if isinstance(x, (list, tuple))]
+    if name == "aten::mm" and len(shapes) >= 2 and len(shapes[0]) == len(shapes[1]) == 2:
+        return torch.mm, (rand(shapes[0]), rand(shapes[1]))
+    if name == "aten::bmm" and len(shapes) >= 2 and len(shapes[0]) == len(shapes[1]) == 3:
+        return torch.bmm, (rand(shapes[0]), rand(shapes[1]))
+    if name == "aten::addmm" and len(shapes) >= 3 and len(shapes[1]) == len(shapes[2]) == 2:
+        return torch.addmm, (rand(shapes[0]), rand(shapes[1]), rand(shapes[2]))
+    return None
+
+
+def matmul_only_seconds(events, dtype, repeats: int) -> tuple[float, float, int]:
+    """``(seconds, profiled seconds of the calls not timed, calls timed)``: every matmul call of the
+    profiled update run alone on contiguous operands in ``dtype``, best of ``repeats`` per shape, times
+    its count. Calls of a kind not handled here count at their profiled time."""
+    total, untimed, calls = 0.0, 0.0, 0
+    for e in events:
+        if group_of(e.key) != "matmul":
+            continue
+        op = _operands(e.key, e.input_shapes, dtype)
+        if op is None:
+            untimed += e.self_cpu_time_total / 1e6
+            continue
+        fn, args = op
+        fn(*args)
+        best = float("inf")
+        for _ in range(max(3, repeats)):
+            t = time.perf_counter()
+            fn(*args)
+            best = min(best, time.perf_counter() - t)
+        total += best * e.count
+        calls += e.count
+    return total + untimed, untimed, calls
 
 
 def main() -> None:
@@ -162,6 +207,13 @@ def main() -> None:
     print(f"top {args.rows} operators by self time:")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.rows]:
         print(f"  {e.self_cpu_time_total / 1e6:6.3f} s {e.count:5d}x  {e.key[:48]:48s} {str(e.input_shapes)[:90]}")
+
+    header("4. the matmul-only bound (each matmul of that update alone, contiguous operands)")
+    mm_s, untimed, calls = matmul_only_seconds(events, tdtype, args.repeats * 3)
+    bound = F / mm_s / 1e9 / peak
+    print(f"{calls} matmul calls timed alone: {mm_s:.2f} s ({untimed:.2f} s of it at profiled time, not timed); "
+          f"the update's {F / 1e12:.3f} TFLOP in that time = MFU {bound:.1%} (measured {mfu:.1%}): the highest this "
+          f"update reaches with every other operator free")
 
     header("targets")
     verdict(f"update MFU, {dtype} compute (fraction of the {dtype} matmul ceiling)", mfu, TARGET_MFU, fmt="{:.1%}")

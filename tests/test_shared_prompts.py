@@ -165,6 +165,32 @@ def test_entropy_gradient_only_when_asked_and_equal_to_the_plain_formula(model):
     assert torch.allclose(ent * m, h_ref.detach() * m, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+def test_lm_head_chunks_give_the_plain_log_probs_and_gradients(model, chunk):
+    """Response positions go through the LM head ``logits_chunk`` at a time (256 by default, to bound
+    the float32 softmax the backward allocates): any chunking gives the plain formula's values,
+    ``log p_y = log_softmax(z / T)_y`` from the model's own full forward, and its gradients."""
+    packed = _batch(model.config.vocab_size, 4)
+    model.train(False)
+    m = packed.response_mask
+    P, T = packed.prompt_width, packed.responses.shape[1]
+    assert int(m.sum()) > 3  # several chunks of 3
+    model.zero_grad()
+    z = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+              position_ids=packed.position_ids).logits[:, P - 1:P - 1 + T] / 0.7
+    lp_ref = torch.log_softmax(z, dim=-1).gather(-1, packed.responses[..., None]).squeeze(-1)
+    (lp_ref * m).sum().backward()
+    g_ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    logp, _ = forward_micro_batch(model, packed, 0.7, logits_chunk=chunk)
+    assert torch.allclose(logp * m, lp_ref.detach() * m, atol=1e-5)
+    (logp * m).sum().backward()
+    for k, g in g_ref.items():  # float32 rounding only (a 1-row chunk is a matrix-vector product)
+        scale = g.abs().max().item()
+        assert (model.get_parameter(k).grad - g).abs().max().item() <= 1e-4 * scale + 1e-7, k
+    model.zero_grad()
+
+
 def test_shared_forward_with_one_token_responses(model):
     packed = pack([[11, 12, 13], [11, 12, 13]], [[40], [41]], PAD)
     model.eval()
