@@ -88,3 +88,29 @@ def test_bf16_logits_are_kept_instead_of_the_float32_softmax():
     p = torch.softmax(x32.detach() / 0.5, dim=-1)
     want = (-p + torch.nn.functional.one_hot(labels, 3)) / 0.5
     assert torch.allclose(x32.grad, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,entropy_grad", [(torch.bfloat16, False), (torch.float32, False),
+                                                (torch.float32, True)])
+def test_row_blocks_give_the_values_and_gradients_of_one_pass(monkeypatch, dtype, entropy_grad):
+    """The float32 softmax is computed ``ROW_BLOCK`` rows at a time (its size bounds the backward's
+    first allocation); each row's operations are its own, so blocks of 7 rows give the values and
+    gradients of one pass over all 30 bit for bit, and both match log_softmax in float64."""
+    import trajflow.modeling.token_logprobs as tl
+
+    torch.manual_seed(1)
+    x = (torch.randn(30, 3000) * 3).to(dtype)
+    y = torch.randint(0, 3000, (30,))
+    w_lp, w_h = torch.randn(30), torch.randn(30)
+    runs = []
+    for block in (7, 10**6):
+        monkeypatch.setattr(tl, "ROW_BLOCK", block)
+        xx = x.clone().requires_grad_()
+        lp, h = token_logprobs_entropy(xx, y, 0.7, entropy_grad=entropy_grad)
+        ((lp * w_lp).sum() + ((h * w_h).sum() if entropy_grad else 0)).backward()
+        runs.append((lp.detach(), h.detach(), xx.grad))
+    (lp7, h7, g7), (lp1, h1, g1) = runs
+    assert torch.equal(lp7, lp1) and torch.equal(h7, h1) and torch.equal(g7, g1)
+    ref = torch.log_softmax(x.double() / 0.7, dim=-1)
+    assert torch.allclose(lp7.double(), ref.gather(-1, y[:, None]).squeeze(-1), atol=1e-4)
+    assert torch.allclose(h7.double(), -(ref.exp() * ref).sum(-1), atol=1e-3)

@@ -310,7 +310,7 @@ def _cached_prompt_hidden_states(model: torch.nn.Module, packed: PackedBatch, sh
 
 
 def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature: float,
-                        compute_entropy: bool = False, logits_chunk: int = 256,
+                        compute_entropy: bool = False, logits_chunk: int = 1024,
                         share_prompts: bool = True, entropy_grad: bool = False,
                         bucket_overhead: int = BUCKET_OVERHEAD,
                         tree_max_tokens: int = TREE_MAX_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -321,10 +321,7 @@ def forward_micro_batch(model: torch.nn.Module, packed: PackedBatch, temperature
         packed: from :func:`pack`.
         temperature: sampling temperature of the rollout (> 0).
         compute_entropy: also return the per-token entropy of ``softmax(logits / temperature)``.
-        logits_chunk: response positions sent through the LM head at a time. The float32 softmax of
-            a chunk (chunk x vocab x 4 bytes) is what the backward allocates first, while every
-            activation is still held: 256 rows x SmolLM2's 49k columns are 48 MiB (1024 rows lifted
-            the default recipe's update peak by 0.2-0.4 GiB at the same speed).
+        logits_chunk: response positions sent through the LM head at a time.
         share_prompts: run each distinct prompt once (see :func:`response_hidden_states`); same values up to rounding.
         bucket_overhead: see :func:`length_buckets`.
         tree_max_tokens: longest micro-batch run as one tree-packed sequence (:func:`uses_tree_packing`).
