@@ -167,9 +167,9 @@ def test_entropy_gradient_only_when_asked_and_equal_to_the_plain_formula(model):
 
 @pytest.mark.parametrize("chunk", [1, 3, 1024])
 def test_lm_head_chunks_give_the_plain_log_probs_and_gradients(model, chunk):
-    """Response positions go through the LM head ``logits_chunk`` at a time (256 by default, to bound
-    the float32 softmax the backward allocates): any chunking gives the plain formula's values,
-    ``log p_y = log_softmax(z / T)_y`` from the model's own full forward, and its gradients."""
+    """Response positions go through the LM head ``logits_chunk`` at a time: any chunking gives the
+    plain formula's values, ``log p_y = log_softmax(z / T)_y`` from the model's own full forward, and
+    its gradients."""
     packed = _batch(model.config.vocab_size, 4)
     model.train(False)
     m = packed.response_mask
