@@ -17,14 +17,14 @@ import torch
 ROW_BLOCK = 256
 
 
-def _shifted(logits: torch.Tensor, inv_t: float) -> torch.Tensor:
-    """``z = (x - max x) / tau`` in float32, a new tensor.
+def _shifted(logits: torch.Tensor, inv_t: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``z = (x - max x) / tau`` in float32, a new tensor (or written into ``out``).
 
     One pass over bf16 logits: their maximum is taken in their own dtype (widening is exact and keeps
     the order, so it is the float32 maximum) and the subtraction widens each element as it reads it;
     the same values as casting the whole chunk to float32 first, without the two float32 copies.
     """
-    z = torch.sub(logits.detach(), logits.detach().amax(dim=-1, keepdim=True).float())
+    z = torch.sub(logits.detach(), logits.detach().amax(dim=-1, keepdim=True).float(), out=out)
     if inv_t != 1.0:
         z.mul_(inv_t)
     return z
@@ -90,7 +90,7 @@ class LogProbEntropy(torch.autograd.Function):
         log_s_all = torch.empty(n, **f32) if keep_p and entropy_grad else None
         for a in range(0, n, ROW_BLOCK):  # every operation is row-wise: blocks give the same values
             b = min(n, a + ROW_BLOCK)
-            z = _shifted(logits[a:b], inv_t)
+            z = _shifted(logits[a:b], inv_t, out=z_all[a:b] if z_all is not None else None)
             z_y = z.gather(-1, labels[a:b, None]).squeeze(-1)
             p = torch.exp(z, out=p_all[a:b]) if keep_p else torch.exp(z)
             s_ = p.sum(dim=-1)
@@ -102,8 +102,7 @@ class LogProbEntropy(torch.autograd.Function):
                 torch.sub(log_s, pz / s_, out=entropy[a:b])
             if keep_p:
                 p.div_(s_[:, None])
-                if entropy_grad:
-                    z_all[a:b] = z
+                if entropy_grad:  # z was written into z_all
                     log_s_all[a:b] = log_s
         if not for_backward:
             return logp, entropy
