@@ -17,6 +17,11 @@ import torch
 ROW_BLOCK = 256
 
 
+def _row_blocks(n: int):
+    """Slices of ``ROW_BLOCK`` consecutive rows covering ``0 .. n - 1``."""
+    return (slice(a, min(n, a + ROW_BLOCK)) for a in range(0, n, ROW_BLOCK))
+
+
 def _shifted(logits: torch.Tensor, inv_t: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``z = (x - max x) / tau`` in float32, a new tensor (or written into ``out``).
 
@@ -88,22 +93,21 @@ class LogProbEntropy(torch.autograd.Function):
         p_all = torch.empty(n, vocab, **f32) if keep_p else None
         z_all = torch.empty(n, vocab, **f32) if keep_p and entropy_grad else None
         log_s_all = torch.empty(n, **f32) if keep_p and entropy_grad else None
-        for a in range(0, n, ROW_BLOCK):  # every operation is row-wise: blocks give the same values
-            b = min(n, a + ROW_BLOCK)
-            z = _shifted(logits[a:b], inv_t, out=z_all[a:b] if z_all is not None else None)
-            z_y = z.gather(-1, labels[a:b, None]).squeeze(-1)
-            p = torch.exp(z, out=p_all[a:b]) if keep_p else torch.exp(z)
+        for r in _row_blocks(n):  # every operation is row-wise: blocks give the same values
+            z = _shifted(logits[r], inv_t, out=z_all[r] if z_all is not None else None)
+            z_y = z.gather(-1, labels[r, None]).squeeze(-1)
+            p = torch.exp(z, out=p_all[r]) if keep_p else torch.exp(z)
             s_ = p.sum(dim=-1)
             log_s = s_.log()
-            torch.sub(z_y, log_s, out=logp[a:b])
+            torch.sub(z_y, log_s, out=logp[r])
             if compute_entropy:
                 # sum_j e^{z_j} z_j; z is only needed again for the entropy's own gradient.
                 pz = (p * z).sum(dim=-1) if entropy_grad else z.mul_(p).sum(dim=-1)
-                torch.sub(log_s, pz / s_, out=entropy[a:b])
+                torch.sub(log_s, pz / s_, out=entropy[r])
             if keep_p:
                 p.div_(s_[:, None])
                 if entropy_grad:  # z was written into z_all
-                    log_s_all[a:b] = log_s
+                    log_s_all[r] = log_s
         if not for_backward:
             return logp, entropy
         ctx.inv_t = inv_t
@@ -131,11 +135,10 @@ class LogProbEntropy(torch.autograd.Function):
                 return None, None, None, None, None, None
             grad = torch.empty_like(saved)
             g = g_logp * ctx.inv_t
-            for a in range(0, saved.shape[0], ROW_BLOCK):
-                b = min(saved.shape[0], a + ROW_BLOCK)
-                gb = _softmax(saved[a:b], ctx.inv_t).mul_((-g[a:b])[:, None])
-                gb.scatter_add_(-1, labels[a:b, None], g[a:b, None])
-                grad[a:b] = gb
+            for r in _row_blocks(saved.shape[0]):
+                gb = _softmax(saved[r], ctx.inv_t).mul_((-g[r])[:, None])
+                gb.scatter_add_(-1, labels[r, None], g[r, None])
+                grad[r] = gb
             return grad, None, None, None, None, None
         p = saved  # the softmax
         g_h = None
